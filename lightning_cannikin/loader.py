@@ -1,0 +1,148 @@
+"""The training DataLoader the strategy hands to Lightning: the user's loader, re-batched unevenly.
+
+It keeps the user's dataset, collate_fn, workers and pinning, swaps in an :class:`UnevenBatchSampler`, and counts
+global batches as they *leave* the iterator (the sampler itself runs ahead with workers and prefetching). That count
+is the rank-independent position Lightning saves in checkpoints through :meth:`state_dict`, and it tells the
+strategy which global batch the training step in progress belongs to.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
+
+from lightning_cannikin.plan import Plan
+from lightning_cannikin.sampler import UnevenBatchSampler
+
+# DataLoader arguments carried over from the user's loader unchanged.
+_KEPT_ARGUMENTS = (
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "generator",
+    "prefetch_factor",
+    "persistent_workers",
+    "pin_memory_device",
+)
+
+
+class UnevenDataLoader(DataLoader):
+    """A DataLoader over an :class:`UnevenBatchSampler` that tracks its position in the epoch.
+
+    Attributes:
+        pending_steps: ``(global batch index, every rank's sizes)`` of batches handed out but not yet trained on,
+            oldest first; the strategy pops one per training step.
+
+    """
+
+    def __init__(self, dataset: Dataset, batch_sampler: UnevenBatchSampler, **kwargs: Any) -> None:
+        super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
+        self.pending_steps: deque[tuple[int, tuple[int, ...]]] = deque()
+        self._position = 0
+        self._restore: dict | None = None
+
+    @property
+    def uneven_sampler(self) -> UnevenBatchSampler:
+        assert isinstance(self.batch_sampler, UnevenBatchSampler)
+        return self.batch_sampler
+
+    def __iter__(self) -> Iterator[Any]:
+        sampler = self.uneven_sampler
+        start = 0
+        if self._restore is not None and self._restore["epoch"] == sampler.sampler.epoch:
+            start = self._restore["batches_consumed"]
+        self._restore = None
+        sampler.start_batch = start
+        self._position = start
+        self.pending_steps.clear()
+        return self._counting(super().__iter__())
+
+    def _counting(self, iterator: Iterator[Any]) -> Iterator[Any]:
+        sampler = self.uneven_sampler
+        for batch in iterator:
+            self.pending_steps.append((self._position, sampler.sizes_at(self._position)))
+            self._position += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Rank-independent position: Lightning stores it with the fit loop's combined loader."""
+        return {"epoch": self.uneven_sampler.sampler.epoch, "batches_consumed": self._position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume lazily: applied on the next ``iter()`` and only if it is for the same epoch."""
+        self._restore = dict(state)
+
+
+def sampling_options(dataloader: DataLoader) -> tuple[bool, int]:
+    """Read ``(shuffle, seed)`` off the sampler Lightning or the user put in the loader."""
+    sampler = dataloader.sampler
+    # Lightning wraps a user's own sampler in a DistributedSampler subclass; look through it
+    inner = getattr(getattr(sampler, "dataset", None), "_sampler", None)
+    if inner is not None:
+        sampler = inner
+    if type(sampler) is DistributedSampler:
+        return sampler.shuffle, sampler.seed
+    if type(sampler) is RandomSampler:
+        return True, 0
+    if type(sampler) is SequentialSampler:
+        return False, 0
+    raise ValueError(
+        f"The training DataLoader uses a custom sampler ({type(sampler).__name__}). Cannikin must own the sampler to"
+        " split each global batch unevenly; pass `shuffle=True/False` instead of a sampler, or use `strategy='ddp'`."
+    )
+
+
+def loader_batch_size(dataloader: DataLoader) -> int:
+    """The per-device batch size of Lightning's convention, from ``batch_size`` or the batch sampler."""
+    if dataloader.batch_size is not None:
+        return int(dataloader.batch_size)
+    batch_size = getattr(dataloader.batch_sampler, "batch_size", None)
+    if batch_size is None:
+        raise ValueError(
+            "The training DataLoader has no `batch_size` (a custom `batch_sampler`?). Give the DataLoader a"
+            " `batch_size`: Cannikin uses it as the initial per-device batch size."
+        )
+    return int(batch_size)
+
+
+def rebuild_uneven(dataloader: DataLoader, plan: Plan, rank: int, seed: int | None = None) -> UnevenDataLoader:
+    """A copy of ``dataloader`` whose batches follow ``plan`` on this ``rank``.
+
+    Raises:
+        ValueError: for iterable-style datasets, custom samplers, or a plan whose total exceeds the dataset.
+
+    """
+    dataset = dataloader.dataset
+    if isinstance(dataset, IterableDataset):
+        raise ValueError(
+            "Cannikin needs a map-style training dataset (with `__len__` and `__getitem__`) to split each global batch"
+            f" across ranks; got an IterableDataset ({type(dataset).__name__}). Use `strategy='ddp'` for it."
+        )
+    shuffle, sampler_seed = sampling_options(dataloader)
+    num_samples = len(dataset)  # type: ignore[arg-type]
+    if plan.global_batch_size > num_samples:
+        raise ValueError(
+            f"The total batch size {plan.global_batch_size} (`local_batch_sizes`={list(plan.local_batch_sizes)})"
+            f" is larger than the training dataset ({num_samples} samples). Lower the DataLoader `batch_size` or"
+            " `local_batch_sizes`."
+        )
+    batch_sampler = UnevenBatchSampler(
+        num_samples,
+        rank=rank,
+        plan=plan,
+        shuffle=shuffle,
+        seed=sampler_seed if seed is None else seed,
+        drop_last=dataloader.drop_last,
+    )
+    kwargs = {name: getattr(dataloader, name) for name in _KEPT_ARGUMENTS if hasattr(dataloader, name)}
+    if kwargs.get("num_workers", 0) == 0:
+        # DataLoader rejects these without workers, even at their defaults' off values
+        kwargs.pop("prefetch_factor", None)
+        kwargs["persistent_workers"] = False
+    return UnevenDataLoader(dataset, batch_sampler=batch_sampler, **kwargs)

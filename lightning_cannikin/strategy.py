@@ -1,0 +1,220 @@
+"""``CannikinStrategy``: DDP with uneven local batches and an exact, sample-weighted gradient all-reduce."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.strategy import _StrategyRegistry
+from lightning.pytorch.trainer.states import RunningStage
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lightning_cannikin.comm_hook import WeightedAllReduceState, weighted_allreduce_hook
+from lightning_cannikin.loader import UnevenDataLoader, loader_batch_size, rebuild_uneven
+from lightning_cannikin.plan import Plan
+
+
+def validate_local_batch_sizes(local_batch_sizes: Sequence[int] | None) -> tuple[int, ...] | None:
+    """Check a user-given split early, with a message that names the parameter."""
+    if local_batch_sizes is None:
+        return None
+    if isinstance(local_batch_sizes, (str, bytes)) or not isinstance(local_batch_sizes, Sequence):
+        raise ValueError(
+            f"`local_batch_sizes` must be a sequence of positive integers, one per rank, got {local_batch_sizes!r}."
+        )
+    sizes = tuple(local_batch_sizes)
+    if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
+        raise ValueError(
+            f"`local_batch_sizes` must be positive integers, one per rank, got {list(sizes)}. Every rank needs at"
+            " least one sample per step."
+        )
+    return sizes
+
+
+class CannikinStrategy(DDPStrategy):
+    """Data-parallel training with a per-rank local batch size and the exact mean gradient over all samples.
+
+    Each rank ``i`` trains on ``b_i`` samples per step, taken from one shared permutation of the dataset, and scales
+    its gradient by ``b_i / B`` before a summing all-reduce. The split in force is a :class:`~lightning_cannikin.Plan`;
+    the :class:`~lightning_cannikin.Cannikin` callback changes it between epochs as it learns each device's speed.
+
+    Args:
+        local_batch_sizes: a fixed split, one entry per rank (global rank order). It turns split planning off. When
+            ``None``, the first plan gives every rank the training DataLoader's ``batch_size``.
+        **kwargs: every :class:`~lightning.pytorch.strategies.DDPStrategy` argument except ``ddp_comm_hook``
+            (Cannikin's weighted all-reduce is the hook; ``ddp_comm_wrapper``, e.g. fp16 compression, composes).
+
+    """
+
+    strategy_name = "cannikin"
+
+    def __init__(self, local_batch_sizes: Sequence[int] | None = None, **kwargs: Any) -> None:
+        if kwargs.get("ddp_comm_hook") is not None:
+            raise ValueError(
+                "`ddp_comm_hook` cannot be combined with CannikinStrategy: its weighted all-reduce is the comm hook."
+                " Use `ddp_comm_wrapper` to compose compression with it, or `strategy='ddp'` for your own hook."
+            )
+        if kwargs.get("model_averaging_period") is not None:
+            raise ValueError("`model_averaging_period` (post-local SGD) is not supported by CannikinStrategy.")
+        super().__init__(**kwargs)
+        self._fixed_sizes = validate_local_batch_sizes(local_batch_sizes)
+        self._plan: Plan | None = None
+        self.hook_state = WeightedAllReduceState()
+        self._train_loader: UnevenDataLoader | None = None
+        self._step_sizes: tuple[int, ...] | None = None
+        self._loss_factor = 1.0
+
+    @property
+    def plan(self) -> Plan | None:
+        """The split in force (``None`` before the training DataLoader is set up)."""
+        return self._plan
+
+    @property
+    def fixed_split(self) -> bool:
+        """Whether the user fixed the split with ``local_batch_sizes`` (the planner must leave it alone)."""
+        return self._fixed_sizes is not None
+
+    @property
+    def train_loader(self) -> UnevenDataLoader | None:
+        """The uneven training loader built by :meth:`process_dataloader`."""
+        return self._train_loader
+
+    @property
+    def step_sizes(self) -> tuple[int, ...] | None:
+        """Every rank's sample count in the training step in progress."""
+        return self._step_sizes
+
+    def set_plan(self, plan: Plan, from_batch: int | None = None) -> None:
+        """Put ``plan`` in force.
+
+        Args:
+            plan: the new split; its length must equal the world size.
+            from_batch: apply it to the current epoch from this global batch on. ``None`` leaves the running epoch
+                alone: the plan takes effect when the training DataLoader is next built.
+
+        """
+        if plan.world_size != self.world_size:
+            raise ValueError(
+                f"The plan splits across {plan.world_size} ranks, but the world size is {self.world_size}."
+            )
+        self._plan = plan
+        if from_batch is not None and self._train_loader is not None:
+            self._train_loader.uneven_sampler.set_plan(plan, from_batch)
+
+    @override
+    def _configure_launcher(self) -> None:
+        # the earliest point where the world size is known and no process has been launched yet
+        world_size = self.num_nodes * self.num_processes
+        if self._fixed_sizes is not None and len(self._fixed_sizes) != world_size:
+            raise ValueError(
+                f"`local_batch_sizes` has {len(self._fixed_sizes)} entries but the world size is {world_size}"
+                f" ({self.num_nodes} node(s) x {self.num_processes} device(s)). Give one size per rank."
+            )
+        super()._configure_launcher()
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        # DDPStrategy registers comm hooks on CUDA only; on CPU (gloo) a hook would be silently ignored, and the
+        # weighted all-reduce is what makes uneven batches correct, so register it on every device type.
+        assert isinstance(self.model, DistributedDataParallel)
+        _register_ddp_comm_hook(
+            model=self.model,
+            ddp_comm_state=self.hook_state,
+            ddp_comm_hook=weighted_allreduce_hook,
+            ddp_comm_wrapper=self._ddp_comm_wrapper,
+        )
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.stage != RunningStage.TRAINING:
+            return dataloader  # validation, test and predict loaders are left to DDP
+        if not isinstance(dataloader, torch.utils.data.DataLoader):
+            raise ValueError(
+                f"CannikinStrategy needs a torch DataLoader for training, got {type(dataloader).__name__}."
+            )
+        accumulation = trainer.accumulate_grad_batches
+        if self._fixed_sizes is not None:
+            plan = Plan(self._fixed_sizes, accumulation)
+        elif self._plan is not None:
+            plan = Plan(self._plan.local_batch_sizes, accumulation, self._plan.predicted_step_time)
+        else:
+            plan = Plan.even(loader_batch_size(dataloader), self.world_size, accumulation)
+        loader = rebuild_uneven(dataloader, plan, self.global_rank)
+        self._plan = plan
+        self._train_loader = loader
+        return loader
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        loader = self._train_loader
+        if loader is None or not loader.pending_steps:
+            self._step_sizes = None
+            return
+        position, sizes = loader.pending_steps.popleft()
+        self._step_sizes = sizes
+        self._set_step_weights(position, sizes)
+
+    def _set_step_weights(self, position: int, sizes: tuple[int, ...]) -> None:
+        """Weights for the exact mean over the accumulation window that global batch ``position`` belongs to.
+
+        The hook weight is this rank's share of the window's samples. When micro-batches within the window differ in
+        size (the epoch's last, partial batch), each micro-batch's loss is rescaled so that the rank's accumulated
+        gradient is still the mean over its own samples; Lightning has already divided the loss by
+        ``accumulate_grad_batches``, which the factor undoes.
+        """
+        assert self._train_loader is not None
+        trainer = self.lightning_module.trainer
+        accumulation = trainer.accumulate_grad_batches
+        rank = self.global_rank
+        if accumulation == 1:
+            window = [sizes]
+        else:
+            sampler = self._train_loader.uneven_sampler
+            first = (position // accumulation) * accumulation
+            # Lightning closes the window early at the epoch's last batch (or `limit_train_batches`)
+            last = int(min(first + accumulation, len(sampler), trainer.num_training_batches))
+            window = [sampler.sizes_at(q) for q in range(first, max(last, position + 1))]
+        rank_samples = sum(s[rank] for s in window)
+        total_samples = sum(sum(s) for s in window)
+        self.hook_state.weight = rank_samples / total_samples
+        self._loss_factor = accumulation * sizes[rank] / rank_samples
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if self._loss_factor != 1.0:
+            closure_loss = closure_loss * self._loss_factor
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def teardown(self) -> None:
+        self._train_loader = None
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        entries = (
+            ("cannikin", "popen"),
+            ("cannikin_spawn", "spawn"),
+            ("cannikin_fork", "fork"),
+            ("cannikin_notebook", "fork"),
+        )
+        for name, start_method in entries:
+            if name in strategy_registry:
+                continue  # a second import (or a reload) must not raise
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"Cannikin heterogeneity-aware DDP with `start_method` '{start_method}'",
+                start_method=start_method,
+            )
+
+
+__all__ = ["CannikinStrategy", "validate_local_batch_sizes"]

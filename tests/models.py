@@ -1,0 +1,71 @@
+"""Small models and data sets shared by the multi-process tests (imported by forked ranks too)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+
+class IndexedRegression(Dataset):
+    """``(x, y, index)`` triples from a fixed random linear problem, so consumed indices can be audited."""
+
+    def __init__(self, num_samples: int, dim: int = 4, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(num_samples, dim, generator=generator)
+        self.y = self.x @ torch.randn(dim, 1, generator=generator) + 0.1 * torch.randn(num_samples, 1, generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.x[index], self.y[index], index
+
+
+class RecordingRegressor(pl.LightningModule):
+    """Linear regression that records which sample indices each rank trained on, step by step.
+
+    On ``on_train_end`` every rank writes ``rank{r}.json`` into ``record_dir``: the index lists per training step, the
+    number of comm-hook calls, and the final parameters.
+    """
+
+    def __init__(self, dataset: Dataset, batch_size: int, record_dir: str, lr: float = 0.1, shuffle: bool = True):
+        super().__init__()
+        self.layer = nn.Linear(dataset.x.shape[1], 1)
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.record_dir = record_dir
+        self.lr = lr
+        self.shuffle = shuffle
+        self.steps: list[list[int]] = []
+        self.epochs: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y, index = batch
+        self.steps.append(index.tolist())
+        self.epochs.append(self.current_epoch)
+        return nn.functional.mse_loss(self.layer(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self):
+        return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=self.shuffle)
+
+    def on_train_end(self) -> None:
+        strategy = self.trainer.strategy
+        record = {
+            "steps": self.steps,
+            "epochs": self.epochs,
+            "hook_calls": getattr(getattr(strategy, "hook_state", None), "calls", None),
+            "params": {k: v.tolist() for k, v in self.layer.state_dict().items()},
+        }
+        Path(self.record_dir, f"rank{self.global_rank}.json").write_text(json.dumps(record))
+
+
+def read_records(record_dir: Path, world_size: int) -> list[dict]:
+    return [json.loads((Path(record_dir) / f"rank{r}.json").read_text()) for r in range(world_size)]
