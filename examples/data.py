@@ -69,7 +69,7 @@ class ImageClassifier(pl.LightningModule):
     def __init__(self, image_shape: tuple[int, ...] = (1, 8, 8), lr: float = 0.05, num_classes: int = 10) -> None:
         super().__init__()
         self.save_hyperparameters()
-        channels, height, width = image_shape
+        channels = image_shape[0]
         self.net = nn.Sequential(
             nn.Conv2d(channels, 16, 3, padding=1),
             nn.ReLU(),

@@ -24,9 +24,9 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import lightning_cannikin  # noqa: E402, F401  (registers strategy="cannikin")
-from examples.data import ImageClassifier, accuracy, load_dataset  # noqa: E402
-from lightning_cannikin import EmulatedCluster  # noqa: E402
+import lightning_cannikin  # noqa: F401  (registers strategy="cannikin")
+from examples.data import ImageClassifier, accuracy, load_dataset
+from lightning_cannikin import EmulatedCluster
 
 
 class SplitReporter(Callback):

@@ -8,30 +8,48 @@ No ``from __future__ import annotations`` here: DDP checks the hook's return ann
 ``torch.futures.Future[torch.Tensor]`` object, and a string annotation fails that check.
 """
 
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 
+class BucketObserver(Protocol):
+    """Sees each gradient bucket on its way through the all-reduce (timing, noise-scale statistics)."""
+
+    def before_reduce(self, state: "WeightedAllReduceState", bucket: dist.GradBucket) -> None: ...
+
+    def after_reduce(self, state: "WeightedAllReduceState", bucket: dist.GradBucket, reduced: torch.Tensor) -> None: ...
+
+
 @dataclass
 class WeightedAllReduceState:
-    """What the hook needs each step, set by the strategy before backward.
+    """What the hook needs each step, set by the strategy before backward, and what it saw.
 
     Attributes:
         process_group: the group to reduce over (None: the default group).
         weight: this rank's share ``b_i / B`` of the samples of the optimizer step in progress.
         calls: buckets reduced so far (cheap evidence that the hook runs, on CPU too).
-        observers: callables ``(state, bucket, reduced_future)`` run for each bucket, e.g. timing or the noise-scale
-            estimator; each returns nothing and must not block.
+        first_entry: ``time.perf_counter()`` when the step's first bucket reached the hook.
+        last_entry: when the step's latest bucket reached the hook: the end of this rank's backward compute.
+        last_done: when the latest bucket's all-reduce completed.
+        observers: :class:`BucketObserver` objects called for every bucket; they must not block.
 
     """
 
     process_group: Any = None
     weight: float = 1.0
     calls: int = 0
-    observers: list = field(default_factory=list)
+    first_entry: float | None = None
+    last_entry: float | None = None
+    last_done: float | None = None
+    observers: list[BucketObserver] = field(default_factory=list)
+
+    def reset_step(self) -> None:
+        """Forget the previous step's timestamps."""
+        self.first_entry = self.last_entry = self.last_done = None
 
 
 def weighted_allreduce_hook(
@@ -39,11 +57,22 @@ def weighted_allreduce_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: ``sum_i (b_i / B) * grad_i`` over the ranks."""
     state.calls += 1
+    now = time.perf_counter()
+    if state.first_entry is None:
+        state.first_entry = now
+    state.last_entry = now
+    for observer in state.observers:
+        observer.before_reduce(state, bucket)
     tensor = bucket.buffer()
     if state.weight != 1.0:
         tensor.mul_(state.weight)
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=state.process_group, async_op=True)
-    future = work.get_future().then(lambda fut: fut.value()[0])
-    for observer in state.observers:
-        observer(state, bucket, future)
-    return future
+
+    def finished(future: torch.futures.Future) -> torch.Tensor:
+        reduced = future.value()[0]
+        state.last_done = time.perf_counter()
+        for observer in state.observers:
+            observer.after_reduce(state, bucket, reduced)
+        return reduced
+
+    return work.get_future().then(finished)

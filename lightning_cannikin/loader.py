@@ -58,6 +58,8 @@ class UnevenDataLoader(DataLoader):
         if self._restore is not None and self._restore["epoch"] == sampler.sampler.epoch:
             start = self._restore["batches_consumed"]
         self._restore = None
+        if start == 0:
+            sampler.collapse_schedule()  # a fresh epoch starts under the latest plan
         sampler.start_batch = start
         self._position = start
         self.pending_steps.clear()

@@ -162,6 +162,8 @@ class UnevenBatchSampler(Sampler[list[int]]):
         self.drop_last = drop_last
         self.schedule: dict[int, Plan] = {0: plan}
         self.start_batch = 0
+        # global batches handed out so far this epoch; a mid-epoch plan may only start at or after it
+        self.yielded = 0
         self._layout: list[GlobalBatch] | None = None
         self._layout_key: tuple | None = None
 
@@ -184,6 +186,10 @@ class UnevenBatchSampler(Sampler[list[int]]):
         if 0 not in self.schedule:
             self.schedule[0] = plan
 
+    def collapse_schedule(self) -> None:
+        """Keep only the latest plan, from batch 0: what a new epoch starts with."""
+        self.schedule = {0: self.schedule[max(self.schedule)]}
+
     def layout(self) -> list[GlobalBatch]:
         """The current epoch's global batches (cached until the plan schedule changes)."""
         key = (self.num_samples, tuple(sorted((k, v) for k, v in self.schedule.items())), self.drop_last)
@@ -198,7 +204,13 @@ class UnevenBatchSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         permutation = self.sampler.permutation()
-        for batch in self.layout()[self.start_batch :]:
+        index = self.start_batch
+        self.yielded = index
+        # the layout is re-read per batch: a plan set mid-epoch from a batch not yet yielded takes effect in time
+        while index < len(layout := self.layout()):
+            batch = layout[index]
+            index += 1
+            self.yielded = index
             yield permutation[batch.rank_slice(self.rank)]
 
     def __len__(self) -> int:

@@ -67,7 +67,9 @@ class CannikinStrategy(DDPStrategy):
         self.hook_state = WeightedAllReduceState()
         self._train_loader: UnevenDataLoader | None = None
         self._step_sizes: tuple[int, ...] | None = None
+        self._window_sizes: tuple[int, ...] | None = None
         self._loss_factor = 1.0
+        self.lr_factor = 1.0
 
     @property
     def plan(self) -> Plan | None:
@@ -88,6 +90,11 @@ class CannikinStrategy(DDPStrategy):
     def step_sizes(self) -> tuple[int, ...] | None:
         """Every rank's sample count in the training step in progress."""
         return self._step_sizes
+
+    @property
+    def window_sizes(self) -> tuple[int, ...] | None:
+        """Every rank's sample count in the optimizer step (accumulation window) in progress."""
+        return self._window_sizes
 
     def set_plan(self, plan: Plan, from_batch: int | None = None) -> None:
         """Put ``plan`` in force.
@@ -116,6 +123,18 @@ class CannikinStrategy(DDPStrategy):
                 f" ({self.num_nodes} node(s) x {self.num_processes} device(s)). Give one size per rank."
             )
         super()._configure_launcher()
+
+    @override
+    def setup_environment(self) -> None:
+        # `strategy="cannikin"` alone still balances the cluster: add the callback unless the user passed one or
+        # fixed the split
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and not self.fixed_split:
+            from lightning_cannikin.callback import Cannikin
+
+            if not any(isinstance(cb, Cannikin) for cb in trainer.callbacks):
+                trainer.callbacks.append(Cannikin())
+        super().setup_environment()
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -181,9 +200,9 @@ class CannikinStrategy(DDPStrategy):
             # Lightning closes the window early at the epoch's last batch (or `limit_train_batches`)
             last = int(min(first + accumulation, len(sampler), trainer.num_training_batches))
             window = [sampler.sizes_at(q) for q in range(first, max(last, position + 1))]
-        rank_samples = sum(s[rank] for s in window)
-        total_samples = sum(sum(s) for s in window)
-        self.hook_state.weight = rank_samples / total_samples
+        self._window_sizes = tuple(sum(column) for column in zip(*window, strict=True))
+        rank_samples = self._window_sizes[rank]
+        self.hook_state.weight = rank_samples / sum(self._window_sizes)
         self._loss_factor = accumulation * sizes[rank] / rank_samples
 
     @override
@@ -191,6 +210,21 @@ class CannikinStrategy(DDPStrategy):
         if self._loss_factor != 1.0:
             closure_loss = closure_loss * self._loss_factor
         return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        # scale the learning rate for this step only and restore it, so any LR scheduler keeps its own values
+        factor = self.lr_factor
+        if factor == 1.0:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        saved = [group["lr"] for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["lr"] = group["lr"] * factor
+        try:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            for group, lr in zip(optimizer.param_groups, saved, strict=True):
+                group["lr"] = lr
 
     @override
     def teardown(self) -> None:

@@ -17,7 +17,9 @@ class IndexedRegression(Dataset):
     def __init__(self, num_samples: int, dim: int = 4, seed: int = 0) -> None:
         generator = torch.Generator().manual_seed(seed)
         self.x = torch.randn(num_samples, dim, generator=generator)
-        self.y = self.x @ torch.randn(dim, 1, generator=generator) + 0.1 * torch.randn(num_samples, 1, generator=generator)
+        self.y = self.x @ torch.randn(dim, 1, generator=generator) + 0.1 * torch.randn(
+            num_samples, 1, generator=generator
+        )
 
     def __len__(self) -> int:
         return len(self.x)

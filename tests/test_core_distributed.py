@@ -110,13 +110,7 @@ def test_every_sample_once_per_epoch_and_exact_updates(tmp_path, sizes, num_samp
         tmp_path, sizes, num_samples=num_samples, accumulate=accumulate, max_epochs=2
     )
     for epoch in (0, 1):
-        consumed = [
-            i
-            for r in records
-            for s, e in zip(r["steps"], r["epochs"], strict=True)
-            if e == epoch
-            for i in s
-        ]
+        consumed = [i for r in records for s, e in zip(r["steps"], r["epochs"], strict=True) if e == epoch for i in s]
         assert sorted(consumed) == list(range(num_samples)), f"epoch {epoch} did not see every sample exactly once"
     step_counts = {len(r["steps"]) for r in records}
     assert len(step_counts) == 1, f"ranks ran different numbers of steps: {step_counts}"

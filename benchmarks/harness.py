@@ -1,0 +1,99 @@
+"""Shared runner for the benchmarks: one training run on an emulated cluster, measured from rank zero.
+
+Runs use Lightning's fork launcher so that many runs fit in one invocation without re-importing Lightning; rank zero
+writes what it measured to a JSON file that the parent reads back.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from examples.data import ImageClassifier, accuracy, load_dataset
+from lightning_cannikin import Cannikin, EmulatedCluster
+
+
+class EpochClock(Callback):
+    """Rank zero's wall clock at every epoch start and at the end, plus the Cannikin history and test accuracy."""
+
+    def __init__(self, out: Path, test_set: Any) -> None:
+        self.out = out
+        self.test_set = test_set
+        self.epoch_starts: list[float] = []
+        self.epoch_samples: list[int] = []
+        self.accuracy_curve: list[tuple[float, float]] = []
+        self.started = 0.0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.started = time.perf_counter()
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.epoch_starts.append(time.perf_counter())
+        self.epoch_samples.append(0)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        sizes = getattr(trainer.strategy, "step_sizes", None)
+        self.epoch_samples[-1] += sum(sizes) if sizes else len(batch[0]) * trainer.world_size
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        cannikin = next((cb for cb in trainer.callbacks if isinstance(cb, Cannikin)), None)
+        result = {
+            "epoch_times": [
+                b - a for a, b in zip(self.epoch_starts, [*self.epoch_starts[1:], time.perf_counter()], strict=True)
+            ],
+            "epoch_samples": self.epoch_samples,
+            "history": cannikin.history if cannikin is not None else [],
+            "test_accuracy": accuracy(pl_module, self.test_set),
+            "wall_time": time.perf_counter() - self.started,
+        }
+        self.out.write_text(json.dumps(result))
+
+
+def run(
+    strategy: str,
+    per_sample_ms: list[float],
+    fixed_ms: float,
+    batch_size: int,
+    epochs: int,
+    data: str = "digits",
+    callbacks: list[Callback] | None = None,
+    lr: float = 0.05,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Train once; returns rank zero's measurements."""
+    torch.set_num_threads(1)
+    pl.seed_everything(seed, verbose=False)
+    train, test, shape = load_dataset(data, seed=seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        trainer = pl.Trainer(
+            strategy=strategy,
+            accelerator="cpu",
+            devices=len(per_sample_ms),
+            max_epochs=epochs,
+            callbacks=[EmulatedCluster(per_sample_ms, fixed_ms), EpochClock(out, test), *(callbacks or [])],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(ImageClassifier(shape, lr=lr), DataLoader(train, batch_size=batch_size, shuffle=True))
+        return json.loads(out.read_text())
+
+
+def median(values: list[float]) -> float:
+    return float(statistics.median(values))

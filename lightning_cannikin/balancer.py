@@ -1,0 +1,197 @@
+"""From measured step timings of every rank to the split of a total batch: measure, model, plan.
+
+Pure: numpy and the project's maths modules only (no torch, no Lightning), so the simulator and the CLI can use it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from lightning_cannikin.perf_model import ComputeTimeFitter, LinearTimeModel
+from lightning_cannikin.planner import Split, optimal_split, optperf
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One rank's timing of one training step (seconds).
+
+    Attributes:
+        step: the step's index, equal on every rank (ranks advance in lockstep).
+        rank: global rank.
+        batch_size: samples this rank trained on in the step.
+        compute: forward + backward until this rank's gradients were ready (excludes waiting for other ranks).
+        step_time: the whole step on this rank, batch start to batch end (includes the all-reduce and the optimizer).
+
+    """
+
+    step: int
+    rank: int
+    batch_size: int
+    compute: float
+    step_time: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class SplitBalancer:
+    """Learns each rank's compute time ``t_i(b) = a_i b + a0_i`` and the step's tail, and plans splits.
+
+    The *tail* is what a step costs beyond the slowest rank's compute: the exposed part of the all-reduce, the optimizer
+    step and the framework's own work. It is the same for every split, so it does not move the optimal split, but it
+    makes the predicted step time comparable with the measured one.
+
+    Args:
+        world_size: number of ranks.
+        half_life: recency half-life of the compute-time fits, in steps, so a device that changes speed is followed.
+        tail_window: steps over which the tail's median is taken.
+        lower: per-rank (or scalar) lower bound on the local batch size; at least 1.
+        upper: per-rank (or scalar) upper bound on the local batch size (a memory cap), or ``None``.
+
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        half_life: float = 50.0,
+        tail_window: int = 64,
+        lower: int | Sequence[int] | None = None,
+        upper: int | Sequence[int] | None = None,
+    ) -> None:
+        self.world_size = int(world_size)
+        self.half_life = float(half_life)
+        self.lower = _per_rank(lower, self.world_size, default=1, name="lower")
+        self.upper = None if upper is None else _per_rank(upper, self.world_size, default=None, name="upper")
+        if self.upper is not None and any(lo > hi for lo, hi in zip(self.lower, self.upper, strict=True)):
+            raise ValueError(f"`local_batch_bounds` lower bounds {self.lower} exceed upper bounds {self.upper}.")
+        self.fitters = [ComputeTimeFitter(half_life=self.half_life) for _ in range(self.world_size)]
+        self.tails: deque[float] = deque(maxlen=int(tail_window))
+        self._models: list[LinearTimeModel] | None = None  # fitted once per batch of new samples
+
+    def add(self, records: Iterable[StepRecord]) -> None:
+        """Feed the records of all ranks (any order); steps missing a rank contribute no tail sample."""
+        by_step: dict[int, list[StepRecord]] = {}
+        for record in records:
+            if record.rank >= self.world_size:
+                raise ValueError(f"A record from rank {record.rank} does not fit a world of {self.world_size}.")
+            by_step.setdefault(record.step, []).append(record)
+        self._models = None
+        for step in sorted(by_step):
+            step_records = by_step[step]
+            for record in step_records:
+                self.fitters[record.rank].add(record.batch_size, record.compute)
+            if len(step_records) == self.world_size:
+                slowest = max(r.compute for r in step_records)
+                self.tails.append(max(0.0, float(np.median([r.step_time for r in step_records])) - slowest))
+
+    @property
+    def ready(self) -> bool:
+        """Every rank has at least one timing sample."""
+        return all(f.num_samples > 0 for f in self.fitters)
+
+    @property
+    def identified(self) -> bool:
+        """Every rank has been timed at two or more batch sizes, so its slope is measured rather than assumed."""
+        return all(len(f.distinct_batch_sizes) >= 2 for f in self.fitters)
+
+    def models(self) -> list[LinearTimeModel]:
+        """The fitted compute-time model of each rank."""
+        if self._models is None:
+            models = [f.fit() for f in self.fitters]
+            if any(m is None for m in models):
+                raise RuntimeError("No timing samples yet for some ranks; call `add` first (see `ready`).")
+            self._models = models  # type: ignore[assignment]
+        return list(self._models)  # type: ignore[arg-type]
+
+    def tail(self) -> float:
+        return float(np.median(self.tails)) if self.tails else 0.0
+
+    def pieces(self) -> tuple[np.ndarray, np.ndarray]:
+        """Planner inputs: per-rank slopes and offsets of ``g_i(b) = a_i b + a0_i + tail``."""
+        models = self.models()
+        slopes = np.array([m.slope for m in models])
+        offsets = np.array([m.intercept for m in models]) + self.tail()
+        return slopes, offsets
+
+    def plan_split(self, total_batch_size: int) -> Split:
+        """The optimal integer split of ``total_batch_size`` under the bounds, with its predicted step time."""
+        slopes, offsets = self.pieces()
+        return optimal_split(slopes, offsets, total_batch_size, self.lower, self.upper)
+
+    def optperf(self, total_batch_sizes: Sequence[int]) -> np.ndarray:
+        """Predicted optimal step time for each candidate total batch size (``inf`` where infeasible)."""
+        slopes, offsets = self.pieces()
+        return optperf(slopes, offsets, np.asarray(total_batch_sizes), self.lower, self.upper)
+
+    def predict(self, local_batch_sizes: Sequence[int]) -> float:
+        """Predicted step time of a given split."""
+        slopes, offsets = self.pieces()
+        return float(np.max(slopes * np.asarray(local_batch_sizes) + offsets))
+
+    def probe(self, local_batch_sizes: Sequence[int], fraction: float = 0.125) -> tuple[int, ...]:
+        """Perturb a split so that every rank runs a batch size it has not run yet, keeping the total.
+
+        Ranks alternate up and down by about ``fraction`` of the smallest batch; with an odd number of ranks the last
+        one goes up and rank 1 gives twice, so every rank moves and the sum is unchanged.
+        """
+        sizes = np.asarray(local_batch_sizes, dtype=int)
+        n = len(sizes)
+        if n < 2:
+            return tuple(int(b) for b in sizes)
+        signs = np.array([1 if i % 2 == 0 else -1 for i in range(n)])
+        if n % 2 == 1:
+            signs[-1], signs[1] = 1, signs[1] - 1
+        delta = max(1, int(fraction * sizes.min() + 0.5))
+        probed = sizes + signs * delta
+        upper = np.asarray(self.upper) if self.upper is not None else np.full(n, np.iinfo(np.int64).max)
+        if np.any(probed < np.asarray(self.lower)) or np.any(probed > upper):
+            return tuple(int(b) for b in sizes)  # no room to probe within the bounds: keep the plan
+        return tuple(int(b) for b in probed)
+
+    def state_dict(self) -> dict:
+        return {
+            "world_size": self.world_size,
+            "fitters": [f.state_dict() for f in self.fitters],
+            "tails": list(self.tails),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore fitted state; from a run with another world size only the tail is kept (devices changed)."""
+        self._models = None
+        if state["world_size"] == self.world_size:
+            for fitter, fitter_state in zip(self.fitters, state["fitters"], strict=True):
+                fitter.load_state_dict(fitter_state)
+        self.tails.clear()
+        self.tails.extend(state["tails"])
+
+
+def _per_rank(value: int | Sequence[int] | None, n: int, default: int | None, name: str) -> list:
+    if value is None:
+        return [default] * n
+    if isinstance(value, int):
+        values = [value] * n
+    else:
+        values = [int(v) for v in value]
+        if len(values) != n:
+            raise ValueError(f"`local_batch_bounds` {name} bounds have {len(values)} entries for {n} ranks.")
+    if any(v < 1 for v in values):
+        raise ValueError(f"`local_batch_bounds` {name} bounds must be >= 1, got {values}.")
+    return values
+
+
+def median_step_time(records: Iterable[StepRecord], local_batch_sizes: Sequence[int]) -> float | None:
+    """Measured step time under a split: median over steps whose sizes match it of the ranks' median step time."""
+    by_step: dict[int, dict[int, StepRecord]] = {}
+    for record in records:
+        by_step.setdefault(record.step, {})[record.rank] = record
+    times = [
+        float(np.median([r.step_time for r in step.values()]))
+        for step in by_step.values()
+        if len(step) == len(local_batch_sizes)
+        and all(step[rank].batch_size == b for rank, b in enumerate(local_batch_sizes) if rank in step)
+    ]
+    return float(np.median(times)) if times else None

@@ -1,0 +1,207 @@
+"""Statistical efficiency, AdaScale gain and the goodput-maximising total batch size (design notes, section 5).
+
+With the noise scale ``phi = tr(Sigma) / |G|^2`` (per-sample covariance, in samples) and the initial total batch B0,
+one step at total batch B makes as much progress as ``r(B) = (phi + B0) / (phi + B) * B / B0`` steps at B0 (the
+AdaScale gain), so each sample is worth ``E(B) = r(B) * B0 / B = (phi + B0) / (phi + B)`` of a sample at B0 (the
+statistical efficiency). Goodput is throughput times efficiency: ``B / step_time(B) * E(B)``.
+
+Without statistics (``noise_scale=None``) these functions take ``phi = 0``, AdaptDL's prior (gradient norm 1,
+variance 0): ``E(B) = B0 / B`` and ``r(B) = 1``. That is exact at B = B0 and, elsewhere, pessimistic about large
+batches, so a caller that forgets to wait for statistics is not pushed to the largest batch. ``phi = inf`` (no
+detectable signal) gives ``E = 1`` and ``r = B / B0``.
+
+Pure numpy: imports neither torch nor Lightning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+__all__ = ["GoodputChoice", "adascale_gain", "candidate_batch_sizes", "choose_batch_size", "efficiency", "goodput"]
+
+
+def _scalar_or_array(x: np.ndarray) -> float | np.ndarray:
+    return float(x) if x.ndim == 0 else x
+
+
+def _efficiency(noise_scale: ArrayLike | None, batch_size: ArrayLike, base_batch_size: float) -> np.ndarray:
+    batch = np.asarray(batch_size, dtype=np.float64)
+    if base_batch_size <= 0:
+        raise ValueError(f"`base_batch_size` must be positive, got {base_batch_size}.")
+    if np.any(batch <= 0):
+        raise ValueError(f"Batch sizes must be positive, got {batch_size}.")
+    phi = np.asarray(0.0 if noise_scale is None else noise_scale, dtype=np.float64)
+    if not np.all(phi >= 0.0):  # also rejects NaN
+        raise ValueError(f"`noise_scale` must be >= 0 or None, got {noise_scale}.")
+    phi, batch = np.broadcast_arrays(phi, batch)
+    finite = np.isfinite(phi)
+    safe_phi = np.where(finite, phi, 0.0)  # inf + B0 over inf + B would be NaN; its limit is 1
+    return np.where(finite, (safe_phi + base_batch_size) / (safe_phi + batch), 1.0)
+
+
+def efficiency(noise_scale: ArrayLike | None, batch_size: ArrayLike, base_batch_size: float) -> float | np.ndarray:
+    """Statistical efficiency ``E(B) = (phi + B0) / (phi + B)``, relative to the base batch.
+
+    Args:
+        noise_scale: ``phi`` in samples, ``math.inf`` allowed; None (no statistics yet) means ``phi = 0``. May be an
+            array (e.g. a noise scale that changes over training); it broadcasts with ``batch_size``.
+        batch_size: one or many total batch sizes B.
+        base_batch_size: B0.
+
+    Returns:
+        A float for scalar inputs, otherwise an array of the broadcast shape. ``E(B0) = 1``.
+
+    """
+    return _scalar_or_array(_efficiency(noise_scale, batch_size, base_batch_size))
+
+
+def adascale_gain(noise_scale: ArrayLike | None, batch_size: ArrayLike, base_batch_size: float) -> float | np.ndarray:
+    """AdaScale gain ``r(B) = E(B) * B / B0``: B0-steps of progress per step at B; exactly 1 at B = B0.
+
+    Args:
+        noise_scale: ``phi`` in samples (scalar or array); None means ``phi = 0``, so the gain is 1 for every B.
+        batch_size: one or many total batch sizes B; broadcasts with ``noise_scale``.
+        base_batch_size: B0.
+
+    Returns:
+        A float for scalar inputs, otherwise an array of the broadcast shape.
+
+    """
+    batch = np.asarray(batch_size, dtype=np.float64)
+    gain = _efficiency(noise_scale, batch, base_batch_size) * batch / base_batch_size
+    # E * B / B0 rounds to 1 +- 1 ulp at B = B0; make the documented identity exact.
+    gain = np.where(batch == base_batch_size, 1.0, gain)
+    return _scalar_or_array(gain)
+
+
+def goodput(
+    batch_size: ArrayLike, step_time: ArrayLike, noise_scale: ArrayLike | None, base_batch_size: float
+) -> float | np.ndarray:
+    """Goodput ``B / step_time * E(B)``: B0-equivalent samples per second.
+
+    Args:
+        batch_size: total batch sizes B.
+        step_time: seconds per optimizer step at each B (broadcasts with ``batch_size``). A step time that is not
+            finite and positive (``inf`` for an infeasible batch, NaN, 0) yields goodput 0.
+        noise_scale: ``phi`` in samples (broadcasts too), or None.
+        base_batch_size: B0.
+
+    Returns:
+        A float for scalar inputs, otherwise an array.
+
+    """
+    batch = np.asarray(batch_size, dtype=np.float64)
+    times = np.asarray(step_time, dtype=np.float64)
+    batch, times = np.broadcast_arrays(batch, times)
+    feasible = np.isfinite(times) & (times > 0)
+    safe_times = np.where(feasible, times, 1.0)  # avoid division warnings; those entries are replaced by 0
+    value = np.where(feasible, batch / safe_times * _efficiency(noise_scale, batch, base_batch_size), 0.0)
+    return _scalar_or_array(value)
+
+
+def candidate_batch_sizes(lower: int, upper: int, count: int = 50) -> np.ndarray:
+    """About ``count`` geometrically spaced integer batch sizes from ``lower`` to ``upper``, both included.
+
+    Rounding merges neighbours at the small end, so fewer than ``count`` values may come back.
+
+    Args:
+        lower: smallest candidate, >= 1.
+        upper: largest candidate, >= ``lower``.
+        count: number of geometric points before rounding, >= 2.
+
+    Returns:
+        Sorted, unique ``int64`` array.
+
+    """
+    lower, upper = int(lower), int(upper)
+    if lower < 1:
+        raise ValueError(f"`lower` must be >= 1, got {lower}.")
+    if lower > upper:
+        raise ValueError(f"`lower` ({lower}) must not exceed `upper` ({upper}).")
+    if count < 2:
+        raise ValueError(f"`count` must be >= 2, got {count}.")
+    values = np.rint(np.geomspace(lower, upper, int(count))).astype(np.int64)
+    # geomspace pins its ends, but clip anyway so float rounding can never step outside [lower, upper].
+    values = np.clip(values, lower, upper)
+    return np.unique(np.concatenate(([lower], values, [upper])))
+
+
+@dataclass(frozen=True)
+class GoodputChoice:
+    """The outcome of :func:`choose_batch_size`.
+
+    Attributes:
+        batch_size: the candidate with the highest predicted goodput (the current batch size when there are no
+            statistics yet).
+        goodput: its predicted goodput.
+        current_goodput: the goodput of the current batch size and step time.
+        adopted: whether to switch to ``batch_size``: it differs from the current one and beats the current goodput
+            by more than the margin.
+        current_batch_size: the batch size in force when the choice was made.
+
+    """
+
+    batch_size: int
+    goodput: float
+    current_goodput: float
+    adopted: bool
+    current_batch_size: int | None = None
+
+    @property
+    def next_batch_size(self) -> int:
+        """The batch size to run next: ``batch_size`` if adopted, else the current one."""
+        if self.adopted or self.current_batch_size is None:
+            return self.batch_size
+        return self.current_batch_size
+
+
+def choose_batch_size(
+    candidates: ArrayLike,
+    step_times: ArrayLike,
+    noise_scale: float | None,
+    base_batch_size: float,
+    current_batch_size: int,
+    current_step_time: float | None,
+    margin: float = 0.05,
+) -> GoodputChoice:
+    """Pick the goodput-maximising candidate, switching only when it clearly beats the current batch size.
+
+    The margin is hysteresis: predictions are noisy, and flapping between two near-equal batch sizes costs a
+    re-plan (and a data loader rebuild) each time for no gain.
+
+    Args:
+        candidates: total batch sizes to consider.
+        step_times: predicted seconds per step for each candidate (``inf`` marks an infeasible one).
+        noise_scale: ``phi`` in samples; None means no statistics yet, and then nothing is adopted.
+        base_batch_size: B0.
+        current_batch_size: the total batch in force.
+        current_step_time: its step time (measured or predicted); None or ``inf`` if unknown, which makes any
+            feasible candidate with positive goodput win.
+        margin: relative improvement required to switch, >= 0 (AdaptDL uses 0.05).
+
+    Returns:
+        A :class:`GoodputChoice`. Among equal goodputs the smallest batch size wins.
+
+    """
+    sizes = np.asarray(candidates, dtype=np.int64).reshape(-1)
+    times = np.asarray(step_times, dtype=np.float64).reshape(-1)
+    if sizes.size == 0:
+        raise ValueError("`candidates` must not be empty.")
+    if sizes.shape != times.shape:
+        raise ValueError(f"Got {sizes.size} candidates but {times.size} step times.")
+    if not margin >= 0.0:
+        raise ValueError(f"`margin` must be >= 0, got {margin}.")
+    current_time = np.inf if current_step_time is None else current_step_time
+    current = float(goodput(current_batch_size, current_time, noise_scale, base_batch_size))
+    if noise_scale is None:
+        # Efficiency is unknown, so goodputs of different batch sizes cannot be compared yet.
+        return GoodputChoice(int(current_batch_size), current, current, False, int(current_batch_size))
+    values = np.asarray(goodput(sizes, times, noise_scale, base_batch_size))
+    best = values.max()
+    index = int(np.argmin(np.where(values == best, sizes, np.iinfo(np.int64).max)))
+    best_size = int(sizes[index])
+    adopted = best_size != int(current_batch_size) and float(best) > (1.0 + margin) * current
+    return GoodputChoice(best_size, float(best), current, bool(adopted), int(current_batch_size))

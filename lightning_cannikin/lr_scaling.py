@@ -1,0 +1,121 @@
+"""Learning-rate scaling rules for a total batch B that differs from the base batch B0 (design notes, section 5).
+
+- ``"adascale"``: the AdaScale gain ``r(B) = (phi + B0) / (phi + B) * B / B0``, which follows the measured noise
+  scale: close to ``B / B0`` while noise dominates, close to 1 once the gradient signal dominates. Adam-family
+  optimizers already normalise the update size, so they get ``sqrt(r(B))``, as in Pollux/AdaptDL.
+- ``"sqrt"``: ``sqrt(B / B0)``; ``"linear"``: ``B / B0``; ``"none"``: 1.
+
+The factor multiplies the learning rate only for the duration of ``optimizer.step()`` (the caller restores it), so
+LR schedulers keep working. :class:`Progress` sums the gains: the number of B0-steps' worth of progress made, which
+lets schedules run in scale-invariant steps.
+
+Pure Python and numpy: the optimizer is identified by its class name, so no torch import is needed.
+"""
+
+from __future__ import annotations
+
+import math
+
+from lightning_cannikin.goodput import adascale_gain
+
+__all__ = ["RULES", "Progress", "is_adam_family", "lr_factor", "validate_rule"]
+
+RULES: tuple[str, ...] = ("adascale", "sqrt", "linear", "none")
+
+# Lower-cased substrings of optimizer class names that precondition by a running second moment, like Adam:
+# Adam, AdamW, Adamax, NAdam, RAdam, SparseAdam, FusedAdam, Adam8bit, PagedAdamW, DeepSpeedCPUAdam, LAMB, FusedLAMB,
+# Adafactor, AdaBelief.
+_ADAM_MARKERS = ("adam", "lamb", "adafactor", "adabelief")
+
+
+def validate_rule(rule: str) -> str:
+    """Return ``rule`` lower-cased and stripped if it names a known rule.
+
+    Raises:
+        ValueError: naming the ``lr_scaling`` option and listing the valid values.
+
+    """
+    name = rule.strip().lower() if isinstance(rule, str) else rule
+    if name not in RULES:
+        raise ValueError(f"`lr_scaling` must be one of {', '.join(repr(r) for r in RULES)}; got {rule!r}.")
+    return name
+
+
+def is_adam_family(optimizer_class_name: str) -> bool:
+    """Whether an optimizer (by class name, e.g. ``type(opt).__name__``) normalises updates like Adam.
+
+    Such optimizers get the square root of the AdaScale gain, and their noise scale is measured on preconditioned
+    gradients.
+    """
+    name = optimizer_class_name.lower()
+    return any(marker in name for marker in _ADAM_MARKERS)
+
+
+def lr_factor(rule: str, batch_size: int, base_batch_size: int, noise_scale: float | None, adam: bool = False) -> float:
+    """The multiplier for the base learning rate at total batch ``batch_size``.
+
+    Args:
+        rule: one of :data:`RULES`.
+        batch_size: total batch B of the step.
+        base_batch_size: B0, the batch the base learning rate was tuned for.
+        noise_scale: ``phi`` in samples; used by ``"adascale"`` only. None (no statistics yet) gives 1.0: without a
+            noise estimate the safe assumption is that a larger batch buys no extra progress per step.
+        adam: whether the optimizer is Adam-family (see :func:`is_adam_family`); takes the square root of the
+            AdaScale gain. The fixed rules ignore it.
+
+    Returns:
+        The factor, 1.0 at B = B0 for every rule.
+
+    """
+    name = validate_rule(rule)
+    if batch_size <= 0 or base_batch_size <= 0:
+        raise ValueError(f"Batch sizes must be positive, got batch_size={batch_size}, base={base_batch_size}.")
+    ratio = batch_size / base_batch_size
+    if name == "none":
+        return 1.0
+    if name == "linear":
+        return float(ratio)
+    if name == "sqrt":
+        return math.sqrt(ratio)
+    if noise_scale is None:
+        return 1.0
+    gain = float(adascale_gain(noise_scale, batch_size, base_batch_size))
+    return math.sqrt(gain) if adam else gain
+
+
+class Progress:
+    """Training progress in B0-steps: the running sum of AdaScale gains, one per optimizer step.
+
+    Args:
+        value: starting progress.
+
+    """
+
+    def __init__(self, value: float = 0.0) -> None:
+        self._value = float(value)
+
+    def add(self, gain: float) -> float:
+        """Count one step worth ``gain`` B0-steps; return the new total.
+
+        Raises:
+            ValueError: when ``gain`` is negative or not finite (it would corrupt the total for good).
+
+        """
+        gain = float(gain)
+        if not (math.isfinite(gain) and gain >= 0.0):
+            raise ValueError(f"A step's gain must be finite and >= 0, got {gain}.")
+        self._value += gain
+        return self._value
+
+    @property
+    def value(self) -> float:
+        """Progress so far, in B0-steps."""
+        return self._value
+
+    def state_dict(self) -> dict:
+        """JSON-friendly state."""
+        return {"progress": self._value}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self._value = float(state_dict["progress"])

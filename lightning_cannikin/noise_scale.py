@@ -1,0 +1,212 @@
+"""Gradient noise scale from groups of uneven size (Cannikin, section 4 of the design notes).
+
+One optimizer step averages the gradients of several *groups*: with n ranks and K accumulation micro-batches,
+every (rank, micro-batch) pair is one group j with b_j samples, and B = sum_j b_j. The caller measures
+
+- ``Z_j = |g_j|^2``, the squared norm of group j's *mean* gradient, taken before the weighted reduction, and
+- ``Y = |g|^2``, the squared norm of the exact mean gradient over all B samples, ``g = sum_j (b_j / B) g_j``.
+
+With per-sample gradients of mean G and covariance Sigma, ``E[Z_j] = |G|^2 + tr(Sigma) / b_j`` and
+``E[Y] = |G|^2 + tr(Sigma) / B``, so, with m groups,
+
+    |G|^2     ~ (m * Y - sum_j (b_j / B) Z_j) / (m - 1)
+    tr(Sigma) ~ (sum_j b_j Z_j - B * Y) / (m - 1)
+
+are unbiased for any split, and reduce to AdaptDL's estimator when every b_j is equal (see
+:func:`adaptdl_moments`). AdaptDL's formula applied to an uneven split is biased: it weights the noisy small groups
+as much as the large ones.
+
+:class:`NoiseScaleEstimator` smooths both single-step estimates with a bias-corrected exponential moving average
+whose decay per update is ``decay ** (B / B0)``, so the averaging window is a fixed number of *samples* whatever the
+total batch size. The noise scale ``B_noise = tr(Sigma) / |G|^2`` is in samples (per-sample covariance).
+
+For Adam-family optimizers the caller passes the norms of *preconditioned* gradients, ``g / (sqrt(v_hat) + eps)``
+with Adam's bias-corrected second-moment estimate, as AdaptDL does: the noise that matters is the noise of the
+update direction the optimizer actually takes.
+
+Pure numpy: imports neither torch nor Lightning.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["NoiseScaleEstimator", "adaptdl_moments", "pooled_moments"]
+
+
+def _as_inputs(local_sqr_norms: Sequence[float], group_sizes: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    z = np.asarray(local_sqr_norms, dtype=np.float64).reshape(-1)
+    b = np.asarray(group_sizes, dtype=np.float64).reshape(-1)
+    if z.shape != b.shape:
+        raise ValueError(f"Got {z.size} local squared norms for {b.size} group sizes; give one norm per group.")
+    if z.size < 2:
+        raise ValueError(f"The noise scale needs at least 2 gradient groups per step, got {z.size}.")
+    if not np.all(np.isfinite(b) & (b > 0)):
+        raise ValueError(f"Group sizes must be positive and finite, got {b.tolist()}.")
+    return z, b
+
+
+def pooled_moments(
+    local_sqr_norms: Sequence[float], group_sizes: Sequence[float], global_sqr_norm: float
+) -> tuple[float, float]:
+    """Single-step unbiased estimates of ``|G|^2`` and the per-sample ``tr(Sigma)`` from uneven groups.
+
+    Args:
+        local_sqr_norms: ``Z_j``, squared norm of each group's mean gradient (before the reduction).
+        group_sizes: ``b_j``, samples in each group.
+        global_sqr_norm: ``Y``, squared norm of the sample-weighted mean gradient over all groups.
+
+    Returns:
+        ``(grad_sqr, grad_var_trace)``. Either may be negative on a single step; only their averages are meaningful.
+
+    Raises:
+        ValueError: fewer than 2 groups, mismatched lengths or a non-positive group size.
+
+    """
+    z, b = _as_inputs(local_sqr_norms, group_sizes)
+    m = z.size
+    total = float(b.sum())
+    y = float(global_sqr_norm)
+    grad_sqr = (m * y - float(np.dot(b / total, z))) / (m - 1)
+    grad_var = (float(np.dot(b, z)) - total * y) / (m - 1)
+    return grad_sqr, grad_var
+
+
+def adaptdl_moments(
+    local_sqr_norms: Sequence[float], batch_size_per_group: int, global_sqr_norm: float
+) -> tuple[float, float]:
+    """AdaptDL's estimator, valid only when every group has the same size; kept as a reference.
+
+    AdaptDL all-reduces the local squared norms and divides by ``count``, the number of groups, so its
+    ``local_sqr`` is the plain mean of ``Z_j``. With ``scale = B / B0`` it computes
+    ``grad_sqr = (count * Y - local_sqr) / (count - 1)`` and ``grad_var = (local_sqr - Y) * scale / (count - 1)``,
+    which estimates ``tr(Sigma) / B0``, the covariance trace of a B0-sample batch. Taking ``B0 = 1`` here makes it the
+    per-sample trace, in the same units as :func:`pooled_moments`.
+
+    Args:
+        local_sqr_norms: ``Z_j`` for each of the equally sized groups.
+        batch_size_per_group: samples in every group.
+        global_sqr_norm: ``Y``, squared norm of the mean gradient.
+
+    Returns:
+        ``(grad_sqr, grad_var_trace)`` with the trace per sample.
+
+    """
+    z = np.asarray(local_sqr_norms, dtype=np.float64).reshape(-1)
+    count = z.size
+    if count < 2:
+        raise ValueError(f"The noise scale needs at least 2 gradient groups per step, got {count}.")
+    if batch_size_per_group <= 0:
+        raise ValueError(f"`batch_size_per_group` must be positive, got {batch_size_per_group}.")
+    local_sqr = float(z.sum()) / count
+    total_sqr = float(global_sqr_norm)
+    scale = count * batch_size_per_group  # B / B0 with B0 = 1
+    grad_sqr = (count * total_sqr - local_sqr) / (count - 1)
+    grad_var = (local_sqr - total_sqr) * scale / (count - 1)
+    return grad_sqr, grad_var
+
+
+class NoiseScaleEstimator:
+    """Exponential moving averages of ``|G|^2`` and ``tr(Sigma)``, and the noise scale they imply.
+
+    Args:
+        base_batch_size: B0, the total batch whose update gets decay ``decay``; a B-sample update decays the
+            averages by ``decay ** (B / B0)``.
+        decay: per-B0-batch decay of the moving averages, in (0, 1).
+
+    """
+
+    def __init__(self, base_batch_size: int, decay: float = 0.999) -> None:
+        if base_batch_size <= 0:
+            raise ValueError(f"`base_batch_size` must be positive, got {base_batch_size}.")
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"`decay` must lie in (0, 1), got {decay}.")
+        self.base_batch_size = int(base_batch_size)
+        self.decay = float(decay)
+        # Raw (biased towards 0) EMAs and the total weight they carry; the estimate is their ratio. They stay
+        # unclipped so negative single-step estimates still pull the mean down: clipping each step would bias it up.
+        self._sqr_biased = 0.0
+        self._var_biased = 0.0
+        self._weight = 0.0
+        self.num_updates = 0
+
+    def update(self, local_sqr_norms: Sequence[float], group_sizes: Sequence[float], global_sqr_norm: float) -> bool:
+        """Fold one optimizer step's norms into the averages.
+
+        Args:
+            local_sqr_norms: ``Z_j`` per group (rank x micro-batch).
+            group_sizes: ``b_j`` per group.
+            global_sqr_norm: ``Y`` of the reduced gradient.
+
+        Returns:
+            True if the averages changed; False (and nothing changes) when an input is not finite, as after an
+            overflowing mixed-precision step, or when there are fewer than 2 groups.
+
+        Raises:
+            ValueError: mismatched lengths or a non-positive group size.
+
+        """
+        z = np.asarray(local_sqr_norms, dtype=np.float64).reshape(-1)
+        if z.size < 2 or not (np.all(np.isfinite(z)) and math.isfinite(float(global_sqr_norm))):
+            return False
+        grad_sqr, grad_var = pooled_moments(z, group_sizes, global_sqr_norm)
+        total = float(np.sum(np.asarray(group_sizes, dtype=np.float64)))
+        factor = self.decay ** (total / self.base_batch_size)
+        self._sqr_biased = factor * self._sqr_biased + (1.0 - factor) * grad_sqr
+        self._var_biased = factor * self._var_biased + (1.0 - factor) * grad_var
+        self._weight = factor * self._weight + (1.0 - factor)
+        self.num_updates += 1
+        return True
+
+    @property
+    def grad_sqr(self) -> float | None:
+        """Bias-corrected average of ``|G|^2``, clipped at 0; None before the first update."""
+        if self.num_updates == 0:
+            return None
+        return max(self._sqr_biased / self._weight, 0.0)
+
+    @property
+    def grad_var(self) -> float | None:
+        """Bias-corrected average of the per-sample ``tr(Sigma)``, clipped at 0; None before the first update."""
+        if self.num_updates == 0:
+            return None
+        return max(self._var_biased / self._weight, 0.0)
+
+    @property
+    def noise_scale(self) -> float | None:
+        """``B_noise = tr(Sigma) / |G|^2`` in samples; None before the first update.
+
+        ``math.inf`` when the averaged ``|G|^2`` is not positive but the variance is (no detectable signal: every
+        sample is noise), and 0.0 when the variance is 0. :func:`lightning_cannikin.goodput.efficiency` accepts both.
+        """
+        sqr, var = self.grad_sqr, self.grad_var
+        if sqr is None or var is None:
+            return None
+        if var <= 0.0:
+            return 0.0
+        if sqr <= 0.0:
+            return math.inf
+        return var / sqr
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume, as plain Python numbers (JSON-friendly)."""
+        return {
+            "base_batch_size": self.base_batch_size,
+            "decay": self.decay,
+            "sqr_biased": self._sqr_biased,
+            "var_biased": self._var_biased,
+            "weight": self._weight,
+            "num_updates": self.num_updates,
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.base_batch_size = int(state_dict["base_batch_size"])
+        self.decay = float(state_dict["decay"])
+        self._sqr_biased = float(state_dict["sqr_biased"])
+        self._var_biased = float(state_dict["var_biased"])
+        self._weight = float(state_dict["weight"])
+        self.num_updates = int(state_dict["num_updates"])

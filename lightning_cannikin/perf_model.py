@@ -1,0 +1,332 @@
+"""The performance model: per-device compute time fitted online, the all-reduce cost, and the planner's pieces.
+
+Compute time of a device for a local batch ``b`` is ``t(b) = a * b + a0`` (DESIGN.md section 3), fitted from
+recency-weighted ``(b, seconds)`` samples with a robust regression so that stragglers and a device that changes speed
+(another job arrives on a shared GPU) do not derail the plan. The gradient all-reduce costs ``c`` seconds, of which
+``c_last`` are exposed after backward. :func:`step_time_pieces` turns both into the ``(slopes, offsets)`` pieces that
+:mod:`lightning_cannikin.planner` minimises over.
+
+Pure numpy and scikit-learn: imports neither torch nor Lightning.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import ArrayLike
+from sklearn.exceptions import ConvergenceWarning
+from sklearn.linear_model import HuberRegressor
+
+__all__ = [
+    "CommModel",
+    "CommTimeFitter",
+    "ComputeTimeFitter",
+    "LinearTimeModel",
+    "step_time_pieces",
+]
+
+# Up to this many distinct batch sizes, fit a line through the per-size weighted medians instead of a Huber regression.
+_MEDIAN_FIT_MAX_SIZES = 8
+
+# Forward is about a third of forward + backward for most networks (backward computes two gradients per layer).
+DEFAULT_FORWARD_FRACTION = 1.0 / 3.0
+
+
+def _check_nonnegative(name: str, value: float) -> float:
+    value = float(value)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"`{name}` must be finite and >= 0, got {value}.")
+    return value
+
+
+@dataclass(frozen=True)
+class LinearTimeModel:
+    """Compute time of one device: ``slope * batch_size + intercept`` seconds.
+
+    Args:
+        slope: seconds per sample (``a_i``), >= 0.
+        intercept: seconds per step independent of the batch (``a0_i``), >= 0.
+
+    """
+
+    slope: float
+    intercept: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "slope", _check_nonnegative("slope", self.slope))
+        object.__setattr__(self, "intercept", _check_nonnegative("intercept", self.intercept))
+
+    def __call__(self, batch_size: ArrayLike) -> float | np.ndarray:
+        """Predicted seconds for a batch size (float) or an array of them (array)."""
+        if np.ndim(batch_size) == 0:
+            return self.slope * float(batch_size) + self.intercept
+        return self.slope * np.asarray(batch_size, dtype=np.float64) + self.intercept
+
+    def to_dict(self) -> dict:
+        """A JSON- and checkpoint-friendly form."""
+        return {"slope": self.slope, "intercept": self.intercept}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> LinearTimeModel:
+        """Inverse of :meth:`to_dict`."""
+        return cls(data["slope"], data["intercept"])
+
+
+@dataclass(frozen=True)
+class CommModel:
+    """Cost of the gradient all-reduce, the same on every rank.
+
+    Args:
+        allreduce: seconds of the whole all-reduce (``c``).
+        exposed: seconds of it left after backward ends (``c_last``), ``0 <= exposed <= allreduce``.
+
+    """
+
+    allreduce: float
+    exposed: float
+
+    def __post_init__(self) -> None:
+        allreduce = _check_nonnegative("allreduce", self.allreduce)
+        exposed = _check_nonnegative("exposed", self.exposed)
+        if exposed > allreduce:
+            raise ValueError(f"`exposed` ({exposed}) cannot exceed `allreduce` ({allreduce}).")
+        object.__setattr__(self, "allreduce", allreduce)
+        object.__setattr__(self, "exposed", exposed)
+
+    def to_dict(self) -> dict:
+        """A JSON- and checkpoint-friendly form."""
+        return {"allreduce": self.allreduce, "exposed": self.exposed}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CommModel:
+        """Inverse of :meth:`to_dict`."""
+        return cls(data["allreduce"], data["exposed"])
+
+
+def _weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
+    """The lower weighted median: the smallest value holding at least half the weight at or below it."""
+    order = np.argsort(values, kind="stable")
+    cumulative = np.cumsum(weights[order])
+    return float(values[order][np.searchsorted(cumulative, 0.5 * cumulative[-1])])
+
+
+class _RecencyWindow:
+    """The newest ``max_samples`` samples, each weighted ``0.5 ** (age / half_life)`` with age 0 for the newest."""
+
+    def __init__(self, half_life: float, max_samples: int) -> None:
+        half_life = float(half_life)
+        if not half_life > 0:  # also rejects NaN; math.inf turns recency weighting off
+            raise ValueError(f"`half_life` must be > 0, got {half_life}.")
+        if int(max_samples) < 1:
+            raise ValueError(f"`max_samples` must be >= 1, got {max_samples}.")
+        self.half_life = half_life
+        self.max_samples = int(max_samples)
+        self._samples: deque[tuple] = deque(maxlen=self.max_samples)
+
+    @property
+    def num_samples(self) -> int:
+        """Samples in the window."""
+        return len(self._samples)
+
+    def _weights(self) -> np.ndarray:
+        age = np.arange(len(self._samples) - 1, -1, -1, dtype=np.float64)
+        return 0.5 ** (age / self.half_life)
+
+    def _columns(self) -> tuple[np.ndarray, np.ndarray]:
+        first, second = zip(*self._samples, strict=True)
+        return np.asarray(first, dtype=np.float64), np.asarray(second, dtype=np.float64)
+
+    def _restore(self, first: Sequence, second: Sequence, convert: tuple[type, type]) -> None:
+        if len(first) != len(second):
+            raise ValueError(f"state holds {len(first)} and {len(second)} values; they must pair up.")
+        self._samples.clear()
+        # A window shorter than the saved one keeps the newest samples, as if they had arrived one by one.
+        self._samples.extend((convert[0](u), convert[1](v)) for u, v in zip(first, second, strict=True))
+
+
+class ComputeTimeFitter(_RecencyWindow):
+    """Fits one device's :class:`LinearTimeModel` from ``(batch_size, seconds)`` samples.
+
+    With two or more distinct batch sizes it runs a Huber regression weighted by recency: stragglers (a step ten times
+    slower because of a hiccup) get bounded influence, and old samples fade so a device that changes speed is followed
+    within about ``half_life`` samples. With a single batch size the slope is unidentifiable, so half the robust mean
+    time is taken as the intercept and the rest as per-sample cost (AdaptDL's prior).
+
+    Args:
+        half_life: age in samples at which a sample's weight halves; ``math.inf`` weighs all samples equally.
+        max_samples: samples kept (the oldest are dropped).
+
+    """
+
+    def __init__(self, half_life: float = 50.0, max_samples: int = 512) -> None:
+        super().__init__(half_life, max_samples)
+
+    def add(self, batch_size: int, seconds: float) -> None:
+        """Record one measurement; non-finite or non-positive times (a clock glitch, a skipped step) are ignored."""
+        if isinstance(batch_size, bool) or not float(batch_size).is_integer() or batch_size < 1:
+            raise ValueError(f"`batch_size` must be a positive integer, got {batch_size}.")
+        seconds = float(seconds)
+        if math.isfinite(seconds) and seconds > 0:
+            self._samples.append((int(batch_size), seconds))
+
+    @property
+    def distinct_batch_sizes(self) -> tuple[int, ...]:
+        """The batch sizes present in the window, ascending."""
+        return tuple(sorted({b for b, _ in self._samples}))
+
+    def samples(self) -> list[tuple[int, float]]:
+        """The samples in the window, oldest first."""
+        return list(self._samples)
+
+    def fit(self) -> LinearTimeModel | None:
+        """The current model, or ``None`` before the first sample."""
+        if not self._samples:
+            return None
+        sizes, seconds = self._columns()
+        weights = self._weights()
+        if len(np.unique(sizes)) < 2:
+            return self._prior(sizes, seconds, weights)
+        distinct = np.unique(sizes)
+        if len(distinct) <= _MEDIAN_FIT_MAX_SIZES:
+            # Online, a plan repeats a few batch sizes many times: the weighted median per size already rejects
+            # stragglers, and a weighted line through those few points is exact and ~100x cheaper than Huber's L-BFGS
+            # (which re-plans on rank zero would otherwise wait for).
+            medians = np.array([_weighted_median(seconds[sizes == b], weights[sizes == b]) for b in distinct])
+            mass = np.array([weights[sizes == b].sum() for b in distinct])
+            slope, intercept = (float(v) for v in np.polyfit(distinct, medians, 1, w=np.sqrt(mass)))
+        else:
+            slope, intercept = _huber(sizes, seconds, weights, fit_intercept=True)
+        if slope <= 0:
+            # Time did not grow with the batch in this window: the slope is unknown, not zero, and a zero slope would
+            # make the planner pour every sample onto this device. Fall back to the one-size prior.
+            return self._prior(sizes, seconds, weights)
+        if intercept < 0:
+            # A negative fixed cost is noise around a small one: refit a line through the origin.
+            if len(distinct) <= _MEDIAN_FIT_MAX_SIZES:
+                slope = float(np.sum(mass * distinct * medians) / np.sum(mass * distinct * distinct))
+            else:
+                slope, _ = _huber(sizes, seconds, weights, fit_intercept=False)
+            intercept = 0.0
+        return LinearTimeModel(slope, intercept)
+
+    @staticmethod
+    def _prior(sizes: np.ndarray, seconds: np.ndarray, weights: np.ndarray) -> LinearTimeModel:
+        # Robust "mean": the recency-weighted median step time, at the recency-weighted median batch size.
+        typical = _weighted_median(seconds, weights)
+        size = _weighted_median(sizes, weights)
+        return LinearTimeModel(0.5 * typical / size, 0.5 * typical)
+
+    def state_dict(self) -> dict:
+        """The samples as JSON-friendly lists (the settings stay with the constructor)."""
+        return {"batch_sizes": [b for b, _ in self._samples], "seconds": [t for _, t in self._samples]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Replace the samples with those of :meth:`state_dict`."""
+        self._restore(state["batch_sizes"], state["seconds"], (int, float))
+
+
+def _huber(sizes: np.ndarray, seconds: np.ndarray, weights: np.ndarray, fit_intercept: bool) -> tuple[float, float]:
+    """Recency-weighted Huber fit of ``seconds ~ slope * sizes (+ intercept)``, returned in the original units."""
+    # Work in units of the mean size and the median time: L-BFGS and Huber's scale estimate both want O(1) numbers.
+    x_scale = float(np.mean(sizes))
+    y_scale = float(np.median(seconds))
+    model = HuberRegressor(epsilon=1.35, alpha=0.0, fit_intercept=fit_intercept, max_iter=500)
+    with warnings.catch_warnings():
+        # Not converging to the last digit is harmless here and would repeat every re-plan.
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        model.fit((sizes / x_scale)[:, None], seconds / y_scale, sample_weight=weights)
+    intercept = float(model.intercept_) * y_scale if fit_intercept else 0.0
+    return float(model.coef_[0]) * y_scale / x_scale, intercept
+
+
+class CommTimeFitter(_RecencyWindow):
+    """Fits the :class:`CommModel` from ``(allreduce_seconds, exposed_seconds)`` samples by recency-weighted medians.
+
+    The all-reduce time does not depend on the local batch, so a robust location is the whole model.
+
+    Args:
+        half_life: age in samples at which a sample's weight halves; ``math.inf`` weighs all samples equally.
+        max_samples: samples kept (the oldest are dropped).
+
+    """
+
+    def __init__(self, half_life: float = 50.0, max_samples: int = 512) -> None:
+        super().__init__(half_life, max_samples)
+
+    def add(self, allreduce_seconds: float, exposed_seconds: float) -> None:
+        """Record one step; samples with a non-finite or negative time are ignored.
+
+        Zero is kept: a single device has nothing to reduce. An exposed time above the all-reduce time (two clocks'
+        jitter) is clamped to it.
+        """
+        allreduce, exposed = float(allreduce_seconds), float(exposed_seconds)
+        if math.isfinite(allreduce) and math.isfinite(exposed) and allreduce >= 0 and exposed >= 0:
+            self._samples.append((allreduce, min(exposed, allreduce)))
+
+    def samples(self) -> list[tuple[float, float]]:
+        """The samples in the window, oldest first."""
+        return list(self._samples)
+
+    def fit(self) -> CommModel | None:
+        """The current model, or ``None`` before the first sample."""
+        if not self._samples:
+            return None
+        allreduce, exposed = self._columns()
+        weights = self._weights()
+        total = _weighted_median(allreduce, weights)
+        return CommModel(total, min(_weighted_median(exposed, weights), total))
+
+    def state_dict(self) -> dict:
+        """The samples as JSON-friendly lists (the settings stay with the constructor)."""
+        return {"allreduce": [c for c, _ in self._samples], "exposed": [e for _, e in self._samples]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Replace the samples with those of :meth:`state_dict`."""
+        self._restore(state["allreduce"], state["exposed"], (float, float))
+
+
+def step_time_pieces(
+    compute: Sequence[LinearTimeModel],
+    comm: CommModel | None,
+    backward_fraction: float | None = None,
+    forward_fraction: float = DEFAULT_FORWARD_FRACTION,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The planner's ``(slopes, offsets)``, each of shape ``(n, K)``, from per-device compute models and the comm model.
+
+    - ``comm`` is None: ``K = 1``, the compute time alone.
+    - ``backward_fraction`` is None: ``K = 1``, ``t_i(b) + c_last`` (exact when every device is compute-bound).
+    - otherwise ``K = 2``, DESIGN.md's two regimes: compute bottleneck ``t_i(b) + c_last`` and communication
+      bottleneck ``f_i(b) + r * k_i(b) + c``, with forward ``f_i = forward_fraction * t_i`` and backward
+      ``k_i = (1 - forward_fraction) * t_i``.
+
+    Args:
+        compute: one model per device.
+        comm: the all-reduce model, or None to ignore communication.
+        backward_fraction: ``r``, the fraction of backward done when the first gradient bucket is ready.
+        forward_fraction: forward's share of the compute time.
+
+    """
+    if len(compute) == 0:
+        raise ValueError("`compute` must hold one model per device, got none.")
+    a = np.array([m.slope for m in compute], dtype=np.float64)
+    a0 = np.array([m.intercept for m in compute], dtype=np.float64)
+    if comm is None:
+        return a[:, None], a0[:, None]
+    if backward_fraction is None:
+        return a[:, None], (a0 + comm.exposed)[:, None]
+    r = float(backward_fraction)
+    phi = float(forward_fraction)
+    if not 0.0 <= r <= 1.0:
+        raise ValueError(f"`backward_fraction` must be in [0, 1], got {backward_fraction}.")
+    if not 0.0 <= phi <= 1.0:
+        raise ValueError(f"`forward_fraction` must be in [0, 1], got {forward_fraction}.")
+    # Communication bottleneck: the all-reduce starts once forward and a fraction r of backward are done.
+    share = phi + r * (1.0 - phi)
+    slopes = np.stack([a, share * a], axis=1)
+    offsets = np.stack([a0 + comm.exposed, share * a0 + comm.allreduce], axis=1)
+    return slopes, offsets

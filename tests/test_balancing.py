@@ -1,0 +1,101 @@
+"""The Cannikin callback on emulated heterogeneous clusters: it learns each device's speed and balances the split."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lightning_cannikin import Cannikin, CannikinStrategy, EmulatedCluster
+from tests.models import IndexedRegression, RecordingRegressor
+
+
+class DumpCannikin(Callback):
+    """Rank zero writes the Cannikin callback's history and fitted models when training ends."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module):
+        if not trainer.is_global_zero:
+            return
+        cannikin = next(cb for cb in trainer.callbacks if isinstance(cb, Cannikin))
+        models = cannikin.balancer.models()
+        self.path.write_text(
+            json.dumps(
+                {
+                    "history": cannikin.history,
+                    "slopes": [m.slope for m in models],
+                    "intercepts": [m.intercept for m in models],
+                    "plan": list(cannikin.plan.local_batch_sizes),
+                }
+            )
+        )
+
+
+def balance(tmp_path, per_sample_ms, batch_size=32, num_samples=640, epochs=3, cannikin=None, fixed_ms=5.0):
+    torch.manual_seed(0)
+    dataset = IndexedRegression(num_samples)
+    model = RecordingRegressor(dataset, batch_size=batch_size, record_dir=str(tmp_path))
+    out = tmp_path / "cannikin.json"
+    callbacks = [EmulatedCluster(per_sample_ms, fixed_ms), DumpCannikin(out)]
+    if cannikin is not None:
+        callbacks.append(cannikin)
+    trainer = pl.Trainer(
+        strategy=CannikinStrategy(start_method="fork"),
+        devices=len(per_sample_ms),
+        accelerator="cpu",
+        max_epochs=epochs,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model)
+    return json.loads(out.read_text())
+
+
+def test_two_ranks_one_to_three_converge_to_the_optimal_split(tmp_path):
+    # the default callback is added by the strategy itself (no Cannikin passed)
+    result = balance(tmp_path, per_sample_ms=[1.0, 3.0], epochs=3)
+    # equal intercepts, slopes 1:3 -> the optimum gives rank 0 three quarters of the 64 samples
+    b0 = result["plan"][0]
+    assert abs(b0 - 48) <= 0.1 * 48, result
+    assert sum(result["plan"]) == 64, "the total batch must stay fixed"
+    # re-plans happened at warm-up and at each epoch end, each with a prediction
+    assert len(result["history"]) >= 3
+    assert all(h["predicted_step_time"] > 0 for h in result["history"])
+
+
+def test_fitted_slopes_recover_the_emulated_costs(tmp_path):
+    per_sample_ms = [0.5, 1.0, 2.0]
+    result = balance(tmp_path, per_sample_ms=per_sample_ms, batch_size=24, num_samples=720, epochs=2)
+    for slope, truth in zip(result["slopes"], per_sample_ms, strict=True):
+        assert slope * 1000 == pytest.approx(truth, rel=0.15), result
+
+
+def test_fixed_split_is_never_replanned(tmp_path):
+    torch.manual_seed(0)
+    dataset = IndexedRegression(128)
+    model = RecordingRegressor(dataset, batch_size=8, record_dir=str(tmp_path))
+    trainer = pl.Trainer(
+        strategy=CannikinStrategy(local_batch_sizes=[12, 4], start_method="fork"),
+        devices=2,
+        accelerator="cpu",
+        max_epochs=2,
+        callbacks=[EmulatedCluster([1.0, 3.0])],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model)
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert {len(s) for s in records[0]["steps"]} == {12}
+    assert {len(s) for s in records[1]["steps"]} == {4}
+    assert not any(isinstance(cb, Cannikin) for cb in trainer.callbacks), "a fixed split needs no planner"

@@ -1,0 +1,159 @@
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from lightning_cannikin.goodput import (
+    GoodputChoice,
+    adascale_gain,
+    candidate_batch_sizes,
+    choose_batch_size,
+    efficiency,
+    goodput,
+)
+
+B0 = 128
+# AdaptDL's reference: grad_sqr = 1 and grad_var = 10 per B0-batch, i.e. a per-sample noise scale of 10 * 128.
+PHI = 10.0 * B0
+
+
+def _adaptdl_efficiency(grad_sqr: float, grad_var: float, batch_size: float) -> float:
+    """AdaptDL's GoodputFunction.efficiency, transcribed: var is per B0-batch."""
+    scale = batch_size / B0
+    gain = (grad_var + grad_sqr) / (grad_var / scale + grad_sqr)
+    return gain / scale
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "expected"), [(256, 0.916667), (512, 0.785714), (1024, 0.611111), (2048, 0.423077)]
+)
+def test_efficiency_reference_values(batch_size: int, expected: float) -> None:
+    assert round(efficiency(PHI, batch_size, B0), 6) == expected
+    assert efficiency(PHI, batch_size, B0) == pytest.approx(_adaptdl_efficiency(1.0, 10.0, batch_size), rel=1e-12)
+
+
+def test_efficiency_broadcasts_and_is_one_at_base() -> None:
+    sizes = np.array([128, 256, 512, 1024, 2048])
+    values = efficiency(PHI, sizes, B0)
+    assert isinstance(values, np.ndarray)
+    np.testing.assert_allclose(values, [1.0, 0.916667, 0.785714, 0.611111, 0.423077], atol=5e-7)
+    assert np.all(np.diff(values) < 0)
+    assert isinstance(efficiency(PHI, 128, B0), float)
+    assert efficiency(PHI, 128, B0) == 1.0
+
+
+def test_noise_scale_broadcasts() -> None:
+    phis = np.array([0.0, PHI, math.inf])
+    np.testing.assert_allclose(efficiency(phis, 512, B0), [0.25, 0.785714, 1.0], atol=5e-7)
+    np.testing.assert_array_equal(adascale_gain(phis, B0, B0), [1.0, 1.0, 1.0])
+    grid = adascale_gain(phis[:, None], np.array([128, 512]), B0)
+    assert grid.shape == (3, 2)
+    np.testing.assert_allclose(grid[:, 1], [1.0, (10 + 1) / (10 / 4 + 1), 4.0], rtol=1e-12)
+    rates = goodput(512, np.array([0.5, np.inf]), phis[:, None], B0)
+    assert rates.shape == (3, 2) and np.all(rates[:, 1] == 0.0)
+    assert rates[2, 0] == pytest.approx(1024.0)
+
+
+def test_efficiency_limits() -> None:
+    # No noise: a bigger batch is pure waste (E = B0 / B); pure noise: every sample counts fully.
+    assert efficiency(0.0, 512, B0) == pytest.approx(0.25)
+    assert efficiency(math.inf, 512, B0) == 1.0
+    # No statistics yet behaves like no noise: exact at B0, pessimistic above it.
+    assert efficiency(None, B0, B0) == 1.0
+    assert efficiency(None, 512, B0) == pytest.approx(0.25)
+    with pytest.raises(ValueError, match="noise_scale"):
+        efficiency(-1.0, 256, B0)
+    with pytest.raises(ValueError, match="noise_scale"):
+        efficiency(float("nan"), 256, B0)
+    with pytest.raises(ValueError, match="positive"):
+        efficiency(PHI, 0, B0)
+
+
+def test_adascale_gain() -> None:
+    for phi in (None, 0.0, 3.7, PHI, math.inf):
+        assert adascale_gain(phi, B0, B0) == 1.0
+    # r(B) = E(B) * B / B0, the AdaptDL gain (var + sqr) / (var / scale + sqr).
+    assert adascale_gain(PHI, 512, B0) == pytest.approx((10 + 1) / (10 / 4 + 1), rel=1e-12)
+    assert adascale_gain(math.inf, 512, B0) == pytest.approx(4.0)
+    assert adascale_gain(0.0, 512, B0) == pytest.approx(1.0)
+    assert adascale_gain(None, 512, B0) == pytest.approx(1.0)
+    gains = adascale_gain(PHI, np.array([128, 256, 512, 1024]), B0)
+    assert np.all(np.diff(gains) > 0) and np.all(gains <= np.array([1, 2, 4, 8]))
+
+
+def test_candidate_batch_sizes() -> None:
+    values = candidate_batch_sizes(128, 4096)
+    assert values.dtype.kind == "i"
+    assert values[0] == 128 and values[-1] == 4096
+    assert np.all(np.diff(values) > 0)
+    assert 40 <= values.size <= 50
+    ratios = values[1:] / values[:-1]
+    # Geometric: a near-constant ratio (up to integer rounding) of (4096 / 128) ** (1 / 49).
+    np.testing.assert_allclose(ratios, 32 ** (1 / 49), rtol=0.01)
+    small = candidate_batch_sizes(3, 12, count=50)  # rounding merges most points
+    np.testing.assert_array_equal(small, np.arange(3, 13))
+    np.testing.assert_array_equal(candidate_batch_sizes(64, 64), [64])
+    assert candidate_batch_sizes(1, 1000, count=5).tolist() == [1, 6, 32, 178, 1000]
+    with pytest.raises(ValueError, match="exceed"):
+        candidate_batch_sizes(65, 64)
+    with pytest.raises(ValueError, match="lower"):
+        candidate_batch_sizes(0, 64)
+
+
+def test_goodput_values_and_infeasible() -> None:
+    assert goodput(512, 0.5, PHI, B0) == pytest.approx(512 / 0.5 * 0.785714, rel=1e-6)
+    values = goodput(np.array([128, 256, 512]), np.array([0.1, np.inf, 0.3]), PHI, B0)
+    assert values[1] == 0.0
+    assert values[0] == pytest.approx(1280.0)
+    for bad in (math.inf, 0.0, -1.0, float("nan")):
+        assert goodput(256, bad, PHI, B0) == 0.0
+
+
+def _times_for_goodput(sizes: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """Step times that make each candidate's goodput equal to ``targets``."""
+    return sizes * efficiency(PHI, sizes, B0) / targets
+
+
+def test_choose_batch_size_hysteresis() -> None:
+    current, current_time = 256, 0.25
+    current_goodput = goodput(current, current_time, PHI, B0)
+    sizes = np.array([128, 256, 512, 1024])
+    # 512 is 3% better than the current plan: below the 5% margin, so keep 256.
+    times = _times_for_goodput(sizes, current_goodput * np.array([0.5, 1.0, 1.03, 0.9]))
+    choice = choose_batch_size(sizes, times, PHI, B0, current, current_time, margin=0.05)
+    assert isinstance(choice, GoodputChoice)
+    assert choice.batch_size == 512 and not choice.adopted
+    assert choice.goodput == pytest.approx(1.03 * current_goodput)
+    assert choice.current_goodput == pytest.approx(current_goodput)
+    assert choice.next_batch_size == current
+    # 10% better clears the margin.
+    times = _times_for_goodput(sizes, current_goodput * np.array([0.5, 1.0, 1.10, 0.9]))
+    choice = choose_batch_size(sizes, times, PHI, B0, current, current_time, margin=0.05)
+    assert choice.batch_size == 512 and choice.adopted and choice.next_batch_size == 512
+    # ... but not with a 20% margin.
+    assert not choose_batch_size(sizes, times, PHI, B0, current, current_time, margin=0.2).adopted
+    # No statistics: never change, however good the prediction looks.
+    choice = choose_batch_size(sizes, times, None, B0, current, current_time)
+    assert not choice.adopted and choice.batch_size == current and choice.next_batch_size == current
+
+
+def test_choose_batch_size_edge_cases() -> None:
+    sizes = np.array([128, 256, 512])
+    # Unknown current step time: the best feasible candidate is adopted.
+    choice = choose_batch_size(sizes, [0.1, 0.15, np.inf], PHI, B0, 128, None)
+    assert choice.current_goodput == 0.0 and choice.adopted and choice.batch_size == 256
+    # Everything infeasible: nothing adopted.
+    choice = choose_batch_size(sizes, [np.inf] * 3, PHI, B0, 128, 0.1)
+    assert choice.goodput == 0.0 and not choice.adopted
+    # The best candidate is the current batch: no change even if it beats the measured time.
+    choice = choose_batch_size(sizes, [0.05, 10.0, 10.0], PHI, B0, 128, 0.1)
+    assert choice.batch_size == 128 and not choice.adopted
+    # Ties go to the smaller batch.
+    tie = choose_batch_size([512, 256], [2.0, 1.0], math.inf, B0, 128, 1.0)  # E = 1: both exactly 256 samples/s
+    assert tie.goodput == 256.0 and tie.batch_size == 256
+    with pytest.raises(ValueError, match="step times"):
+        choose_batch_size(sizes, [0.1, 0.2], PHI, B0, 128, 0.1)
+    with pytest.raises(ValueError, match="margin"):
+        choose_batch_size(sizes, [0.1, 0.2, 0.3], PHI, B0, 128, 0.1, margin=-0.1)

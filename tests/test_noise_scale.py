@@ -1,0 +1,194 @@
+"""Noise-scale estimator against a synthetic problem with a known answer.
+
+Per-sample gradients are ``w - x`` with ``x ~ N(mu, s^2 I_d)``, so ``G = w - mu``, ``tr(Sigma) = d s^2`` and the true
+noise scale is ``d s^2 / |w - mu|^2``. Group gradients are means of actually sampled per-sample gradients.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+
+from lightning_cannikin.noise_scale import NoiseScaleEstimator, adaptdl_moments, pooled_moments
+
+DIM = 128
+SIGMA = 1.0
+TRUE_VAR = DIM * SIGMA**2  # tr(Sigma) = 128
+TRUE_SQR = 0.5  # |G|^2
+TRUE_NOISE_SCALE = TRUE_VAR / TRUE_SQR  # 256 samples
+
+
+def _mean_gradient() -> np.ndarray:
+    g = np.zeros(DIM)
+    g[:4] = math.sqrt(TRUE_SQR / 4)  # spread over a few coordinates; only the norm matters
+    return g
+
+
+def simulate(rng: np.random.Generator, sizes: list[int], steps: int, dim: int = DIM) -> tuple[np.ndarray, np.ndarray]:
+    """Z (steps x groups) and Y (steps) from sampled per-sample gradients ``G - eps``."""
+    mean_grad = _mean_gradient()[:dim] if dim == DIM else np.full(dim, math.sqrt(TRUE_SQR / dim))
+    edges = np.cumsum([0, *sizes])
+    noise = rng.standard_normal((steps, edges[-1], dim)) * SIGMA
+    group_grads = np.stack([mean_grad - noise[:, a:b].mean(axis=1) for a, b in itertools.pairwise(edges)], axis=1)
+    # The reduction the comm hook performs: sample-weighted mean of the group means = mean over all samples.
+    weights = np.asarray(sizes, dtype=np.float64) / edges[-1]
+    global_grad = np.einsum("sgd,g->sd", group_grads, weights)
+    np.testing.assert_allclose(global_grad, mean_grad - noise.mean(axis=1), atol=1e-12)
+    return (group_grads**2).sum(-1), (global_grad**2).sum(-1)
+
+
+@pytest.mark.parametrize("sizes", [[48, 16], [40, 16, 8]])
+def test_ema_noise_scale_converges_with_uneven_groups(sizes: list[int]) -> None:
+    rng = np.random.default_rng(sum(sizes) + len(sizes))
+    est = NoiseScaleEstimator(base_batch_size=64)
+    assert est.noise_scale is None
+    late = []
+    for chunk in range(6):
+        local, total = simulate(rng, sizes, steps=500)
+        for z, y in zip(local, total, strict=True):
+            assert est.update(z, sizes, y)
+            if chunk >= 4:  # after 2,000 warm-up steps
+                late.append(est.noise_scale)
+    assert est.num_updates == 3000
+    rel = np.abs(np.asarray(late) / TRUE_NOISE_SCALE - 1.0)
+    assert rel.max() < 0.10, f"worst relative error after warm-up {rel.max():.3f}"
+    assert abs(est.grad_var / TRUE_VAR - 1.0) < 0.05
+    assert abs(est.grad_sqr / TRUE_SQR - 1.0) < 0.10
+
+
+def _assert_unbiased(samples: np.ndarray, truth: float, sigmas: float = 4.0) -> float:
+    stderr = samples.std(ddof=1) / math.sqrt(samples.size)
+    assert abs(samples.mean() - truth) < sigmas * stderr, (samples.mean(), truth, stderr)
+    return stderr
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [[48, 16], [40, 16, 8], [20, 20, 12, 12, 8, 8]],  # the last: 3 ranks x 2 accumulation micro-batches
+    ids=["2-ranks", "3-ranks", "3-ranks-x2-accum"],
+)
+def test_single_step_pooled_moments_are_unbiased(sizes: list[int]) -> None:
+    rng = np.random.default_rng(len(sizes))
+    dim, draws = 16, 4000
+    local, total = simulate(rng, sizes, steps=draws, dim=dim)
+    est = np.array([pooled_moments(z, sizes, y) for z, y in zip(local, total, strict=True)])
+    _assert_unbiased(est[:, 0], TRUE_SQR)
+    _assert_unbiased(est[:, 1], dim * SIGMA**2)
+    # Power check: AdaptDL's equal-batch formula on the same uneven data is biased by many standard errors, so the
+    # tolerance above is tight enough to catch a wrong weighting.
+    naive = np.array([adaptdl_moments(z, sum(sizes) / len(sizes), y) for z, y in zip(local, total, strict=True)])
+    stderr = naive[:, 0].std(ddof=1) / math.sqrt(draws)
+    assert abs(naive[:, 0].mean() - TRUE_SQR) > 10 * stderr
+
+
+def test_equal_groups_reduce_to_adaptdl() -> None:
+    rng = np.random.default_rng(7)
+    for n in (2, 3, 8):
+        local, total = simulate(rng, [16] * n, steps=5, dim=8)
+        for z, y in zip(local, total, strict=True):
+            ours = pooled_moments(z, [16] * n, y)
+            theirs = adaptdl_moments(z, 16, y)
+            np.testing.assert_allclose(ours, theirs, rtol=1e-12, atol=1e-12)
+
+
+def test_adaptdl_moments_in_adaptdl_units() -> None:
+    # AdaptDL's var is tr(Sigma) / B0; with B0 = 1 it is the per-sample trace. Hand-computed for Z = (3, 5), Y = 2,
+    # b = 4: local_sqr = 4, grad_sqr = (2 * 2 - 4) / 1 = 0, grad_var = (4 - 2) * 8 / 1 = 16.
+    assert adaptdl_moments([3.0, 5.0], 4, 2.0) == (0.0, 16.0)
+    assert pooled_moments([3.0, 5.0], [4, 4], 2.0) == (0.0, 16.0)
+
+
+def test_pooled_moments_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="at least 2"):
+        pooled_moments([1.0], [4], 1.0)
+    with pytest.raises(ValueError, match="one norm per group"):
+        pooled_moments([1.0, 2.0], [4, 4, 4], 1.0)
+    with pytest.raises(ValueError, match="positive"):
+        pooled_moments([1.0, 2.0], [4, 0], 1.0)
+
+
+def test_nonfinite_or_single_group_skips_update() -> None:
+    est = NoiseScaleEstimator(base_batch_size=32)
+    assert est.update([1.0, 2.0], [16, 16], 1.2)
+    before = est.state_dict()
+    assert not est.update([float("nan"), 2.0], [16, 16], 1.2)
+    assert not est.update([1.0, float("inf")], [16, 16], 1.2)
+    assert not est.update([1.0, 2.0], [16, 16], float("inf"))
+    assert not est.update([1.0], [32], 1.0)
+    assert est.state_dict() == before
+    assert est.num_updates == 1
+
+
+def test_first_update_is_bias_corrected() -> None:
+    est = NoiseScaleEstimator(base_batch_size=64)
+    sqr, var = pooled_moments([1.5, 2.5], [48, 16], 1.25)
+    est.update([1.5, 2.5], [48, 16], 1.25)
+    assert est.grad_sqr == pytest.approx(max(sqr, 0.0), rel=1e-12)
+    assert est.grad_var == pytest.approx(var, rel=1e-12)
+    assert est.noise_scale == pytest.approx(var / sqr, rel=1e-12)
+
+
+def test_decay_is_per_sample() -> None:
+    one_big = NoiseScaleEstimator(base_batch_size=64, decay=0.9)
+    one_big.update([1.0, 2.0], [64, 64], 1.0)
+    two_small = NoiseScaleEstimator(base_batch_size=64, decay=0.9)
+    two_small.update([1.0, 2.0], [32, 32], 1.0)
+    two_small.update([1.0, 2.0], [32, 32], 1.0)
+    # 128 samples either way, so both averages carry weight 1 - 0.9 ** 2.
+    assert one_big.state_dict()["weight"] == pytest.approx(1 - 0.9**2, rel=1e-12)
+    assert two_small.state_dict()["weight"] == pytest.approx(1 - 0.9**2, rel=1e-12)
+
+
+def test_clipping_does_not_bias_the_running_mean() -> None:
+    decay = 0.5
+    est = NoiseScaleEstimator(base_batch_size=2, decay=decay)
+    # Z = (0, 0), Y = 1 with b = (1, 1): grad_sqr = (2 * 1 - 0) / 1 = 2, grad_var = (0 - 2) / 1 = -2.
+    # Z = (4, 4), Y = 0: grad_sqr = (0 - 4) / 1 = -4, grad_var = (8 - 0) / 1 = 8.
+    est.update([4.0, 4.0], [1, 1], 0.0)
+    assert est.grad_sqr == 0.0  # raw -4, clipped on read
+    assert est.noise_scale == math.inf
+    est.update([0.0, 0.0], [1, 1], 1.0)
+    # The unclipped EMA is exactly 0 here; averaging the clipped history (0, 2) would give 4/3 instead.
+    expected_sqr = (decay * (1 - decay) * -4 + (1 - decay) * 2) / (1 - decay**2)
+    expected_var = (decay * (1 - decay) * 8 + (1 - decay) * -2) / (1 - decay**2)
+    assert expected_sqr == 0.0
+    assert est.grad_sqr == pytest.approx(0.0, abs=1e-12)
+    assert est.grad_var == pytest.approx(expected_var, rel=1e-12)
+    est.update([0.0, 0.0], [1, 1], 1.0)
+    assert est.grad_sqr > 0.0
+
+
+def test_zero_variance_gives_zero_noise_scale() -> None:
+    est = NoiseScaleEstimator(base_batch_size=8)
+    est.update([1.0, 1.0], [4, 4], 1.0)  # identical groups: no noise
+    assert est.grad_var == 0.0
+    assert est.noise_scale == 0.0
+
+
+def test_state_dict_round_trip_is_exact() -> None:
+    rng = np.random.default_rng(3)
+    sizes = [40, 16, 8]
+    local, total = simulate(rng, sizes, steps=20, dim=8)
+    est = NoiseScaleEstimator(base_batch_size=64, decay=0.99)
+    for z, y in zip(local[:10], total[:10], strict=True):
+        est.update(z, sizes, y)
+    restored = NoiseScaleEstimator(base_batch_size=1)
+    restored.load_state_dict(json.loads(json.dumps(est.state_dict())))
+    assert restored.state_dict() == est.state_dict()
+    assert restored.noise_scale == est.noise_scale
+    for z, y in zip(local[10:], total[10:], strict=True):
+        est.update(z, sizes, y)
+        restored.update(z, sizes, y)
+    assert restored.state_dict() == est.state_dict()
+    assert restored.num_updates == 20
+
+
+def test_constructor_validates() -> None:
+    with pytest.raises(ValueError, match="base_batch_size"):
+        NoiseScaleEstimator(base_batch_size=0)
+    with pytest.raises(ValueError, match="decay"):
+        NoiseScaleEstimator(base_batch_size=8, decay=1.0)
