@@ -51,6 +51,9 @@ class Cannikin(Callback):
         half_life: recency half-life of the timing fits, in steps.
         adapt_margin: relative goodput gain required to change the total batch (hysteresis).
         min_noise_updates: optimizer steps of noise statistics required before the total batch may change.
+        track_noise_scale: measure the gradient noise scale (one extra all-reduce of ``world_size`` floats per
+            optimizer step). ``None``: only when it can change something, i.e. with ``max_batch_size`` or with
+            ``lr_scaling="adascale"`` and a ``base_batch_size``.
 
     Example::
 
@@ -70,6 +73,7 @@ class Cannikin(Callback):
         half_life: float = 50.0,
         adapt_margin: float = 0.05,
         min_noise_updates: int = 20,
+        track_noise_scale: bool | None = None,
     ) -> None:
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"`max_batch_size` must be a positive integer or None, got {max_batch_size}.")
@@ -93,6 +97,9 @@ class Cannikin(Callback):
         self.half_life = half_life
         self.adapt_margin = adapt_margin
         self.min_noise_updates = min_noise_updates
+        if track_noise_scale is None:
+            track_noise_scale = max_batch_size is not None or (lr_scaling == "adascale" and base_batch_size is not None)
+        self.track_noise_scale = track_noise_scale
         self.history: list[dict[str, Any]] = []
         self.progress = Progress()
         self.lr_factor = 1.0
@@ -142,7 +149,7 @@ class Cannikin(Callback):
         self._strategy = trainer.strategy
         if self._balancer is None:
             self._balancer = SplitBalancer(trainer.world_size, self.half_life, lower=self._lower, upper=self._upper)
-        if self._observer is None and trainer.world_size > 1:
+        if self._observer is None and trainer.world_size > 1 and self.track_noise_scale:
             self._observer = GradientNormObserver(trainer.global_rank, trainer.world_size)
             self._strategy.hook_state.observers.append(self._observer)
 
@@ -210,7 +217,9 @@ class Cannikin(Callback):
             rank = trainer.global_rank
             record = StepRecord(self._step, rank, sizes[rank], compute_end - start, now - self._batch_start)
             self._records.append(record)
-            self._log_step(pl_module, record)
+            if (self._step + 1) % trainer.log_every_n_steps == 0:
+                # only on steps whose metrics reach the loggers: each log call costs time on the hot path
+                self._log_step(pl_module, record)
         if stepped:
             self._after_optimizer_step(trainer, pl_module)
         self._step += 1
@@ -236,7 +245,7 @@ class Cannikin(Callback):
             local, global_sqr = statistics
             self._estimator.update(local, window, global_sqr)
             phi = self._estimator.noise_scale
-            if phi is not None and np.isfinite(phi):
+            if phi is not None and np.isfinite(phi) and (self._step + 1) % trainer.log_every_n_steps == 0:
                 base = self._estimator.base_batch_size
                 pl_module.log("cannikin/noise_scale", phi, on_step=True, on_epoch=False, rank_zero_only=True)
                 pl_module.log(

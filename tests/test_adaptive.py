@@ -1,0 +1,168 @@
+"""The adaptive layer in real multi-process runs: noise statistics from the comm hook, LR scaling, total batch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+
+from lightning_cannikin import Cannikin, CannikinStrategy, EmulatedCluster
+from lightning_cannikin.noise_scale import pooled_moments
+from tests.models import IndexedRegression, RecordingRegressor, read_records
+
+
+class RecordingSGD(torch.optim.SGD):
+    """SGD that records the learning rate it actually steps with."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.stepped_lrs: list[float] = []
+
+    def step(self, closure=None):
+        self.stepped_lrs.append(self.param_groups[0]["lr"])
+        return super().step(closure)
+
+
+class ScheduledRegressor(RecordingRegressor):
+    def __init__(self, *args, schedule: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.schedule = schedule
+        self.scheduled_lrs: list[float] = []
+
+    def configure_optimizers(self):
+        optimizer = RecordingSGD(self.parameters(), lr=self.lr)
+        if self.schedule == "lambda":
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+        else:
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.scheduled_lrs.append(self.lr_schedulers().get_last_lr()[0])
+
+    def on_train_end(self):
+        super().on_train_end()
+        optimizer = self.optimizers().optimizer
+        path = Path(self.record_dir, f"lrs{self.global_rank}.json")
+        path.write_text(
+            json.dumps(
+                {
+                    "stepped": optimizer.stepped_lrs,
+                    "scheduled": self.scheduled_lrs,
+                    "after": optimizer.param_groups[0]["lr"],
+                    "final_schedule": self.lr_schedulers().get_last_lr()[0],
+                }
+            )
+        )
+
+
+def _trainer(strategy, devices, callbacks, **kwargs):
+    return pl.Trainer(
+        strategy=strategy,
+        devices=devices,
+        accelerator="cpu",
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("schedule", ["lambda", "step"])
+def test_scaled_lr_is_schedule_times_factor_during_the_step_only(tmp_path, schedule):
+    torch.manual_seed(0)
+    dataset = IndexedRegression(160)
+    model = ScheduledRegressor(dataset, batch_size=8, record_dir=str(tmp_path), lr=0.1, schedule=schedule)
+    # the LR was tuned for a total batch of 8; the fixed split runs 16, so the linear rule doubles it
+    cannikin = Cannikin(lr_scaling="linear", base_batch_size=8)
+    trainer = _trainer(CannikinStrategy(local_batch_sizes=[12, 4], start_method="fork"), 2, [cannikin], max_steps=6)
+    trainer.fit(model)
+    for rank in (0, 1):
+        lrs = json.loads((tmp_path / f"lrs{rank}.json").read_text())
+        assert len(lrs["stepped"]) == 6
+        assert lrs["stepped"] == pytest.approx([2.0 * s for s in lrs["scheduled"]], rel=1e-12)
+        # the scheduler kept control: outside optimizer.step() the LR is the schedule's own
+        assert lrs["after"] == pytest.approx(lrs["final_schedule"], rel=1e-12)
+        assert len(set(lrs["scheduled"])) > 1, "the schedule must actually move for this test to mean anything"
+
+
+class DumpEstimator(Callback):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.is_global_zero:
+            cannikin = next(cb for cb in trainer.callbacks if isinstance(cb, Cannikin))
+            self.path.write_text(json.dumps(cannikin._estimator.state_dict()))
+
+
+@pytest.mark.parametrize("sizes", [[24, 8], [20, 8, 4]])
+def test_noise_statistics_from_the_hook_match_a_single_process_replay(tmp_path, sizes):
+    torch.manual_seed(0)
+    dataset = IndexedRegression(256)
+    model = RecordingRegressor(dataset, batch_size=8, record_dir=str(tmp_path))
+    initial = {k: v.clone() for k, v in model.layer.state_dict().items()}
+    out = tmp_path / "estimator.json"
+    trainer = _trainer(
+        CannikinStrategy(local_batch_sizes=sizes, start_method="fork"),
+        len(sizes),
+        [Cannikin(track_noise_scale=True), DumpEstimator(out)],
+        max_steps=1,
+    )
+    trainer.fit(model)
+    records = read_records(tmp_path, len(sizes))
+    state = json.loads(out.read_text())
+    assert state["num_updates"] == 1
+
+    def squared_gradient_norm(index: list[int]) -> float:
+        layer = nn.Linear(dataset.x.shape[1], 1)
+        layer.load_state_dict(initial)
+        index = torch.tensor(index)
+        nn.functional.mse_loss(layer(dataset.x[index]), dataset.y[index]).backward()
+        return sum(float(p.grad.pow(2).sum()) for p in layer.parameters())
+
+    local = [squared_gradient_norm(r["steps"][0]) for r in records]
+    everything = squared_gradient_norm([i for r in records for i in r["steps"][0]])
+    expected_sqr, expected_var = pooled_moments(local, sizes, everything)
+    # after one update the bias-corrected averages are that update's values
+    assert state["sqr_biased"] / state["weight"] == pytest.approx(expected_sqr, rel=1e-4)
+    assert state["var_biased"] / state["weight"] == pytest.approx(expected_var, rel=1e-4)
+
+
+def test_total_batch_grows_only_at_epoch_ends_and_keeps_every_sample_once(tmp_path):
+    torch.manual_seed(0)
+    # a noisy problem (large noise scale) on a cluster where each step has a large fixed cost: bigger is better
+    dataset = IndexedRegression(480, seed=3)
+    dataset.y += 3.0 * torch.randn_like(dataset.y)
+    model = RecordingRegressor(dataset, batch_size=8, record_dir=str(tmp_path), lr=0.01)
+    cannikin = Cannikin(max_batch_size=128, min_noise_updates=5, warmup_steps=4)
+    trainer = _trainer(
+        CannikinStrategy(start_method="fork"),
+        2,
+        [cannikin, EmulatedCluster([0.2, 0.6], fixed_ms=15.0)],
+        max_epochs=4,
+    )
+    trainer.fit(model)
+    records = read_records(tmp_path, 2)
+    totals_per_epoch = {}
+    for epoch in range(4):
+        steps = [
+            (a, b)
+            for a, b, e in zip(records[0]["steps"], records[1]["steps"], records[0]["epochs"], strict=True)
+            if e == epoch
+        ]
+        consumed = sorted(i for a, b in steps for i in a + b)
+        assert consumed == list(range(480)), f"epoch {epoch} lost or repeated samples"
+        totals = {len(a) + len(b) for a, b in steps[:-1]}  # the epoch's last batch may be partial
+        assert len(totals) == 1, f"the total batch changed within epoch {epoch}: {totals}"
+        totals_per_epoch[epoch] = totals.pop()
+    assert totals_per_epoch[0] == 16
+    assert max(totals_per_epoch.values()) > 16, f"the total batch never grew: {totals_per_epoch}"
+    assert max(totals_per_epoch.values()) <= 128
