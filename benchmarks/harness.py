@@ -26,14 +26,21 @@ from lightning_cannikin import Cannikin, EmulatedCluster
 
 
 class EpochClock(Callback):
-    """Rank zero's wall clock at every epoch start and at the end, plus the Cannikin history and test accuracy."""
+    """Rank zero's wall clock at every epoch start and at the end, plus the Cannikin history and test accuracy.
 
-    def __init__(self, out: Path, test_set: Any) -> None:
+    With ``target_accuracy`` set, rank zero also evaluates the test set at every epoch end (off the clock: the time
+    spent evaluating is subtracted), records the curve, and stops every rank once the target is reached.
+    """
+
+    def __init__(self, out: Path, test_set: Any, target_accuracy: float | None = None, total_batch: int = 0) -> None:
         self.out = out
+        self.total_batch = total_batch
         self.test_set = test_set
+        self.target_accuracy = target_accuracy
         self.epoch_starts: list[float] = []
         self.epoch_samples: list[int] = []
-        self.accuracy_curve: list[tuple[float, float]] = []
+        self.curve: list[dict[str, float]] = []
+        self.eval_time = 0.0
         self.started = 0.0
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -47,6 +54,30 @@ class EpochClock(Callback):
         sizes = getattr(trainer.strategy, "step_sizes", None)
         self.epoch_samples[-1] += sum(sizes) if sizes else len(batch[0]) * trainer.world_size
 
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.target_accuracy is None:
+            return
+        reached = False
+        if trainer.is_global_zero:
+            paused = time.perf_counter()
+            value = accuracy(pl_module, self.test_set)
+            pl_module.train()
+            plan = getattr(trainer.strategy, "plan", None)
+            self.curve.append(
+                {
+                    "time": paused - self.started - self.eval_time,
+                    "epoch": trainer.current_epoch,
+                    "accuracy": value,
+                    "total_batch_size": plan.total_batch_size if plan else self.total_batch,
+                    "lr_factor": getattr(trainer.strategy, "lr_factor", 1.0),
+                    "samples": sum(self.epoch_samples),
+                }
+            )
+            reached = value >= self.target_accuracy
+            self.eval_time += time.perf_counter() - paused
+        if trainer.strategy.broadcast(reached, src=0):
+            trainer.should_stop = True
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.is_global_zero:
             return
@@ -58,7 +89,8 @@ class EpochClock(Callback):
             "epoch_samples": self.epoch_samples,
             "history": cannikin.history if cannikin is not None else [],
             "test_accuracy": accuracy(pl_module, self.test_set),
-            "wall_time": time.perf_counter() - self.started,
+            "wall_time": time.perf_counter() - self.started - self.eval_time,
+            "curve": self.curve,
         }
         self.out.write_text(json.dumps(result))
 
@@ -73,11 +105,17 @@ def run(
     callbacks: list[Callback] | None = None,
     lr: float = 0.05,
     seed: int = 0,
+    target_accuracy: float | None = None,
+    train_samples: int | None = None,
 ) -> dict[str, Any]:
     """Train once; returns rank zero's measurements."""
     torch.set_num_threads(1)
     pl.seed_everything(seed, verbose=False)
     train, test, shape = load_dataset(data, seed=seed)
+    if train_samples is not None and train_samples < len(train):
+        train = torch.utils.data.Subset(
+            train, torch.randperm(len(train), generator=torch.Generator().manual_seed(0))[:train_samples].tolist()
+        )
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         trainer = pl.Trainer(
@@ -85,7 +123,11 @@ def run(
             accelerator="cpu",
             devices=len(per_sample_ms),
             max_epochs=epochs,
-            callbacks=[EmulatedCluster(per_sample_ms, fixed_ms), EpochClock(out, test), *(callbacks or [])],
+            callbacks=[
+                EmulatedCluster(per_sample_ms, fixed_ms),
+                EpochClock(out, test, target_accuracy, batch_size * len(per_sample_ms)),
+                *(callbacks or []),
+            ],
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,

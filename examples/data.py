@@ -64,20 +64,23 @@ def load_dataset(name: str, seed: int = 0) -> tuple[TensorDataset, TensorDataset
 
 
 class ImageClassifier(pl.LightningModule):
-    """A small CNN: two convolutions and a linear head. An ordinary LightningModule, nothing Cannikin-specific."""
+    """A small CNN: two convolution + pooling stages and a two-layer head. An ordinary LightningModule, nothing Cannikin-specific."""
 
     def __init__(self, image_shape: tuple[int, ...] = (1, 8, 8), lr: float = 0.05, num_classes: int = 10) -> None:
         super().__init__()
         self.save_hyperparameters()
-        channels = image_shape[0]
+        channels, height, width = image_shape
         self.net = nn.Sequential(
             nn.Conv2d(channels, 16, 3, padding=1),
             nn.ReLU(),
+            nn.MaxPool2d(2),
             nn.Conv2d(16, 32, 3, padding=1),
             nn.ReLU(),
-            nn.AdaptiveAvgPool2d(4),
+            nn.MaxPool2d(2),
             nn.Flatten(),
-            nn.Linear(32 * 16, num_classes),
+            nn.Linear(32 * (height // 4) * (width // 4), 64),
+            nn.ReLU(),
+            nn.Linear(64, num_classes),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

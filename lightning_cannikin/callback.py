@@ -388,14 +388,29 @@ class Cannikin(Callback):
             "progress": self.progress.state_dict(),
             "lr_factor": self.lr_factor,
             "gain": self.gain,
+            "plan": self.plan.to_dict() if self.plan is not None else None,
             "history": self.history,
             "step": self._step,
         }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # applied in on_train_start, once the world size and the initial plan are known
+        # Lightning restores callbacks after `setup` and before it builds the training loader: put the saved plan in
+        # force now so the loader is built with it. The rest waits for on_train_start (the estimator needs B0).
         self._restored = dict(state_dict)
+        saved = state_dict.get("plan")
+        if saved is None or self._strategy is None or self._strategy.fixed_split:
+            return
+        plan = Plan.from_dict(saved)
+        if plan.world_size != self._strategy.world_size:
+            # elastic restart: keep the total batch where the new cluster can hold it, split evenly until timed
+            global_batch = max(plan.global_batch_size, self._strategy.world_size)
+            plan = Plan(even_split(global_batch, self._strategy.world_size), plan.accumulation_steps)
+            rank_zero_info(
+                f"Cannikin: resuming a {len(saved['local_batch_sizes'])}-rank run on {self._strategy.world_size} ranks;"
+                f" keeping the global batch of {global_batch}, split evenly until the new devices are timed."
+            )
+        self._strategy.set_plan(plan)
 
     def _load(self, state: dict[str, Any]) -> None:
         if state.get("balancer") is not None and self._balancer is not None:

@@ -15,7 +15,7 @@ from typing import Any
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from lightning_cannikin.plan import Plan
-from lightning_cannikin.sampler import UnevenBatchSampler
+from lightning_cannikin.sampler import UnevenBatchSampler, epoch_layout
 
 # DataLoader arguments carried over from the user's loader unchanged.
 _KEPT_ARGUMENTS = (
@@ -53,28 +53,48 @@ class UnevenDataLoader(DataLoader):
         return self.batch_sampler
 
     def __iter__(self) -> Iterator[Any]:
+        # Lazy: Lightning creates an iterator while setting up data, before it selects the epoch, and may discard it.
+        # Everything epoch-dependent (the resume position, the schedule) is decided at the first `next()`.
+        return self._iterate()
+
+    def _iterate(self) -> Iterator[Any]:
         sampler = self.uneven_sampler
-        start = 0
-        if self._restore is not None and self._restore["epoch"] == sampler.sampler.epoch:
-            start = self._restore["batches_consumed"]
-        self._restore = None
+        start = self._resume_position()
         if start == 0:
             sampler.collapse_schedule()  # a fresh epoch starts under the latest plan
-        sampler.start_batch = start
-        self._position = start
+        sampler.start_batch = self._position = start
         self.pending_steps.clear()
-        return self._counting(super().__iter__())
-
-    def _counting(self, iterator: Iterator[Any]) -> Iterator[Any]:
-        sampler = self.uneven_sampler
-        for batch in iterator:
+        for batch in super().__iter__():
             self.pending_steps.append((self._position, sampler.sizes_at(self._position)))
             self._position += 1
             yield batch
 
+    def _resume_position(self) -> int:
+        """The global batch to continue from: the checkpoint's, if it is for this very epoch, else 0."""
+        restore, self._restore = self._restore, None
+        sampler = self.uneven_sampler
+        if restore is None or restore["epoch"] != sampler.sampler.epoch or restore["batches_consumed"] <= 0:
+            return 0
+        position = int(restore["batches_consumed"])
+        schedule = {int(k): Plan.from_dict(plan) for k, plan in restore["schedule"]}
+        if all(plan.world_size == sampler.schedule[0].world_size for plan in schedule.values()):
+            # the epoch's layout up to the checkpoint must be rebuilt exactly, mid-epoch re-plans included
+            sampler.schedule = schedule
+            return position
+        # another world size began this epoch: find where its samples end and continue from there with ours
+        consumed = epoch_layout(sampler.num_samples, schedule, sampler.drop_last)[:position]
+        cursor = consumed[-1].start + sum(consumed[-1].local_batch_sizes)
+        sampler.resume = (position, cursor)
+        return position
+
     def state_dict(self) -> dict[str, Any]:
         """Rank-independent position: Lightning stores it with the fit loop's combined loader."""
-        return {"epoch": self.uneven_sampler.sampler.epoch, "batches_consumed": self._position}
+        sampler = self.uneven_sampler
+        return {
+            "epoch": sampler.sampler.epoch,
+            "batches_consumed": self._position,
+            "schedule": [[k, plan.to_dict()] for k, plan in sorted(sampler.schedule.items())],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume lazily: applied on the next ``iter()`` and only if it is for the same epoch."""

@@ -89,7 +89,9 @@ def split_like(total: int, plan: Plan) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def epoch_layout(num_samples: int, schedule: dict[int, Plan], drop_last: bool = False) -> list[GlobalBatch]:
+def epoch_layout(
+    num_samples: int, schedule: dict[int, Plan], drop_last: bool = False, resume: tuple[int, int] = (0, 0)
+) -> list[GlobalBatch]:
     """Lay one epoch out as global batches.
 
     Args:
@@ -97,13 +99,15 @@ def epoch_layout(num_samples: int, schedule: dict[int, Plan], drop_last: bool = 
         schedule: the plan in force from each global-batch index on (key 0 must be present). Keys are batch indices,
             not sample offsets, so a plan decided at step ``k`` lands on exactly the same step on every rank.
         drop_last: drop the final partial global batch instead of splitting it.
+        resume: ``(batch index, sample offset)`` where an epoch begun by another world size continues: the batches
+            before it are placeholders (already consumed), and the layout goes on from that sample.
 
     """
     if 0 not in schedule:
         raise ValueError("The plan schedule needs an entry for global batch 0.")
     starts = sorted(schedule)
-    batches: list[GlobalBatch] = []
-    cursor = 0
+    first_index, cursor = resume
+    batches: list[GlobalBatch] = [GlobalBatch(0, ())] * first_index
     plan = schedule[0]
     next_change = 1
     while cursor < num_samples:
@@ -118,7 +122,7 @@ def epoch_layout(num_samples: int, schedule: dict[int, Plan], drop_last: bool = 
             break
         elif remaining >= plan.world_size:
             sizes = split_like(remaining, plan)
-        elif batches:
+        elif len(batches) > first_index:
             # too few left to give every rank one: fold them into the previous global batch
             last = batches.pop()
             sizes = split_like(sum(last.local_batch_sizes) + remaining, plan)
@@ -162,6 +166,8 @@ class UnevenBatchSampler(Sampler[list[int]]):
         self.drop_last = drop_last
         self.schedule: dict[int, Plan] = {0: plan}
         self.start_batch = 0
+        # (batch index, sample offset) when continuing an epoch that a different world size began
+        self.resume: tuple[int, int] = (0, 0)
         # global batches handed out so far this epoch; a mid-epoch plan may only start at or after it
         self.yielded = 0
         self._layout: list[GlobalBatch] | None = None
@@ -189,12 +195,13 @@ class UnevenBatchSampler(Sampler[list[int]]):
     def collapse_schedule(self) -> None:
         """Keep only the latest plan, from batch 0: what a new epoch starts with."""
         self.schedule = {0: self.schedule[max(self.schedule)]}
+        self.resume = (0, 0)
 
     def layout(self) -> list[GlobalBatch]:
         """The current epoch's global batches (cached until the plan schedule changes)."""
-        key = (self.num_samples, tuple(sorted((k, v) for k, v in self.schedule.items())), self.drop_last)
+        key = (self.num_samples, tuple(sorted(self.schedule.items())), self.drop_last, self.resume)
         if self._layout is None or key != self._layout_key:
-            self._layout = epoch_layout(self.num_samples, self.schedule, self.drop_last)
+            self._layout = epoch_layout(self.num_samples, self.schedule, self.drop_last, self.resume)
             self._layout_key = key
         return self._layout
 

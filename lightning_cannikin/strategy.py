@@ -200,6 +200,8 @@ class CannikinStrategy(DDPStrategy):
             # Lightning closes the window early at the epoch's last batch (or `limit_train_batches`)
             last = int(min(first + accumulation, len(sampler), trainer.num_training_batches))
             window = [sampler.sizes_at(q) for q in range(first, max(last, position + 1))]
+            # an epoch resumed on another world size has placeholders (no sizes) for the batches it did not run
+            window = [sizes_q for sizes_q in window if sizes_q]
         self._window_sizes = tuple(sum(column) for column in zip(*window, strict=True))
         rank_samples = self._window_sizes[rank]
         self.hook_state.weight = rank_samples / sum(self._window_sizes)

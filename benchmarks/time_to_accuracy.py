@@ -1,0 +1,160 @@
+"""Time to a target test accuracy: Lightning DDP vs an even-split adaptive baseline vs Cannikin, side by side.
+
+Three emulated devices, 1x : 2x : 4x (per_sample_ms = 0.5, 1.0, 2.0; fixed_ms = 20), real data (Fashion-MNIST from
+Debian's ``dataset-fashion-mnist`` when installed, else scikit-learn's digits). In one invocation, repeated and
+interleaved:
+
+(a) ``ddp``: Lightning DDP, fixed total batch, even split;
+(b) ``adaptive-even``: Cannikin's own adaptive layer (goodput-chosen total batch, AdaScale LR) with balancing off,
+    the AdaptDL-like baseline;
+(c) ``cannikin``: OptPerf balancing plus the adaptive layer.
+
+Each run evaluates on the test set at every epoch end (off the clock) and stops at the target. Reports the median
+time to target of each, the ratios, and a plot of total batch, LR factor and accuracy over time.
+
+    python benchmarks/time_to_accuracy.py [--repeats 3] [--target 0.84]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.harness import median, run
+from examples.data import fashion_mnist_available
+from lightning_cannikin import Cannikin
+
+PER_SAMPLE_MS = [0.5, 1.0, 2.0]
+
+
+def time_to_target(result: dict, target: float) -> float | None:
+    for point in result["curve"]:
+        if point["accuracy"] >= target:
+            return point["time"]
+    return None
+
+
+def configure(name: str, max_batch_size: int) -> tuple[str, list]:
+    if name == "ddp":
+        return "ddp_fork", []
+    balance = name == "cannikin"
+    return "cannikin_fork", [Cannikin(max_batch_size=max_batch_size, balance=balance, lr_scaling="adascale")]
+
+
+def plot(runs: dict[str, list[dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
+    for name, results in runs.items():
+        curve = results[0]["curve"]
+        times = [p["time"] for p in curve]
+        axes[0].step(times, [p["total_batch_size"] for p in curve], where="post", label=name)
+        axes[1].step(times, [p["lr_factor"] for p in curve], where="post", label=name)
+        axes[2].plot(times, [p["accuracy"] for p in curve], marker="o", label=name)
+    axes[0].set_ylabel("total batch size")
+    axes[1].set_ylabel("LR factor")
+    axes[2].set_ylabel("test accuracy")
+    axes[2].set_xlabel("training time (s, evaluation excluded), first repeat")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", default="fashion-mnist" if fashion_mnist_available() else "digits")
+    parser.add_argument("--train-samples", type=int, default=10000, help="subset of the training set (speed)")
+    parser.add_argument("--target", type=float, default=None, help="default: 0.84 Fashion-MNIST, 0.95 digits")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=32, help="initial per-device batch (B0 = 3x)")
+    parser.add_argument("--max-batch-size", type=int, default=1024)
+    parser.add_argument("--max-epochs", type=int, default=30)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--fixed-ms", type=float, default=20.0)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "time_to_accuracy")
+    args = parser.parse_args(argv)
+    target = args.target or (0.84 if args.data == "fashion-mnist" else 0.95)
+    names = ("ddp", "adaptive-even", "cannikin")
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for repeat in range(args.repeats):
+        for name in names:
+            strategy, callbacks = configure(name, args.max_batch_size)
+            result = run(
+                strategy,
+                PER_SAMPLE_MS,
+                args.fixed_ms,
+                args.batch_size,
+                args.max_epochs,
+                data=args.data,
+                callbacks=callbacks,
+                lr=args.lr,
+                seed=repeat,
+                target_accuracy=target,
+                train_samples=args.train_samples,
+            )
+            result["time_to_target"] = time_to_target(result, target)
+            runs[name].append(result)
+            reached = result["time_to_target"]
+            print(
+                f"repeat {repeat} {name:14s} time to {target:.2f}: "
+                f"{'not reached' if reached is None else f'{reached:.1f} s'} after {len(result['curve'])} epochs,"
+                f" final total batch {result['curve'][-1]['total_batch_size']}",
+                flush=True,
+            )
+
+    def med(name: str) -> float | None:
+        times = [r["time_to_target"] for r in runs[name]]
+        return median(times) if all(t is not None for t in times) else None
+
+    summary = {name: med(name) for name in names}
+    ratios = {
+        "cannikin_vs_ddp": summary["cannikin"] / summary["ddp"] if summary["cannikin"] and summary["ddp"] else None,
+        "cannikin_vs_adaptive_even": (
+            summary["cannikin"] / summary["adaptive-even"] if summary["cannikin"] and summary["adaptive-even"] else None
+        ),
+    }
+    report = {
+        "data": args.data,
+        "train_samples": args.train_samples,
+        "target_accuracy": target,
+        "per_sample_ms": PER_SAMPLE_MS,
+        "fixed_ms": args.fixed_ms,
+        "initial_total_batch": args.batch_size * len(PER_SAMPLE_MS),
+        "max_batch_size": args.max_batch_size,
+        "median_time_to_target_s": summary,
+        "ratios": ratios,
+        "runs": runs,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    rows = [
+        "| run | median time to target (s) | per-repeat (s) | final total batch (first repeat) |",
+        "|---|---:|---|---:|",
+    ]
+    for name in names:
+        per = ", ".join("n/a" if r["time_to_target"] is None else f"{r['time_to_target']:.1f}" for r in runs[name])
+        value = "n/a" if summary[name] is None else f"{summary[name]:.1f}"
+        rows.append(f"| {name} | {value} | {per} | {runs[name][0]['curve'][-1]['total_batch_size']} |")
+    rows.append("")
+    for key, value in ratios.items():
+        rows.append(f"- {key}: {'n/a' if value is None else f'{value:.2f}x the time'}")
+    table = "\n".join(rows)
+    args.out.with_suffix(".md").write_text(
+        f"# Time to {target:.0%} test accuracy ({args.data}, {args.train_samples} training samples)\n\n{table}\n"
+    )
+    plot(runs, args.out.with_suffix(".png"))
+    print(table)
+    print(f"saved {args.out.with_suffix('.json')}, .md, .png")
+    return report
+
+
+if __name__ == "__main__":
+    main()
