@@ -61,8 +61,11 @@ class SplitBalancer:
         tail_window: int = 64,
         lower: int | Sequence[int] | None = None,
         upper: int | Sequence[int] | None = None,
+        drift_tolerance: float = 0.25,
     ) -> None:
         self.world_size = int(world_size)
+        self.drift_tolerance = float(drift_tolerance)
+        self.drifts: list[int] = []  # ranks whose history was dropped at the last `add`, for logging
         self.half_life = float(half_life)
         self.lower = _per_rank(lower, self.world_size, default=1, name="lower")
         self.upper = None if upper is None else _per_rank(upper, self.world_size, default=None, name="upper")
@@ -79,6 +82,7 @@ class SplitBalancer:
             if record.rank >= self.world_size:
                 raise ValueError(f"A record from rank {record.rank} does not fit a world of {self.world_size}.")
             by_step.setdefault(record.step, []).append(record)
+        self.drifts = self._detect_drift(by_step)
         self._models = None
         for step in sorted(by_step):
             step_records = by_step[step]
@@ -87,6 +91,31 @@ class SplitBalancer:
             if len(step_records) == self.world_size:
                 slowest = max(r.compute for r in step_records)
                 self.tails.append(max(0.0, float(np.median([r.step_time for r in step_records])) - slowest))
+
+    def _detect_drift(self, by_step: dict[int, list[StepRecord]], min_samples: int = 4) -> list[int]:
+        """Forget a rank's old samples when its new ones disagree with its model as a whole.
+
+        A device that changes speed (another job lands on a shared GPU, thermal throttling) would otherwise be
+        followed only as fast as the recency weights let old samples fade; a consistent change of more than
+        ``drift_tolerance`` in the median ratio of measured to predicted time starts that rank's model afresh.
+        """
+        if not self.ready:
+            return []
+        models = self.models()
+        ratios: dict[int, list[float]] = {}
+        for step_records in by_step.values():
+            for r in step_records:
+                predicted = models[r.rank](r.batch_size)
+                if predicted > 0:
+                    ratios.setdefault(r.rank, []).append(r.compute / predicted)
+        drifted = [
+            rank
+            for rank, values in sorted(ratios.items())
+            if len(values) >= min_samples and abs(float(np.median(values)) - 1.0) > self.drift_tolerance
+        ]
+        for rank in drifted:
+            self.fitters[rank] = ComputeTimeFitter(half_life=self.half_life)
+        return drifted
 
     @property
     def ready(self) -> bool:

@@ -149,6 +149,7 @@ class Cannikin(Callback):
         self._strategy = trainer.strategy
         if self._balancer is None:
             self._balancer = SplitBalancer(trainer.world_size, self.half_life, lower=self._lower, upper=self._upper)
+        self._strategy.batch_bounds = (self._balancer.lower, self._balancer.upper)
         if self._observer is None and trainer.world_size > 1 and self.track_noise_scale:
             self._observer = GradientNormObserver(trainer.global_rank, trainer.world_size)
             self._strategy.hook_state.observers.append(self._observer)
@@ -307,6 +308,8 @@ class Cannikin(Callback):
         if trainer.is_global_zero:
             records = [r for rank_records, _ in gathered for r in rank_records]
             self._balancer.add(records)
+            if self._balancer.drifts:
+                rank_zero_info(f"Cannikin: ranks {self._balancer.drifts} changed speed; their timing starts afresh.")
             self._since_replan.extend(records)
             if self.history and self.history[-1]["measured_step_time"] is None:
                 self.history[-1]["measured_step_time"] = median_step_time(

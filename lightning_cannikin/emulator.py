@@ -37,6 +37,8 @@ class EmulatedCluster(Callback):
         per_sample_ms: milliseconds per sample on each rank (one entry per rank, or one value for all). A rank with
             twice the value emulates a device half as fast.
         fixed_ms: milliseconds per step on each rank, independent of the batch (kernel launches, optimizer, ...).
+        speed_changes: from a training step (counted from 0 in this fit, every batch) on, new ``per_sample_ms``:
+            e.g. ``{200: [1.0, 3.0]}`` makes rank 1 three times slower at step 200 (drift, a shared GPU).
 
     Example::
 
@@ -45,22 +47,36 @@ class EmulatedCluster(Callback):
 
     """
 
-    def __init__(self, per_sample_ms: float | Sequence[float], fixed_ms: float | Sequence[float] = 0.0) -> None:
+    def __init__(
+        self,
+        per_sample_ms: float | Sequence[float],
+        fixed_ms: float | Sequence[float] = 0.0,
+        speed_changes: dict[int, float | Sequence[float]] | None = None,
+    ) -> None:
         self.per_sample_ms = _as_per_rank("per_sample_ms", per_sample_ms)
         self.fixed_ms = _as_per_rank("fixed_ms", fixed_ms)
+        self.speed_changes = {
+            int(step): _as_per_rank("speed_changes", value) for step, value in (speed_changes or {}).items()
+        }
         self._batch_size = 0
+        self._step = 0
 
-    def delay_ms(self, rank: int, batch_size: int) -> float:
-        """The emulated extra time of ``rank`` for a local batch of ``batch_size`` samples."""
-        per_sample = self.per_sample_ms if isinstance(self.per_sample_ms, float) else self.per_sample_ms[rank]
+    def delay_ms(self, rank: int, batch_size: int, step: int = 0) -> float:
+        """The emulated extra time of ``rank`` for a local batch of ``batch_size`` samples at training step ``step``."""
+        per_sample = self.per_sample_ms
+        for change_step in sorted(self.speed_changes):
+            if change_step <= step:
+                per_sample = self.speed_changes[change_step]
+        per_sample = per_sample if isinstance(per_sample, float) else per_sample[rank]
         fixed = self.fixed_ms if isinstance(self.fixed_ms, float) else self.fixed_ms[rank]
         return fixed + per_sample * batch_size
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # raised identically on every rank, so no rank is left waiting in a collective
-        for name in ("per_sample_ms", "fixed_ms"):
-            value = getattr(self, name)
+        values = [("per_sample_ms", self.per_sample_ms), ("fixed_ms", self.fixed_ms)]
+        values += [("speed_changes", value) for value in self.speed_changes.values()]
+        for name, value in values:
             if isinstance(value, tuple) and len(value) != trainer.world_size:
                 raise ValueError(
                     f"`{name}` has {len(value)} entries but the world size is {trainer.world_size}."
@@ -75,4 +91,10 @@ class EmulatedCluster(Callback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        time.sleep(self.delay_ms(trainer.global_rank, self._batch_size) / 1000.0)
+        time.sleep(self.delay_ms(trainer.global_rank, self._batch_size, self._step) / 1000.0)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._step += 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
@@ -17,6 +18,7 @@ from typing_extensions import override
 from lightning_cannikin.comm_hook import WeightedAllReduceState, weighted_allreduce_hook
 from lightning_cannikin.loader import UnevenDataLoader, loader_batch_size, rebuild_uneven
 from lightning_cannikin.plan import Plan
+from lightning_cannikin.planner import even_split, optimal_split
 
 
 def validate_local_batch_sizes(local_batch_sizes: Sequence[int] | None) -> tuple[int, ...] | None:
@@ -70,6 +72,8 @@ class CannikinStrategy(DDPStrategy):
         self._window_sizes: tuple[int, ...] | None = None
         self._loss_factor = 1.0
         self.lr_factor = 1.0
+        # per-rank (lower, upper) local batch bounds, set by the Cannikin callback; the first plan respects them
+        self.batch_bounds: tuple[list[int], list[int] | None] | None = None
 
     @property
     def plan(self) -> Plan | None:
@@ -163,11 +167,28 @@ class CannikinStrategy(DDPStrategy):
         elif self._plan is not None:
             plan = Plan(self._plan.local_batch_sizes, accumulation, self._plan.predicted_step_time)
         else:
-            plan = Plan.even(loader_batch_size(dataloader), self.world_size, accumulation)
+            plan = self._initial_plan(loader_batch_size(dataloader) * self.world_size, accumulation)
         loader = rebuild_uneven(dataloader, plan, self.global_rank)
         self._plan = plan
         self._train_loader = loader
         return loader
+
+    def _initial_plan(self, global_batch_size: int, accumulation: int) -> Plan:
+        """The user's batch size on every rank, moved inside ``batch_bounds`` (same total) when it violates them."""
+        n = self.world_size
+        if self.batch_bounds is None:
+            return Plan(even_split(global_batch_size, n), accumulation)
+        lower, upper = self.batch_bounds
+        if sum(lower) > global_batch_size or (upper is not None and sum(upper) < global_batch_size):
+            raise ValueError(
+                f"`local_batch_bounds` (lower {lower}, upper {upper}) cannot hold the initial global batch of"
+                f" {global_batch_size} (the DataLoader's batch_size x {n} ranks). Lower the DataLoader `batch_size` or"
+                " widen the bounds."
+            )
+        # equal costs: the planner's split is the most even one inside the bounds
+        return Plan(
+            optimal_split(np.ones(n), np.zeros(n), global_batch_size, lower, upper).local_batch_sizes, accumulation
+        )
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

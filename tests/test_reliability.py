@@ -98,3 +98,128 @@ def test_cannikin_callback_requires_the_cannikin_strategy():
     trainer = pl.Trainer(strategy="ddp_fork", devices=2, accelerator="cpu", callbacks=[Cannikin()], logger=False)
     with pytest.raises(ValueError, match="strategy='cannikin'"):
         Cannikin().setup(trainer, None, "fit")
+
+
+def test_a_device_that_slows_down_is_rebalanced_within_two_replans(tmp_path):
+    from lightning_cannikin import EmulatedCluster
+    from tests.test_balancing import DumpCannikin
+
+    out = tmp_path / "cannikin.json"
+    change_step, every = 24, 8
+    emulator = EmulatedCluster([1.0, 1.0], fixed_ms=5.0, speed_changes={change_step: [1.0, 3.0]})
+    cannikin = Cannikin(replan_every_n_steps=every, warmup_steps=every)
+    _fit(
+        tmp_path,
+        2,
+        num_samples=640,
+        batch_size=16,
+        max_epochs=3,
+        enable_checkpointing=False,
+        callbacks=[emulator, cannikin, DumpCannikin(out)],
+    )
+    import json
+
+    history = json.loads(out.read_text())["history"]
+    before = [h for h in history if h["step"] <= change_step]
+    after = [h for h in history if h["step"] > change_step]
+    # equal devices: an even-ish split before the change
+    assert abs(before[-1]["local_batch_sizes"][0] - 16) <= 3, before[-1]
+    # rank 1 three times slower: the optimum gives rank 0 three quarters of 32, reached by the second re-plan
+    assert len(after) >= 2
+    assert abs(after[1]["local_batch_sizes"][0] - 24) <= 0.15 * 24, after[:3]
+    assert abs(history[-1]["local_batch_sizes"][0] - 24) <= 0.15 * 24, history[-1]
+
+
+def test_plans_never_exceed_the_bounds(tmp_path):
+    from lightning_cannikin import EmulatedCluster
+
+    # rank 1 is 3x slower: unbounded, rank 0 would take 24 of 32; its cap of 20 binds. The initial even split of
+    # 2 x 16 already violates rank 1's lower bound of 17, so the first plan is moved inside the bounds.
+    bounds = ([4, 12], [20, 28])
+    cannikin = Cannikin(local_batch_bounds=bounds, replan_every_n_steps=6)
+    _, records = _fit(
+        tmp_path,
+        2,
+        num_samples=640,
+        batch_size=16,
+        max_epochs=2,
+        enable_checkpointing=False,
+        callbacks=[EmulatedCluster([1.0, 3.0], fixed_ms=2.0), cannikin],
+    )
+    full = [
+        (len(a), len(b)) for a, b in zip(records[0]["steps"], records[1]["steps"], strict=True) if len(a) + len(b) == 32
+    ]
+    assert full and all(4 <= a <= 20 and 12 <= b <= 28 for a, b in full), sorted(set(full))
+    assert full[-1] == (20, 12), "the cap must bind where the unbounded optimum lies beyond it"
+
+
+def test_bounds_that_cannot_hold_the_batch_fail_before_training(tmp_path):
+    with pytest.raises(Exception, match="local_batch_bounds"):
+        _fit(
+            tmp_path,
+            2,
+            batch_size=16,
+            max_epochs=1,
+            enable_checkpointing=False,
+            callbacks=[Cannikin(local_batch_bounds=10)],
+        )
+
+
+def test_a_killed_rank_makes_the_others_fail_not_hang(tmp_path):
+    import os
+    from datetime import timedelta
+
+    from lightning.pytorch.callbacks import Callback
+
+    class KillRankOne(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_rank == 1 and batch_idx == 3:
+                os._exit(17)
+
+    torch.manual_seed(0)
+    model = RecordingRegressor(IndexedRegression(200), batch_size=8, record_dir=str(tmp_path))
+    trainer = pl.Trainer(
+        strategy=CannikinStrategy(start_method="fork", timeout=timedelta(seconds=30)),
+        devices=2,
+        accelerator="cpu",
+        max_epochs=1,
+        callbacks=[KillRankOne()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    started = time.perf_counter()
+    with pytest.raises(Exception, match=r"17|exit|terminated|process"):
+        trainer.fit(model)
+    assert time.perf_counter() - started < 60
+
+
+def test_a_stalled_rank_makes_the_others_fail_within_the_timeout(tmp_path):
+    from datetime import timedelta
+
+    from lightning.pytorch.callbacks import Callback
+
+    class StallRankOne(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_rank == 1 and batch_idx == 3:
+                time.sleep(3600)
+
+    torch.manual_seed(0)
+    model = RecordingRegressor(IndexedRegression(200), batch_size=8, record_dir=str(tmp_path))
+    trainer = pl.Trainer(
+        strategy=CannikinStrategy(start_method="fork", timeout=timedelta(seconds=8)),
+        devices=2,
+        accelerator="cpu",
+        max_epochs=1,
+        callbacks=[StallRankOne()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    started = time.perf_counter()
+    with pytest.raises(Exception) as raised:
+        trainer.fit(model)
+    print("stall error:", type(raised.value).__name__, str(raised.value)[:300])
+    assert time.perf_counter() - started < 60
