@@ -1,0 +1,450 @@
+"""Job models fitted from the profiles: per-GPU compute time, network cost with overlap, and noise-scale trajectory.
+
+* Compute: ``t(b) = a*b + a0`` per GPU type, fitted with the project's own :class:`~lightning_cannikin.perf_model.
+  ComputeTimeFitter` on single-GPU ``step_time - sync_time``. The simulator's ground truth is the measured profile
+  itself (linear interpolation between measured batch sizes), so wherever the linear model is wrong (YOLOv3, NCF)
+  the planner mispredicts in simulation exactly as it would on the real GPU.
+* Network: Pollux's model fitted on the multi-GPU T4 placements,
+  ``T_net(N) = alpha + beta * max(N - 2, 0)`` (``alpha_r, beta_r`` on one node, ``alpha_n, beta_n`` across nodes)
+  and per-device iteration time ``g(b) = (c(b)^gamma + T_net^gamma)^(1/gamma)``: gamma = 1 adds communication to
+  compute, gamma -> inf hides it completely behind backward.
+* Statistics: the gradient noise scale ``B_noise = B0 * grad_var / grad_sqr`` of the job's base run
+  (``validation-<B0>.csv``) as a function of training progress; the target is that run's final progress.
+
+Pure numpy (plus scipy for the nonlinear network fit): imports neither torch nor Lightning.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lightning_cannikin.simulation.profiles import ComputeProfile, ProfileStore, canonical_gpu
+
+__all__ = [
+    "ComputeModel",
+    "JobModel",
+    "NetworkModel",
+    "NoiseModel",
+    "NoiseTrajectory",
+    "fit_compute_model",
+    "fit_network_model",
+    "load_job",
+    "noise_model",
+    "noise_trajectory",
+]
+
+NETWORK_SCALINGS = ("linear", "log")
+"""How the all-reduce cost grows with replicas: Pollux's fitted linear term, or a logarithmic (tree/hierarchical)
+term fitted to the same data. They agree on the measured range (up to 64 GPUs) and bracket the extrapolation."""
+
+
+@dataclass(frozen=True)
+class ComputeModel:
+    """Single-GPU compute time of one job on one GPU type: the measured profile and its linear fit.
+
+    Attributes:
+        profile: the measurements.
+        slope: fitted ``a`` in seconds per sample.
+        intercept: fitted ``a0`` in seconds per step.
+
+    """
+
+    profile: ComputeProfile
+    slope: float
+    intercept: float
+
+    @property
+    def gpu(self) -> str:
+        """Canonical GPU name."""
+        return self.profile.gpu
+
+    @property
+    def lower(self) -> int:
+        """Smallest measured local batch (the simulator's lower bound per device)."""
+        return int(self.profile.batch_sizes[0])
+
+    @property
+    def upper(self) -> int:
+        """Largest measured local batch (a proxy for the memory cap: the profilers went up to what fitted)."""
+        return int(self.profile.batch_sizes[-1])
+
+    def measured(self, batch_size: np.ndarray | float) -> np.ndarray:
+        """Ground truth: measured compute seconds, linearly interpolated between measured batch sizes."""
+        return np.interp(np.asarray(batch_size, dtype=np.float64), self.profile.batch_sizes, self.profile.seconds)
+
+    def predicted(self, batch_size: np.ndarray | float) -> np.ndarray:
+        """The linear model ``a*b + a0``."""
+        return self.slope * np.asarray(batch_size, dtype=np.float64) + self.intercept
+
+    def relative_errors(self) -> np.ndarray:
+        """``|predicted - measured| / measured`` at every measured batch size (in-sample)."""
+        x, y = self.profile.batch_sizes, self.profile.seconds
+        return np.abs(self.predicted(x) - y) / y
+
+    def r2(self) -> float:
+        """Coefficient of determination of the linear fit on the measured points."""
+        y = self.profile.seconds
+        residual = float(np.sum((self.predicted(self.profile.batch_sizes) - y) ** 2))
+        total = float(np.sum((y - y.mean()) ** 2))
+        return 1.0 - residual / total if total > 0 else float("nan")
+
+
+def fit_compute_model(profile: ComputeProfile) -> ComputeModel:
+    """Fit ``t(b) = a*b + a0`` to a profile with the project's own fitter.
+
+    Offline profiles have no time order, so every sample weighs the same: an effectively infinite half-life and a
+    window larger than any profile.
+
+    Raises:
+        ValueError: the fitter could not fit (fewer than two distinct batch sizes).
+
+    """
+    from lightning_cannikin.perf_model import ComputeTimeFitter
+
+    fitter = ComputeTimeFitter(half_life=math.inf, max_samples=max(512, len(profile.batch_sizes)))
+    for batch, seconds in zip(profile.batch_sizes, profile.seconds, strict=True):
+        fitter.add(int(batch), float(seconds))
+    model = fitter.fit()
+    if model is None:
+        raise ValueError(f"Could not fit a linear model to {profile.job} on {profile.gpu}.")
+    return ComputeModel(profile, float(model.slope), float(model.intercept))
+
+
+@dataclass(frozen=True)
+class NetworkModel:
+    """All-reduce cost and its overlap with backward compute (Pollux's throughput model).
+
+    Attributes:
+        alpha_r, beta_r: seconds; cost on one node, ``alpha_r + beta_r * x(N)``.
+        alpha_n, beta_n: seconds; cost across nodes.
+        gamma: overlap exponent in [1, 10].
+        scaling: ``"linear"`` (``x = max(N - 2, 0)``, Pollux) or ``"log"`` (``x = log2(max(N, 2) / 2)``).
+
+    """
+
+    alpha_r: float
+    beta_r: float
+    alpha_n: float
+    beta_n: float
+    gamma: float
+    scaling: str = "linear"
+
+    def replica_term(self, replicas: np.ndarray | float) -> np.ndarray:
+        """``x(N)``: zero at two replicas, growing with N."""
+        n = np.asarray(replicas, dtype=np.float64)
+        if self.scaling == "linear":
+            return np.maximum(n - 2.0, 0.0)
+        return np.log2(np.maximum(n, 2.0) / 2.0)
+
+    def time(self, replicas: np.ndarray | float, multi_node: np.ndarray | bool) -> np.ndarray:
+        """``T_net``: zero for one replica, otherwise the intra- or inter-node cost."""
+        n = np.asarray(replicas, dtype=np.float64)
+        x = self.replica_term(n)
+        cost = np.where(multi_node, self.alpha_n + self.beta_n * x, self.alpha_r + self.beta_r * x)
+        return np.where(n > 1, cost, 0.0)
+
+    def combine(self, compute: np.ndarray | float, network: np.ndarray | float) -> np.ndarray:
+        """Iteration time ``(c^gamma + T_net^gamma)^(1/gamma)`` of one device (max-scaled so gamma=10 is exact)."""
+        c = np.asarray(compute, dtype=np.float64)
+        t = np.asarray(network, dtype=np.float64)
+        top = np.maximum(c, t)
+        safe = np.where(top > 0, top, 1.0)
+        return np.where(
+            top > 0, safe * ((c / safe) ** self.gamma + (t / safe) ** self.gamma) ** (1.0 / self.gamma), 0.0
+        )
+
+
+def _network_features(replicas: np.ndarray, scaling: str) -> np.ndarray:
+    return NetworkModel(0.0, 0.0, 0.0, 0.0, 1.0, scaling).replica_term(replicas)
+
+
+def fit_network_model(
+    replicas: np.ndarray,
+    nodes: np.ndarray,
+    compute: np.ndarray,
+    step_time: np.ndarray,
+    scaling: str = "linear",
+) -> NetworkModel:
+    """Fit ``alpha_r, beta_r, alpha_n, beta_n, gamma`` to multi-GPU step times, compute time given.
+
+    Least squares on log time (errors are relative, and step times span two orders of magnitude), with
+    non-negative costs and gamma in [1, 10] as in Pollux.
+
+    Args:
+        replicas: GPUs of each measured configuration (>= 2).
+        nodes: nodes of each configuration.
+        compute: single-GPU compute seconds at each configuration's local batch.
+        step_time: measured step seconds.
+        scaling: ``"linear"`` or ``"log"``.
+
+    """
+    from scipy.optimize import least_squares
+
+    if scaling not in NETWORK_SCALINGS:
+        raise ValueError(f"`scaling` must be one of {NETWORK_SCALINGS}, got {scaling!r}.")
+    replicas = np.asarray(replicas, dtype=np.float64)
+    multi = np.asarray(nodes) > 1
+    x = _network_features(replicas, scaling)
+    log_obs = np.log(step_time)
+
+    def predict(p: np.ndarray) -> np.ndarray:
+        net = np.where(multi, p[2] + p[3] * x, p[0] + p[1] * x)
+        return NetworkModel(p[0], p[1], p[2], p[3], p[4], scaling).combine(compute, net)
+
+    def residuals(p: np.ndarray) -> np.ndarray:
+        return np.log(np.maximum(predict(p), 1e-9)) - log_obs
+
+    excess = np.maximum(step_time - compute, 0.0)
+    guess_r = float(np.median(excess[~multi])) if np.any(~multi) else 0.01
+    guess_n = float(np.median(excess[multi])) if np.any(multi) else guess_r
+    best = None
+    # Several gamma starts: the objective is not convex in gamma and a single start can stall near gamma = 1.
+    for gamma0 in (1.0, 2.0, 4.0):
+        start = np.asarray([max(guess_r, 1e-4), 1e-3, max(guess_n, 1e-4), 1e-3, gamma0])
+        result = least_squares(residuals, start, bounds=([0, 0, 0, 0, 1.0], [np.inf] * 4 + [10.0]), method="trf")
+        if best is None or result.cost < best.cost:
+            best = result
+    p = best.x
+    return NetworkModel(float(p[0]), float(p[1]), float(p[2]), float(p[3]), float(p[4]), scaling)
+
+
+@dataclass(frozen=True)
+class NoiseTrajectory:
+    """Gradient statistics of one validation run (fixed total batch M) as functions of training progress.
+
+    Attributes:
+        batch_size: the run's total batch M.
+        base_batch_size: B0; progress is counted in steps at B0, and ``grad_var`` is the variance of a B0-batch.
+        progress: progress at the end of each effective epoch (ascending).
+        iteration: optimizer steps at M taken to reach each progress value.
+        grad_sqr: |G|^2 estimate at each row.
+        grad_var: tr(Sigma)/B0 estimate at each row.
+
+    """
+
+    batch_size: int
+    base_batch_size: int
+    progress: np.ndarray
+    iteration: np.ndarray
+    grad_sqr: np.ndarray
+    grad_var: np.ndarray
+
+    def stats(self, progress: np.ndarray | float) -> tuple[np.ndarray, np.ndarray]:
+        """``(grad_sqr, grad_var)`` at ``progress``, interpolated in log space between rows.
+
+        Row k is written at the end of effective epoch k; before the first row the first row's values hold (the
+        live estimator has no earlier value either). Beyond the last row the last values hold.
+        """
+        p = np.asarray(progress, dtype=np.float64)
+        sqr = np.exp(np.interp(p, self.progress, np.log(self.grad_sqr)))
+        var = np.exp(np.interp(p, self.progress, np.log(self.grad_var)))
+        return sqr, var
+
+    def noise_scale(self, progress: np.ndarray | float) -> np.ndarray:
+        """``B_noise = B0 * grad_var / grad_sqr`` in samples."""
+        sqr, var = self.stats(progress)
+        return self.base_batch_size * var / sqr
+
+
+def noise_trajectory(run: Mapping[str, np.ndarray], batch_size: int, base_batch_size: int) -> NoiseTrajectory:
+    """Wrap one ``validation-<M>.csv`` run; rows that repeat a progress value are dropped (interpolation needs order).
+
+    ``grad_sqr`` and ``grad_var`` are floored at tiny positive values so their logarithms exist (``grad_var`` is
+    already floored at 1e-6 by the artifact).
+    """
+    progress = np.asarray(run["progress"], dtype=np.float64)
+    keep = np.concatenate(([True], np.diff(progress) > 0))
+    tiny = np.finfo(np.float64).tiny
+    return NoiseTrajectory(
+        int(batch_size),
+        int(base_batch_size),
+        progress[keep],
+        np.asarray(run["iteration"], dtype=np.float64)[keep],
+        np.maximum(np.asarray(run["grad_sqr"], dtype=np.float64)[keep], tiny),
+        np.maximum(np.asarray(run["grad_var"], dtype=np.float64)[keep], tiny),
+    )
+
+
+@dataclass(frozen=True)
+class NoiseModel:
+    """Noise scale as a function of progress and of the total batch in use, from all validation runs of a job.
+
+    The noise scale depends on the run's history: runs at larger M measure larger values (ImageNet's M=12800 run
+    has a median of about 41k samples against 11k at B0). As Pollux's simulator does, the statistics at total batch
+    B are interpolated linearly in B between the runs that bracket it (clamped to the smallest and largest run).
+
+    Attributes:
+        runs: the job's runs, ascending in M; the first is the base run (M = B0).
+
+    """
+
+    runs: tuple[NoiseTrajectory, ...]
+
+    @property
+    def base_batch_size(self) -> int:
+        """B0."""
+        return self.runs[0].batch_size
+
+    @property
+    def target_progress(self) -> float:
+        """The job's training target: the smallest final progress over its runs (Pollux's definition)."""
+        return float(min(run.progress[-1] for run in self.runs))
+
+    @property
+    def epochs(self) -> int:
+        """Effective epochs to the target."""
+        return int(min(len(run.progress) for run in self.runs))
+
+    def __call__(self, progress: np.ndarray | float, batch_size: float | None = None) -> np.ndarray:
+        """Noise scale in samples at ``progress`` (B0-steps) for a run at total batch ``batch_size`` (default B0)."""
+        sizes = np.asarray([run.batch_size for run in self.runs], dtype=np.float64)
+        b = float(np.clip(self.base_batch_size if batch_size is None else batch_size, sizes[0], sizes[-1]))
+        upper = int(np.searchsorted(sizes, b, side="left"))
+        if sizes[upper] == b:
+            return self.runs[upper].noise_scale(progress)
+        lower = upper - 1
+        w = (b - sizes[lower]) / (sizes[upper] - sizes[lower])
+        sqr_lo, var_lo = self.runs[lower].stats(progress)
+        sqr_hi, var_hi = self.runs[upper].stats(progress)
+        sqr = (1.0 - w) * sqr_lo + w * sqr_hi
+        var = (1.0 - w) * var_lo + w * var_hi
+        return self.base_batch_size * var / sqr
+
+    def without(self, batch_size: int) -> NoiseModel:
+        """The model without one run (for leave-one-run-out validation); the base run cannot be left out."""
+        if batch_size == self.base_batch_size:
+            raise ValueError("The base run defines B0 and the target; it cannot be left out.")
+        return NoiseModel(tuple(run for run in self.runs if run.batch_size != batch_size))
+
+
+def noise_model(runs: Mapping[int, Mapping[str, np.ndarray]]) -> NoiseModel:
+    """Build the :class:`NoiseModel` of a job from its ``validation-<M>.csv`` runs (keyed by M)."""
+    base = min(runs)
+    return NoiseModel(tuple(noise_trajectory(runs[m], m, base) for m in sorted(runs)))
+
+
+@dataclass(frozen=True)
+class JobModel:
+    """Everything the simulator knows about one training job.
+
+    Attributes:
+        name: job name.
+        base_batch_size: B0.
+        samples_per_epoch: N (derived from the base run).
+        max_validated_batch: the largest total batch with a validation run (Pollux's max batch size).
+        compute: per-GPU-type compute models.
+        network: all-reduce cost and overlap (fitted on T4).
+        noise: noise-scale model.
+        notes: caveats about the sources used.
+
+    """
+
+    name: str
+    base_batch_size: int
+    samples_per_epoch: float
+    max_validated_batch: int
+    compute: Mapping[str, ComputeModel]
+    network: NetworkModel
+    noise: NoiseModel
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def target_progress(self) -> float:
+        """Progress (in B0-steps) that ends training."""
+        return self.noise.target_progress
+
+    @property
+    def epochs(self) -> int:
+        """Effective epochs to the target."""
+        return self.noise.epochs
+
+
+def t4_network_data(store: ProfileStore, job: str, compute: ComputeModel, table: str = "placements") -> dict:
+    """Multi-GPU T4 rows with the single-GPU compute time at the same local batch.
+
+    Args:
+        store: profile store.
+        job: job name.
+        compute: the T4 compute model (its measured profile gives the compute time).
+        table: ``"placements"`` (1 to 4 nodes, up to 16 GPUs; used to fit) or ``"scalability"`` (6 to 16 nodes,
+            up to 64 GPUs; held out for validation).
+
+    Returns:
+        Arrays ``replicas``, ``nodes``, ``local_bsz``, ``compute``, ``step_time``.
+
+    """
+    data = store.placements(job) if table == "placements" else store.scalability(job)
+    keep = data["num_replicas"] >= 2
+    batch = data["local_bsz"][keep]
+    return {
+        "replicas": data["num_replicas"][keep],
+        "nodes": data["num_nodes"][keep],
+        "local_bsz": batch,
+        "compute": compute.measured(batch),
+        "step_time": data["step_time"][keep],
+    }
+
+
+@functools.lru_cache(maxsize=64)
+def _load_job_cached(job: str, gpus: tuple[str, ...] | None, shipped: str, sia: str | None, scaling: str) -> JobModel:
+    store = ProfileStore(shipped_root=shipped, shared_root=None if sia is None else sia, use_sia=sia is not None)
+    runs = store.validation_runs(job)
+    base = min(runs)
+    noise = noise_model(runs)
+    available = store.available_gpus(job)
+    wanted = available if gpus is None else {canonical_gpu(g): None for g in gpus}
+    compute = {gpu: fit_compute_model(store.compute_profile(job, gpu)) for gpu in wanted}
+    t4 = compute["T4"] if "T4" in compute else fit_compute_model(store.compute_profile(job, "T4"))
+    rows = t4_network_data(store, job, t4)
+    network = fit_network_model(rows["replicas"], rows["nodes"], rows["compute"], rows["step_time"], scaling)
+    notes = tuple(f"{model.gpu}: {model.profile.caveat}" for model in compute.values() if model.profile.caveat)
+    return JobModel(
+        name=job,
+        base_batch_size=int(base),
+        samples_per_epoch=store.samples_per_epoch(job),
+        max_validated_batch=int(max(runs)),
+        compute=compute,
+        network=network,
+        noise=noise,
+        notes=notes,
+    )
+
+
+def load_job(
+    job: str,
+    gpus: Iterable[str] | None = None,
+    store: ProfileStore | None = None,
+    network_scaling: str = "linear",
+) -> JobModel:
+    """Fit the models of ``job`` for the given GPU types (default: every type with a profile).
+
+    Results are cached per (job, GPU types, data roots, scaling): fitting takes a fraction of a second, but the
+    benchmark asks for the same job dozens of times.
+
+    Args:
+        job: one of :data:`~lightning_cannikin.simulation.profiles.JOBS`.
+        gpus: GPU types to fit (any accepted spelling).
+        store: where the profiles are (default: shipped data plus Sia when found).
+        network_scaling: ``"linear"`` (Pollux) or ``"log"``.
+
+    Raises:
+        ValueError: a requested GPU type has no profile for this job.
+
+    """
+    store = store or ProfileStore()
+    key = None if gpus is None else tuple(sorted({canonical_gpu(g) for g in gpus}))
+    if key is not None:
+        available = store.available_gpus(job)
+        missing = [g for g in key if g not in available]
+        if missing:
+            hint = "" if store.sia_available else "; A100/2080Ti (and V100/RTX6000 for most jobs) need the Sia files"
+            raise ValueError(
+                f"Job {job!r} has no profile for {', '.join(missing)} (available: {', '.join(available)}{hint})."
+            )
+    sia = None if store.sia_root is None else str(store.sia_root.parent)
+    return _load_job_cached(job, key, str(store.shipped_root), sia, network_scaling)
