@@ -71,3 +71,15 @@ class RecordingRegressor(pl.LightningModule):
 
 def read_records(record_dir: Path, world_size: int) -> list[dict]:
     return [json.loads((Path(record_dir) / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def quiet_trainer(strategy, devices: int, callbacks=(), **kwargs) -> pl.Trainer:
+    """A CPU Trainer without loggers, checkpoints, progress bars or summaries unless asked for."""
+    options = {
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    options.update(kwargs)
+    return pl.Trainer(strategy=strategy, devices=devices, accelerator="cpu", callbacks=list(callbacks), **options)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -13,7 +12,7 @@ from torch import nn
 
 from lightning_cannikin import Cannikin, CannikinStrategy, EmulatedCluster
 from lightning_cannikin.noise_scale import pooled_moments
-from tests.models import IndexedRegression, RecordingRegressor, read_records
+from tests.models import IndexedRegression, RecordingRegressor, quiet_trainer, read_records
 
 
 class RecordingSGD(torch.optim.SGD):
@@ -61,20 +60,6 @@ class ScheduledRegressor(RecordingRegressor):
         )
 
 
-def _trainer(strategy, devices, callbacks, **kwargs):
-    return pl.Trainer(
-        strategy=strategy,
-        devices=devices,
-        accelerator="cpu",
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
-
-
 @pytest.mark.parametrize("schedule", ["lambda", "step"])
 def test_scaled_lr_is_schedule_times_factor_during_the_step_only(tmp_path, schedule):
     torch.manual_seed(0)
@@ -82,7 +67,9 @@ def test_scaled_lr_is_schedule_times_factor_during_the_step_only(tmp_path, sched
     model = ScheduledRegressor(dataset, batch_size=8, record_dir=str(tmp_path), lr=0.1, schedule=schedule)
     # the LR was tuned for a total batch of 8; the fixed split runs 16, so the linear rule doubles it
     cannikin = Cannikin(lr_scaling="linear", base_batch_size=8)
-    trainer = _trainer(CannikinStrategy(local_batch_sizes=[12, 4], start_method="fork"), 2, [cannikin], max_steps=6)
+    trainer = quiet_trainer(
+        CannikinStrategy(local_batch_sizes=[12, 4], start_method="fork"), 2, [cannikin], max_steps=6
+    )
     trainer.fit(model)
     for rank in (0, 1):
         lrs = json.loads((tmp_path / f"lrs{rank}.json").read_text())
@@ -110,7 +97,7 @@ def test_noise_statistics_from_the_hook_match_a_single_process_replay(tmp_path, 
     model = RecordingRegressor(dataset, batch_size=8, record_dir=str(tmp_path))
     initial = {k: v.clone() for k, v in model.layer.state_dict().items()}
     out = tmp_path / "estimator.json"
-    trainer = _trainer(
+    trainer = quiet_trainer(
         CannikinStrategy(local_batch_sizes=sizes, start_method="fork"),
         len(sizes),
         [Cannikin(track_noise_scale=True), DumpEstimator(out)],
@@ -143,7 +130,7 @@ def test_total_batch_grows_only_at_epoch_ends_and_keeps_every_sample_once(tmp_pa
     dataset.y += 3.0 * torch.randn_like(dataset.y)
     model = RecordingRegressor(dataset, batch_size=8, record_dir=str(tmp_path), lr=0.01)
     cannikin = Cannikin(max_batch_size=128, min_noise_updates=5, warmup_steps=4)
-    trainer = _trainer(
+    trainer = quiet_trainer(
         CannikinStrategy(start_method="fork"),
         2,
         [cannikin, EmulatedCluster([0.2, 0.6], fixed_ms=15.0)],

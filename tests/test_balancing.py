@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_cannikin import Cannikin, CannikinStrategy, EmulatedCluster
-from tests.models import IndexedRegression, RecordingRegressor
+from tests.models import IndexedRegression, RecordingRegressor, quiet_trainer
 
 
 class DumpCannikin(Callback):
@@ -45,17 +44,7 @@ def balance(tmp_path, per_sample_ms, batch_size=32, num_samples=640, epochs=3, c
     callbacks = [EmulatedCluster(per_sample_ms, fixed_ms), DumpCannikin(out)]
     if cannikin is not None:
         callbacks.append(cannikin)
-    trainer = pl.Trainer(
-        strategy=CannikinStrategy(start_method="fork"),
-        devices=len(per_sample_ms),
-        accelerator="cpu",
-        max_epochs=epochs,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(CannikinStrategy(start_method="fork"), len(per_sample_ms), callbacks, max_epochs=epochs)
     trainer.fit(model)
     return json.loads(out.read_text())
 
@@ -83,16 +72,8 @@ def test_fixed_split_is_never_replanned(tmp_path):
     torch.manual_seed(0)
     dataset = IndexedRegression(128)
     model = RecordingRegressor(dataset, batch_size=8, record_dir=str(tmp_path))
-    trainer = pl.Trainer(
-        strategy=CannikinStrategy(local_batch_sizes=[12, 4], start_method="fork"),
-        devices=2,
-        accelerator="cpu",
-        max_epochs=2,
-        callbacks=[EmulatedCluster([1.0, 3.0])],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+    trainer = quiet_trainer(
+        CannikinStrategy(local_batch_sizes=[12, 4], start_method="fork"), 2, [EmulatedCluster([1.0, 3.0])], max_epochs=2
     )
     trainer.fit(model)
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
