@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -21,6 +22,7 @@ from lightning_cannikin.lr_scaling import Progress, is_adam_family, lr_factor, v
 from lightning_cannikin.noise_scale import NoiseScaleEstimator
 from lightning_cannikin.plan import Plan
 from lightning_cannikin.planner import even_split
+from lightning_cannikin.profile import PROFILE_FILENAME, build_profile, save_profile
 from lightning_cannikin.strategy import CannikinStrategy
 
 
@@ -54,6 +56,9 @@ class Cannikin(Callback):
         track_noise_scale: measure the gradient noise scale (one extra all-reduce of ``world_size`` floats per
             optimizer step). ``None``: only when it can change something, i.e. with ``max_batch_size`` or with
             ``lr_scaling="adascale"`` and a ``base_batch_size``.
+        save_profile: at each re-plan, rank zero writes ``cannikin_profile.json`` (fitted models, raw timing
+            samples, plan history) into the trainer's log dir, for ``cannikin plan`` and ``cannikin report``.
+            Nothing is written when the trainer has no log dir (``logger=False``).
 
     Example::
 
@@ -74,6 +79,7 @@ class Cannikin(Callback):
         adapt_margin: float = 0.05,
         min_noise_updates: int = 20,
         track_noise_scale: bool | None = None,
+        save_profile: bool = True,
     ) -> None:
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"`max_batch_size` must be a positive integer or None, got {max_batch_size}.")
@@ -100,6 +106,7 @@ class Cannikin(Callback):
         if track_noise_scale is None:
             track_noise_scale = max_batch_size is not None or (lr_scaling == "adascale" and base_batch_size is not None)
         self.track_noise_scale = track_noise_scale
+        self.save_profile = save_profile
         self.history: list[dict[str, Any]] = []
         self.progress = Progress()
         self.lr_factor = 1.0
@@ -119,6 +126,7 @@ class Cannikin(Callback):
         self._backward_end: float | None = None
         self._in_train_batch = False
         self._hook_handle: Any = None
+        self._log_dir: str | None = None
 
     @property
     def plan(self) -> Plan | None:
@@ -167,6 +175,8 @@ class Cannikin(Callback):
         if self._estimator is None:
             self._estimator = NoiseScaleEstimator(base)
         self._adam = bool(trainer.optimizers) and is_adam_family(type(trainer.optimizers[0]).__name__)
+        # `trainer.log_dir` broadcasts from rank zero: ask on every rank here, never from rank zero alone later
+        self._log_dir = trainer.log_dir if self.save_profile else None
         if self._restored is not None:
             # the checkpoint holds rank zero's factor and gain; every rank loads the same ones
             self._load(self._restored)
@@ -334,6 +344,10 @@ class Cannikin(Callback):
         else:
             strategy.set_plan(plan, from_batch=from_batch)
         self.history.append(_history_entry(self._step, trainer.current_epoch, plan, factor, self.noise_scale))
+        if trainer.is_global_zero and self.save_profile and self._log_dir:
+            base = self._estimator.base_batch_size if self._estimator is not None else None
+            profile = build_profile(self._balancer, self.history, base_batch_size=base)
+            save_profile(Path(self._log_dir) / PROFILE_FILENAME, profile)
         if trainer.is_global_zero and plan.local_batch_sizes != current.local_batch_sizes:
             rank_zero_info(
                 f"Cannikin: local batch sizes {list(current.local_batch_sizes)} -> {list(plan.local_batch_sizes)}"

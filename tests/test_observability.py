@@ -1,0 +1,52 @@
+"""What a user sees: metrics in a logger, the profile file, and the CLI on a profile from a real run."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import torch
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_cannikin import Cannikin, CannikinStrategy, EmulatedCluster
+from lightning_cannikin.cli import main as cli_main
+from lightning_cannikin.profile import PROFILE_FILENAME, load_profile
+from tests.models import IndexedRegression, RecordingRegressor, quiet_trainer
+
+
+def test_metrics_reach_a_csv_logger_and_the_profile_round_trips(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = RecordingRegressor(IndexedRegression(320), batch_size=16, record_dir=str(tmp_path))
+    logger = CSVLogger(tmp_path, name="run")
+    trainer = quiet_trainer(
+        CannikinStrategy(start_method="fork"),
+        2,
+        [EmulatedCluster([1.0, 3.0], fixed_ms=2.0), Cannikin(max_batch_size=64, min_noise_updates=3)],
+        max_epochs=3,
+        logger=logger,
+        log_every_n_steps=2,
+    )
+    trainer.fit(model)
+    log_dir = tmp_path / "run" / "version_0"
+    with open(log_dir / "metrics.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    logged = {key for row in rows for key, value in row.items() if value not in ("", None)}
+    expected = {
+        "cannikin/total_batch_size",
+        "cannikin/local_batch_size",
+        "cannikin/lr_factor",
+        "cannikin/step_time",
+        "cannikin/predicted_step_time",
+        "cannikin/noise_scale",
+        "cannikin/efficiency",
+    }
+    assert expected <= logged, expected - logged
+    # the profile written at the last re-plan rebuilds the same models and plans the same split
+    profile = load_profile(log_dir / PROFILE_FILENAME)
+    balancer = profile.balancer()
+    assert profile.world_size == 2 and len(profile.history) >= 3
+    split = balancer.plan_split(32)
+    assert split.local_batch_sizes[0] > split.local_batch_sizes[1], "rank 0 is 3x faster: it gets more"
+    assert cli_main(["plan", str(log_dir / PROFILE_FILENAME), "--batch-size", "32", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert tuple(printed["optimal"]["local_batch_sizes"]) == split.local_batch_sizes
