@@ -64,7 +64,10 @@ def load_dataset(name: str, seed: int = 0) -> tuple[TensorDataset, TensorDataset
 
 
 class ImageClassifier(pl.LightningModule):
-    """A small CNN: two convolution + pooling stages and a two-layer head. An ordinary LightningModule, nothing Cannikin-specific."""
+    """A small CNN: two convolution + pooling stages and a two-layer head.
+
+    An ordinary LightningModule: nothing in it is specific to Cannikin.
+    """
 
     def __init__(self, image_shape: tuple[int, ...] = (1, 8, 8), lr: float = 0.05, num_classes: int = 10) -> None:
         super().__init__()

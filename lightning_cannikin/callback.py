@@ -176,7 +176,7 @@ class Cannikin(Callback):
             self._estimator = NoiseScaleEstimator(base)
         self._adam = bool(trainer.optimizers) and is_adam_family(type(trainer.optimizers[0]).__name__)
         # `trainer.log_dir` broadcasts from rank zero: ask on every rank here, never from rank zero alone later
-        self._log_dir = trainer.log_dir if self.save_profile else None
+        self._log_dir = trainer.log_dir if self.save_profile and trainer.loggers else None
         if self._restored is not None:
             # the checkpoint holds rank zero's factor and gain; every rank loads the same ones
             self._load(self._restored)
