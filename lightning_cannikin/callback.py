@@ -16,13 +16,14 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_cannikin.balancer import SplitBalancer, StepRecord, median_step_time
-from lightning_cannikin.goodput import adascale_gain, candidate_batch_sizes, choose_batch_size, efficiency
+from lightning_cannikin.goodput import adascale_gain, efficiency
 from lightning_cannikin.grad_stats import GradientNormObserver
 from lightning_cannikin.lr_scaling import Progress, is_adam_family, lr_factor, validate_rule
 from lightning_cannikin.noise_scale import NoiseScaleEstimator
 from lightning_cannikin.plan import Plan
 from lightning_cannikin.planner import even_split
 from lightning_cannikin.profile import PROFILE_FILENAME, build_profile, save_profile
+from lightning_cannikin.replanner import next_plan
 from lightning_cannikin.strategy import CannikinStrategy
 
 
@@ -326,7 +327,16 @@ class Cannikin(Callback):
                     self._since_replan, self.history[-1]["local_batch_sizes"]
                 )
             if current is not None and self._balancer.ready:
-                plan = self._decide(current, adapt=not mid_epoch)
+                # the total batch changes only at epoch ends: mid-epoch, the epoch's length must not change
+                plan = next_plan(
+                    self._balancer,
+                    current,
+                    noise_scale=self._current_noise_scale(),
+                    base_batch_size=self._estimator.base_batch_size if self._estimator is not None else None,
+                    max_batch_size=None if mid_epoch else self.max_batch_size,
+                    balance=self.balance,
+                    margin=self.adapt_margin,
+                )
                 # the factor is decided once, here, and broadcast, so every rank steps with the identical LR
                 self._set_lr_factor(plan.total_batch_size)
                 decision = (plan, self.lr_factor, self.gain)
@@ -353,49 +363,6 @@ class Cannikin(Callback):
                 f"Cannikin: local batch sizes {list(current.local_batch_sizes)} -> {list(plan.local_batch_sizes)}"
                 f" (predicted step {1000 * (plan.predicted_step_time or 0):.1f} ms, lr factor {factor:.3g})"
             )
-
-    def _decide(self, current: Plan, adapt: bool) -> Plan:
-        """Rank zero's choice of the next plan: the total batch (at epoch ends) and its split."""
-        assert self._balancer is not None and self._estimator is not None
-        n = current.world_size
-        global_batch = current.global_batch_size
-        phi = self._current_noise_scale()
-        if adapt and self.max_batch_size is not None and phi is not None and self._balancer.identified:
-            global_batch = self._choose_global_batch(current, phi)
-        if self.balance:
-            sizes = self._balancer.plan_split(global_batch).local_batch_sizes
-            if not self._balancer.identified:
-                sizes = self._balancer.probe(sizes)
-        else:
-            sizes = even_split(global_batch, n)
-        return current.with_sizes(sizes, predicted_step_time=self._balancer.predict(sizes))
-
-    def _choose_global_batch(self, current: Plan, phi: float) -> int:
-        assert self._balancer is not None and self._estimator is not None
-        accumulation = current.accumulation_steps
-        n = current.world_size
-        lower = max(-(-self._estimator.base_batch_size // accumulation), sum(self._balancer.lower), n)
-        upper = self.max_batch_size // accumulation
-        if self._balancer.upper is not None:
-            upper = min(upper, sum(self._balancer.upper))
-        if upper < lower:
-            return current.global_batch_size
-        candidates = candidate_batch_sizes(lower, upper)
-        if self.balance:
-            step_times = self._balancer.optperf(candidates)
-        else:
-            step_times = np.array([self._balancer.predict(even_split(int(g), n)) for g in candidates])
-        current_time = self._balancer.predict(current.local_batch_sizes)
-        choice = choose_batch_size(
-            candidates * accumulation,
-            step_times * accumulation,
-            phi,
-            self._estimator.base_batch_size,
-            current.total_batch_size,
-            current_time * accumulation,
-            margin=self.adapt_margin,
-        )
-        return choice.next_batch_size // accumulation
 
     @override
     def state_dict(self) -> dict[str, Any]:
