@@ -28,12 +28,23 @@ from lightning_cannikin import Cannikin, EmulatedCluster
 class EpochClock(Callback):
     """Rank zero's wall clock at every epoch start and at the end, plus the Cannikin history and test accuracy.
 
-    With ``target_accuracy`` set, rank zero also evaluates the test set at every epoch end (off the clock: the time
-    spent evaluating is subtracted), records the curve, and stops every rank once the target is reached.
+    With ``target_accuracy`` set, rank zero also evaluates the test set every ``eval_every_samples`` training samples
+    (or at every epoch end), off the clock (the time spent evaluating is subtracted), records the curve, and stops
+    every rank once the target is reached. Counting samples rather than steps keeps runs with different batch sizes
+    on the same evaluation grid.
     """
 
-    def __init__(self, out: Path, test_set: Any, target_accuracy: float | None = None, total_batch: int = 0) -> None:
+    def __init__(
+        self,
+        out: Path,
+        test_set: Any,
+        target_accuracy: float | None = None,
+        total_batch: int = 0,
+        eval_every_samples: int | None = None,
+    ) -> None:
         self.out = out
+        self.eval_every_samples = eval_every_samples
+        self.next_eval = eval_every_samples or 0
         self.total_batch = total_batch
         self.test_set = test_set
         self.target_accuracy = target_accuracy
@@ -53,10 +64,16 @@ class EpochClock(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         sizes = getattr(trainer.strategy, "step_sizes", None)
         self.epoch_samples[-1] += sum(sizes) if sizes else len(batch[0]) * trainer.world_size
+        # every rank counts the same samples, so every rank takes part in the same evaluations' broadcasts
+        if self.target_accuracy is not None and self.eval_every_samples and sum(self.epoch_samples) >= self.next_eval:
+            self.next_eval += self.eval_every_samples
+            self._evaluate(trainer, pl_module)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.target_accuracy is None:
-            return
+        if self.target_accuracy is not None and not self.eval_every_samples:
+            self._evaluate(trainer, pl_module)
+
+    def _evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         reached = False
         if trainer.is_global_zero:
             paused = time.perf_counter()
@@ -107,6 +124,7 @@ def run(
     seed: int = 0,
     target_accuracy: float | None = None,
     train_samples: int | None = None,
+    eval_every_samples: int | None = None,
 ) -> dict[str, Any]:
     """Train once; returns rank zero's measurements."""
     torch.set_num_threads(1)
@@ -125,7 +143,7 @@ def run(
             max_epochs=epochs,
             callbacks=[
                 EmulatedCluster(per_sample_ms, fixed_ms),
-                EpochClock(out, test, target_accuracy, batch_size * len(per_sample_ms)),
+                EpochClock(out, test, target_accuracy, batch_size * len(per_sample_ms), eval_every_samples),
                 *(callbacks or []),
             ],
             logger=False,

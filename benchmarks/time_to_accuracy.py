@@ -9,8 +9,8 @@ interleaved:
     the AdaptDL-like baseline;
 (c) ``cannikin``: OptPerf balancing plus the adaptive layer.
 
-Each run evaluates on the test set at every epoch end (off the clock) and stops at the target. Reports the median
-time to target of each, the ratios, and a plot of total batch, LR factor and accuracy over time.
+Each run evaluates on the test set every 2,500 training samples (off the clock) and stops at the target. Reports the
+median time to target of each, the ratios, and a plot of total batch, LR factor and accuracy over time.
 
     python benchmarks/time_to_accuracy.py [--repeats 3] [--target 0.82]
 """
@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch-size", type=int, default=32, help="initial per-device batch (B0 = 3x)")
     parser.add_argument("--max-batch-size", type=int, default=1024)
     parser.add_argument("--max-epochs", type=int, default=30)
+    parser.add_argument("--eval-every", type=int, default=2500, help="evaluate every this many training samples")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--fixed-ms", type=float, default=20.0)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "time_to_accuracy")
@@ -99,13 +100,15 @@ def main(argv: list[str] | None = None) -> dict:
                 seed=repeat,
                 target_accuracy=target,
                 train_samples=args.train_samples,
+                eval_every_samples=args.eval_every,
             )
             result["time_to_target"] = time_to_target(result, target)
             runs[name].append(result)
             reached = result["time_to_target"]
             print(
                 f"repeat {repeat} {name:14s} time to {target:.2f}: "
-                f"{'not reached' if reached is None else f'{reached:.1f} s'} after {len(result['curve'])} epochs,"
+                f"{'not reached' if reached is None else f'{reached:.1f} s'}"
+                f" after {result['curve'][-1]['samples']} samples,"
                 f" final total batch {result['curve'][-1]['total_batch_size']}",
                 flush=True,
             )

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from lightning_cannikin.perf_model import ComputeTimeFitter, LinearTimeModel
+from lightning_cannikin.perf_model import CommModel, CommTimeFitter, ComputeTimeFitter, LinearTimeModel
 from lightning_cannikin.planner import Split, optimal_split, optperf
 
 
@@ -25,6 +25,10 @@ class StepRecord:
         batch_size: samples this rank trained on in the step.
         compute: forward + backward until this rank's gradients were ready (excludes waiting for other ranks).
         step_time: the whole step on this rank, batch start to batch end (includes the all-reduce and the optimizer).
+        allreduce: from this rank's first gradient bucket reaching the all-reduce to the last one completing
+            (``None`` on steps without a reduction, e.g. accumulation micro-steps).
+        exposed: from this rank's last bucket (the end of its backward) to the all-reduce completing: the part of
+            the communication that backward did not hide, plus any wait for slower ranks.
 
     """
 
@@ -33,6 +37,8 @@ class StepRecord:
     batch_size: int
     compute: float
     step_time: float
+    allreduce: float | None = None
+    exposed: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -73,6 +79,7 @@ class SplitBalancer:
             raise ValueError(f"`local_batch_bounds` lower bounds {self.lower} exceed upper bounds {self.upper}.")
         self.fitters = [ComputeTimeFitter(half_life=self.half_life) for _ in range(self.world_size)]
         self.tails: deque[float] = deque(maxlen=int(tail_window))
+        self.comm_fitter = CommTimeFitter(half_life=self.half_life)
         self._models: list[LinearTimeModel] | None = None  # fitted once per batch of new samples
 
     def add(self, records: Iterable[StepRecord]) -> None:
@@ -91,6 +98,11 @@ class SplitBalancer:
             if len(step_records) == self.world_size:
                 slowest = max(r.compute for r in step_records)
                 self.tails.append(max(0.0, float(np.median([r.step_time for r in step_records])) - slowest))
+                reduced = [r for r in step_records if r.allreduce is not None and r.exposed is not None]
+                if len(reduced) == self.world_size:
+                    # the last rank to finish backward waits for nobody: its times are the communication's own
+                    last = max(reduced, key=lambda r: r.compute)
+                    self.comm_fitter.add(last.allreduce, last.exposed)  # type: ignore[arg-type]
 
     def _detect_drift(self, by_step: dict[int, list[StepRecord]], min_samples: int = 4) -> list[int]:
         """Forget a rank's old samples when its new ones disagree with its model as a whole.
@@ -135,6 +147,10 @@ class SplitBalancer:
                 raise RuntimeError("No timing samples yet for some ranks; call `add` first (see `ready`).")
             self._models = models  # type: ignore[assignment]
         return list(self._models)  # type: ignore[arg-type]
+
+    def comm(self) -> CommModel | None:
+        """The all-reduce model: its whole time and the part exposed after backward (``None`` before any)."""
+        return self.comm_fitter.fit()
 
     def tail(self) -> float:
         return float(np.median(self.tails)) if self.tails else 0.0
@@ -186,6 +202,7 @@ class SplitBalancer:
             "world_size": self.world_size,
             "fitters": [f.state_dict() for f in self.fitters],
             "tails": list(self.tails),
+            "comm": self.comm_fitter.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -196,6 +213,8 @@ class SplitBalancer:
                 fitter.load_state_dict(fitter_state)
         self.tails.clear()
         self.tails.extend(state["tails"])
+        if "comm" in state:
+            self.comm_fitter.load_state_dict(state["comm"])
 
 
 def _per_rank(value: int | Sequence[int] | None, n: int, default: int | None, name: str) -> list:

@@ -176,6 +176,8 @@ class Cannikin(Callback):
         if self._estimator is None:
             self._estimator = NoiseScaleEstimator(base)
         self._adam = bool(trainer.optimizers) and is_adam_family(type(trainer.optimizers[0]).__name__)
+        if self._observer is not None and self._adam:
+            self._observer.optimizer = trainer.optimizers[0]
         # `trainer.log_dir` broadcasts from rank zero: ask on every rank here, never from rank zero alone later
         self._log_dir = trainer.log_dir if self.save_profile and trainer.loggers else None
         if self._restored is not None:
@@ -227,7 +229,12 @@ class Cannikin(Callback):
         if sizes is not None and compute_end is not None:
             start = self._forward_start if self._forward_start is not None else self._batch_start
             rank = trainer.global_rank
-            record = StepRecord(self._step, rank, sizes[rank], compute_end - start, now - self._batch_start)
+            allreduce = exposed = None
+            if stepped and hook.first_entry is not None and hook.last_done is not None:
+                allreduce, exposed = hook.last_done - hook.first_entry, hook.last_done - hook.last_entry
+            record = StepRecord(
+                self._step, rank, sizes[rank], compute_end - start, now - self._batch_start, allreduce, exposed
+            )
             self._records.append(record)
             if (self._step + 1) % trainer.log_every_n_steps == 0:
                 # only on steps whose metrics reach the loggers: each log call costs time on the hot path

@@ -14,6 +14,8 @@ Schema version 1 (JSON object; non-finite numbers are written as ``null`` so the
     base_batch_size      int | null, the total batch the learning rate was tuned for
     devices              [{rank, model: {slope, intercept} | null, samples: {batch_sizes, seconds}}], seconds
     tail                 {seconds, samples}: the step's median cost beyond the slowest rank's compute
+    comm                 {allreduce, exposed} | null: the gradient all-reduce's seconds, and its part not hidden
+                         by backward (optional: readers ignore it when absent)
     bounds               {lower: [int], upper: [int] | null}
     settings             {half_life: float | null (null: infinite), tail_window: int, max_samples: int}
     history              [{step, epoch, local_batch_sizes, total_batch_size, predicted_step_time,
@@ -124,6 +126,7 @@ def build_profile(
         "base_batch_size": None if base_batch_size is None else int(base_batch_size),
         "devices": devices,
         "tail": {"seconds": balancer.tail(), "samples": list(balancer.tails)},
+        "comm": None if (comm := balancer.comm()) is None else comm.to_dict(),
         "bounds": {"lower": list(balancer.lower), "upper": None if balancer.upper is None else list(balancer.upper)},
         "settings": {
             # JSON has no infinity; null stands for "no recency weighting".

@@ -153,3 +153,83 @@ def test_total_batch_grows_only_at_epoch_ends_and_keeps_every_sample_once(tmp_pa
     assert totals_per_epoch[0] == 16
     assert max(totals_per_epoch.values()) > 16, f"the total batch never grew: {totals_per_epoch}"
     assert max(totals_per_epoch.values()) <= 128
+
+
+class AdamRegressor(RecordingRegressor):
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.05)
+
+
+class RecordNoiseInputs(Callback):
+    """Records what the estimator is fed each step (runs after Cannikin.on_train_start created it)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.inputs: list = []
+
+    def on_train_start(self, trainer, pl_module):
+        cannikin = next(cb for cb in trainer.callbacks if isinstance(cb, Cannikin))
+        update = cannikin._estimator.update
+
+        def recording(local, sizes, global_sqr):
+            self.inputs.append([list(local), list(sizes), global_sqr])
+            return update(local, sizes, global_sqr)
+
+        cannikin._estimator.update = recording
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.is_global_zero:
+            self.path.write_text(json.dumps(self.inputs))
+
+
+def test_adam_noise_statistics_use_the_preconditioned_gradient(tmp_path):
+    torch.manual_seed(0)
+    dataset = IndexedRegression(256)
+    model = AdamRegressor(dataset, batch_size=8, record_dir=str(tmp_path))
+    initial = {k: v.clone() for k, v in model.layer.state_dict().items()}
+    out = tmp_path / "inputs.json"
+    sizes = [24, 8]
+    trainer = quiet_trainer(
+        CannikinStrategy(local_batch_sizes=sizes, start_method="fork"),
+        2,
+        [Cannikin(track_noise_scale=True), RecordNoiseInputs(out)],
+        max_steps=2,
+    )
+    trainer.fit(model)
+    records = read_records(tmp_path, 2)
+    fed = json.loads(out.read_text())
+    assert len(fed) == 2
+
+    # replay: Adam on the union of each step's samples, and every group's gradient at the same parameters
+    layer = nn.Linear(dataset.x.shape[1], 1)
+    layer.load_state_dict(initial)
+    optimizer = torch.optim.Adam(layer.parameters(), lr=0.05)
+
+    def gradient(index):
+        layer.zero_grad()
+        index = torch.tensor(index)
+        nn.functional.mse_loss(layer(dataset.x[index]), dataset.y[index]).backward()
+        return [p.grad.clone() for p in layer.parameters()]
+
+    def squared(grads):
+        total = 0.0
+        for p, g in zip(layer.parameters(), grads, strict=True):
+            state = optimizer.state.get(p, {})
+            if "exp_avg_sq" in state:
+                v_hat = state["exp_avg_sq"] / (1 - 0.999 ** float(state["step"]))
+                g = g / (v_hat.sqrt() + 1e-8)
+            total += float(g.pow(2).sum())
+        return total
+
+    for step in range(2):
+        groups = [r["steps"][step] for r in records]
+        local = [squared(gradient(index)) for index in groups]
+        union = gradient([i for index in groups for i in index])
+        assert fed[step][0] == pytest.approx(local, rel=1e-4), f"step {step}: local norms"
+        assert fed[step][2] == pytest.approx(squared(union), rel=1e-4), f"step {step}: global norm"
+        if step == 1:  # Adam has second moments now: the preconditioned norm is measurably not the raw one
+            raw = sum(float(g.pow(2).sum()) for g in gradient(groups[0]))
+            assert abs(raw - fed[1][0][0]) > 1e-3 * raw
+        for p, g in zip(layer.parameters(), union, strict=True):
+            p.grad = g
+        optimizer.step()

@@ -50,3 +50,20 @@ def test_metrics_reach_a_csv_logger_and_the_profile_round_trips(tmp_path, capsys
     assert cli_main(["plan", str(log_dir / PROFILE_FILENAME), "--batch-size", "32", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert tuple(printed["optimal"]["local_batch_sizes"]) == split.local_batch_sizes
+
+
+def test_the_allreduce_and_its_exposed_part_are_measured(tmp_path):
+    torch.manual_seed(0)
+    model = RecordingRegressor(IndexedRegression(320), batch_size=16, record_dir=str(tmp_path))
+    logger = CSVLogger(tmp_path, name="run")
+    trainer = quiet_trainer(
+        CannikinStrategy(start_method="fork"),
+        2,
+        [EmulatedCluster([1.0, 3.0], fixed_ms=2.0)],
+        max_epochs=2,
+        logger=logger,
+    )
+    trainer.fit(model)
+    profile = json.loads((tmp_path / "run" / "version_0" / PROFILE_FILENAME).read_text())
+    comm = profile["comm"]
+    assert comm is not None and 0 < comm["exposed"] <= comm["allreduce"] < 0.5, comm
