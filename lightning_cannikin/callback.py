@@ -212,6 +212,10 @@ class Cannikin(Callback):
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._backward_end = time.perf_counter()
+        assert self._strategy is not None
+        if self._observer is not None and self._strategy.hook_state.last_entry is None:
+            # an accumulation micro-step (no reduction): its gradient is a noise group of its own
+            self._observer.after_micro_step(pl_module.parameters(), self._strategy.hook_state.micro_weight)
 
     @override
     def on_train_batch_end(
@@ -259,10 +263,12 @@ class Cannikin(Callback):
         # the gain comes from rank zero's last decision, so progress (and schedules driven by it) agree on all ranks
         self.progress.add(self.gain)
         statistics = self._observer.collect() if self._observer is not None else None
-        window = self._strategy.window_sizes
-        if trainer.is_global_zero and statistics is not None and window is not None:
+        window = self._strategy.window
+        if trainer.is_global_zero and statistics is not None and window:
             local, global_sqr = statistics
-            self._estimator.update(local, window, global_sqr)
+            # groups are rank-major, as the observer exchanged them: rank 0's micro-batches first
+            sizes = [micro[rank] for rank in range(trainer.world_size) for micro in window]
+            self._estimator.update(local, sizes, global_sqr)
             phi = self._estimator.noise_scale
             if phi is not None and np.isfinite(phi) and (self._step + 1) % trainer.log_every_n_steps == 0:
                 base = self._estimator.base_batch_size

@@ -31,6 +31,7 @@ class WeightedAllReduceState:
     Attributes:
         process_group: the group to reduce over (None: the default group).
         weight: this rank's share ``b_i / B`` of the samples of the optimizer step in progress.
+        micro_weight: the current micro-batch's share of this rank's accumulated gradient (1 without accumulation).
         calls: buckets reduced so far (cheap evidence that the hook runs, on CPU too).
         first_entry: ``time.perf_counter()`` when the step's first bucket reached the hook.
         last_entry: when the step's latest bucket reached the hook: the end of this rank's backward compute.
@@ -41,6 +42,7 @@ class WeightedAllReduceState:
 
     process_group: Any = None
     weight: float = 1.0
+    micro_weight: float = 1.0
     calls: int = 0
     first_entry: float | None = None
     last_entry: float | None = None

@@ -1,14 +1,16 @@
 """Squared gradient norms around the weighted all-reduce, for the gradient-noise-scale estimator.
 
 Rides on the comm hook: each bucket's local squared norm is taken before it is weighted and reduced, the global one
-from the reduced bucket. When the step's last bucket is launched, the per-rank local norms are exchanged with one
-all-reduce of ``world_size`` floats, issued asynchronously next to the gradient's own, so the statistics cost no
-extra synchronisation point.
+from the reduced bucket. With gradient accumulation every micro-batch is a group of its own: its gradient is the
+difference of the accumulated gradients before and after it, rescaled by its weight in the sum. When the step's last
+bucket is launched, the groups' norms are exchanged with one all-reduce of ``world_size x micro-batches`` floats,
+issued asynchronously next to the gradient's own, so the statistics add no synchronisation point.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -17,7 +19,7 @@ from lightning_cannikin.comm_hook import WeightedAllReduceState
 
 
 class GradientNormObserver:
-    """Collects ``Z_i = |g_i|^2`` for every rank and ``Y = |g|^2`` of the reduced gradient, once per optimizer step.
+    """Collects ``Z_j = |g_j|^2`` for every group (rank x micro-batch) and ``Y = |g|^2`` of the reduced gradient.
 
     Args:
         rank: this process's global rank.
@@ -37,56 +39,47 @@ class GradientNormObserver:
         self._groups: dict[int, dict] | None = None
         self._reset()
 
-    def _squared_norm(self, flat: torch.Tensor, bucket: dist.GradBucket) -> torch.Tensor:
-        """``|flat|^2``, preconditioned per parameter by Adam's second moment when an optimizer is set."""
-        flat = flat.detach().float()
-        if self.optimizer is None:
-            return flat.pow(2).sum()
-        parameters = bucket.parameters()
-        numels = [p.numel() for p in parameters]
-        if sum(numels) != flat.numel():
-            return flat.pow(2).sum()  # an unexpected bucket layout: fall back to the raw norm rather than guess
-        total = flat.new_zeros(())
-        for parameter, piece in zip(parameters, torch.split(flat, numels), strict=True):
-            total = total + (piece / self._preconditioner(parameter).reshape(-1)).pow(2).sum()
-        return total
-
-    def _preconditioner(self, parameter: torch.Tensor) -> torch.Tensor:
-        assert self.optimizer is not None
-        state = self.optimizer.state.get(parameter, {})
-        if "exp_avg_sq" not in state or "step" not in state:
-            return torch.ones((), device=parameter.device)
-        if self._groups is None:  # built once: a lookup per parameter per step must not scan every group
-            self._groups = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
-        group = self._groups[id(parameter)]
-        beta2, eps = group["betas"][1], group["eps"]
-        step = float(state["step"])
-        v_hat = state["exp_avg_sq"].float() / (1.0 - beta2**step)
-        return v_hat.sqrt() + eps
-
     def _reset(self) -> None:
-        self._local: torch.Tensor | None = None
+        self._micro: list[torch.Tensor] = []  # this rank's finished micro-batches of the window
+        self._previous: dict[int, torch.Tensor] = {}  # accumulated gradient after the last micro-batch, by param id
+        self._local: torch.Tensor | None = None  # the window's last micro-batch, summed over buckets
         self._global: torch.Tensor | None = None
         self._exchange: torch.Tensor | None = None
         self._work: dist.Work | None = None
 
+    def after_micro_step(self, parameters: Iterable[torch.Tensor], weight: float) -> None:
+        """Record a micro-batch that ended without a reduction (accumulation); ``weight`` is its share of the sum."""
+        total: torch.Tensor | None = None
+        for parameter in parameters:
+            if parameter.grad is None:
+                continue
+            grad = parameter.grad.detach()
+            sqr = self._micro_squared(parameter, grad.reshape(-1), weight)
+            total = sqr if total is None else total + sqr
+            self._previous[id(parameter)] = grad.clone()
+        if total is not None:
+            self._micro.append(total)
+
     def before_reduce(self, state: WeightedAllReduceState, bucket: dist.GradBucket) -> None:
-        sqr = self._squared_norm(bucket.buffer(), bucket)
+        sqr = self._bucket_squared(bucket.buffer(), bucket, state.micro_weight, subtract_previous=True)
         self._local = sqr if self._local is None else self._local + sqr
         if bucket.is_last():
-            exchange = torch.zeros(self.world_size, dtype=torch.float64, device=sqr.device)
-            exchange[self.rank] = self._local
+            groups = [*self._micro, self._local]
+            exchange = torch.zeros(self.world_size * len(groups), dtype=torch.float64, device=sqr.device)
+            exchange[self.rank * len(groups) : (self.rank + 1) * len(groups)] = torch.stack(groups).double()
             self._exchange = exchange
             self._work = dist.all_reduce(exchange, group=state.process_group, async_op=True)
 
     def after_reduce(self, state: WeightedAllReduceState, bucket: dist.GradBucket, reduced: torch.Tensor) -> None:
-        sqr = self._squared_norm(reduced, bucket)
+        sqr = self._bucket_squared(reduced, bucket, 1.0, subtract_previous=False)
         self._global = sqr if self._global is None else self._global + sqr
 
     def collect(self) -> tuple[list[float], float] | None:
-        """``(Z per rank, Y)`` of the step just finished, or ``None`` if no gradient was reduced in it."""
+        """``(Z per group, Y)`` of the optimizer step just finished, or ``None`` if no gradient was reduced in it.
+
+        Groups are ordered rank-major: rank 0's micro-batches, then rank 1's, and so on.
+        """
         if self._work is None or self._exchange is None or self._global is None:
-            self._reset()
             return None
         self._work.wait()
         local = self._exchange.tolist()
@@ -95,3 +88,39 @@ class GradientNormObserver:
         if not all(math.isfinite(z) for z in local) or not math.isfinite(global_sqr):
             return None  # an overflowing step (e.g. fp16) tells nothing about the noise
         return local, global_sqr
+
+    def _bucket_squared(
+        self, flat: torch.Tensor, bucket: dist.GradBucket, weight: float, subtract_previous: bool
+    ) -> torch.Tensor:
+        flat = flat.detach()
+        parameters = bucket.parameters()
+        numels = [p.numel() for p in parameters]
+        if sum(numels) != flat.numel():
+            # an unexpected bucket layout: measure it whole and raw rather than guess
+            return flat.float().pow(2).sum() / weight**2
+        total = flat.new_zeros((), dtype=torch.float32)
+        for parameter, piece in zip(parameters, torch.split(flat, numels), strict=True):
+            if subtract_previous:
+                total = total + self._micro_squared(parameter, piece, weight)
+            else:
+                total = total + self._preconditioned(parameter, piece.float()).pow(2).sum()
+        return total
+
+    def _micro_squared(self, parameter: torch.Tensor, accumulated: torch.Tensor, weight: float) -> torch.Tensor:
+        """``|g_k|^2`` of one micro-batch: what it added to the accumulated gradient, over its weight in the sum."""
+        previous = self._previous.get(id(parameter))
+        delta = accumulated.float() if previous is None else accumulated.float() - previous.reshape(-1).float()
+        return (self._preconditioned(parameter, delta) / weight).pow(2).sum()
+
+    def _preconditioned(self, parameter: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        if self.optimizer is None:
+            return flat
+        state = self.optimizer.state.get(parameter, {})
+        if "exp_avg_sq" not in state or "step" not in state:
+            return flat
+        if self._groups is None:  # built once: a lookup per parameter per step must not scan every group
+            self._groups = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+        group = self._groups[id(parameter)]
+        beta2, eps = group["betas"][1], group["eps"]
+        v_hat = state["exp_avg_sq"].float().reshape(-1) / (1.0 - beta2 ** float(state["step"]))
+        return flat / (v_hat.sqrt() + eps)

@@ -70,6 +70,7 @@ class CannikinStrategy(DDPStrategy):
         self._train_loader: UnevenDataLoader | None = None
         self._step_sizes: tuple[int, ...] | None = None
         self._window_sizes: tuple[int, ...] | None = None
+        self._window: list[tuple[int, ...]] = []
         self._loss_factor = 1.0
         self.lr_factor = 1.0
         # per-rank (lower, upper) local batch bounds, set by the Cannikin callback; the first plan respects them
@@ -99,6 +100,11 @@ class CannikinStrategy(DDPStrategy):
     def window_sizes(self) -> tuple[int, ...] | None:
         """Every rank's sample count in the optimizer step (accumulation window) in progress."""
         return self._window_sizes
+
+    @property
+    def window(self) -> list[tuple[int, ...]]:
+        """Every rank's sample count in each micro-batch of the accumulation window in progress, in order."""
+        return list(self._window)
 
     def set_plan(self, plan: Plan, from_batch: int | None = None) -> None:
         """Put ``plan`` in force.
@@ -223,9 +229,11 @@ class CannikinStrategy(DDPStrategy):
             window = [sampler.sizes_at(q) for q in range(first, max(last, position + 1))]
             # an epoch resumed on another world size has placeholders (no sizes) for the batches it did not run
             window = [sizes_q for sizes_q in window if sizes_q]
+        self._window = window
         self._window_sizes = tuple(sum(column) for column in zip(*window, strict=True))
         rank_samples = self._window_sizes[rank]
         self.hook_state.weight = rank_samples / sum(self._window_sizes)
+        self.hook_state.micro_weight = sizes[rank] / rank_samples
         self._loss_factor = accumulation * sizes[rank] / rank_samples
 
     @override

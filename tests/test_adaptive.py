@@ -233,3 +233,34 @@ def test_adam_noise_statistics_use_the_preconditioned_gradient(tmp_path):
         for p, g in zip(layer.parameters(), union, strict=True):
             p.grad = g
         optimizer.step()
+
+
+def test_accumulation_micro_batches_are_noise_groups_of_their_own(tmp_path):
+    torch.manual_seed(0)
+    dataset = IndexedRegression(256)
+    model = RecordingRegressor(dataset, batch_size=8, record_dir=str(tmp_path))
+    initial = {k: v.clone() for k, v in model.layer.state_dict().items()}
+    out = tmp_path / "inputs.json"
+    trainer = quiet_trainer(
+        CannikinStrategy(local_batch_sizes=[24, 8], start_method="fork"),
+        2,
+        [Cannikin(track_noise_scale=True), RecordNoiseInputs(out)],
+        max_steps=1,
+        accumulate_grad_batches=2,
+    )
+    trainer.fit(model)
+    records = read_records(tmp_path, 2)
+    (fed,) = json.loads(out.read_text())
+    local, sizes, global_sqr = fed
+
+    def squared_gradient_norm(index: list[int]) -> float:
+        layer = nn.Linear(dataset.x.shape[1], 1)
+        layer.load_state_dict(initial)
+        index = torch.tensor(index)
+        nn.functional.mse_loss(layer(dataset.x[index]), dataset.y[index]).backward()
+        return sum(float(p.grad.pow(2).sum()) for p in layer.parameters())
+
+    micro_batches = [micro for r in records for micro in r["steps"][:2]]  # rank-major: r0m0, r0m1, r1m0, r1m1
+    assert sizes == [24, 24, 8, 8]
+    assert local == pytest.approx([squared_gradient_norm(m) for m in micro_batches], rel=1e-4)
+    assert global_sqr == pytest.approx(squared_gradient_norm([i for m in micro_batches for i in m]), rel=1e-4)
