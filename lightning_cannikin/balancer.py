@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from lightning_cannikin.memory_model import MemoryFitter
 from lightning_cannikin.perf_model import CommModel, CommTimeFitter, ComputeTimeFitter, LinearTimeModel
 from lightning_cannikin.planner import Split, optimal_split, optperf
 
@@ -29,6 +30,8 @@ class StepRecord:
             (``None`` on steps without a reduction, e.g. accumulation micro-steps).
         exposed: from this rank's last bucket (the end of its backward) to the all-reduce completing: the part of
             the communication that backward did not hide, plus any wait for slower ranks.
+        peak_memory: the device's peak allocated bytes during the step (CUDA only).
+        memory_capacity: the device's total memory in bytes (CUDA only).
 
     """
 
@@ -39,6 +42,8 @@ class StepRecord:
     step_time: float
     allreduce: float | None = None
     exposed: float | None = None
+    peak_memory: float | None = None
+    memory_capacity: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -74,9 +79,11 @@ class SplitBalancer:
         self.drifts: list[int] = []  # ranks whose history was dropped at the last `add`, for logging
         self.half_life = float(half_life)
         self.lower = _per_rank(lower, self.world_size, default=1, name="lower")
-        self.upper = None if upper is None else _per_rank(upper, self.world_size, default=None, name="upper")
-        if self.upper is not None and any(lo > hi for lo, hi in zip(self.lower, self.upper, strict=True)):
-            raise ValueError(f"`local_batch_bounds` lower bounds {self.lower} exceed upper bounds {self.upper}.")
+        self.user_upper = None if upper is None else _per_rank(upper, self.world_size, default=None, name="upper")
+        if self.user_upper is not None and any(lo > hi for lo, hi in zip(self.lower, self.user_upper, strict=True)):
+            raise ValueError(f"`local_batch_bounds` lower bounds {self.lower} exceed upper bounds {self.user_upper}.")
+        self.memory = [MemoryFitter() for _ in range(self.world_size)]
+        self.memory_caps: list[int | None] = [None] * self.world_size
         self.fitters = [ComputeTimeFitter(half_life=self.half_life) for _ in range(self.world_size)]
         self.tails: deque[float] = deque(maxlen=int(tail_window))
         self.comm_fitter = CommTimeFitter(half_life=self.half_life)
@@ -95,6 +102,12 @@ class SplitBalancer:
             step_records = by_step[step]
             for record in step_records:
                 self.fitters[record.rank].add(record.batch_size, record.compute)
+                if record.peak_memory is not None:
+                    self.memory[record.rank].add(record.batch_size, record.peak_memory)
+                    if record.memory_capacity is not None:
+                        cap = self.memory[record.rank].max_batch_size(record.memory_capacity)
+                        # never below the lower bound: a device that cannot hold its minimum is the user's call
+                        self.memory_caps[record.rank] = None if cap is None else max(cap, self.lower[record.rank])
             if len(step_records) == self.world_size:
                 slowest = max(r.compute for r in step_records)
                 self.tails.append(max(0.0, float(np.median([r.step_time for r in step_records])) - slowest))
@@ -128,6 +141,15 @@ class SplitBalancer:
         for rank in drifted:
             self.fitters[rank] = ComputeTimeFitter(half_life=self.half_life)
         return drifted
+
+    @property
+    def upper(self) -> list[int] | None:
+        """Per-rank upper bounds: the user's ``local_batch_bounds`` and, on CUDA, the fitted memory caps."""
+        if self.user_upper is None and all(c is None for c in self.memory_caps):
+            return None
+        big = np.iinfo(np.int64).max
+        users = self.user_upper or [big] * self.world_size
+        return [min(u, big if c is None else c) for u, c in zip(users, self.memory_caps, strict=True)]
 
     @property
     def ready(self) -> bool:
@@ -203,6 +225,8 @@ class SplitBalancer:
             "fitters": [f.state_dict() for f in self.fitters],
             "tails": list(self.tails),
             "comm": self.comm_fitter.state_dict(),
+            "memory": [f.state_dict() for f in self.memory],
+            "memory_caps": list(self.memory_caps),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -211,6 +235,9 @@ class SplitBalancer:
         if state["world_size"] == self.world_size:
             for fitter, fitter_state in zip(self.fitters, state["fitters"], strict=True):
                 fitter.load_state_dict(fitter_state)
+            for memory, memory_state in zip(self.memory, state.get("memory", []), strict=False):
+                memory.load_state_dict(memory_state)
+            self.memory_caps = list(state.get("memory_caps", self.memory_caps))
         self.tails.clear()
         self.tails.extend(state["tails"])
         if "comm" in state:

@@ -236,8 +236,17 @@ class Cannikin(Callback):
             allreduce = exposed = None
             if stepped and hook.first_entry is not None and hook.last_done is not None:
                 allreduce, exposed = hook.last_done - hook.first_entry, hook.last_done - hook.last_entry
+            peak, capacity = self._memory_peak(pl_module.device)
             record = StepRecord(
-                self._step, rank, sizes[rank], compute_end - start, now - self._batch_start, allreduce, exposed
+                self._step,
+                rank,
+                sizes[rank],
+                compute_end - start,
+                now - self._batch_start,
+                allreduce,
+                exposed,
+                peak,
+                capacity,
             )
             self._records.append(record)
             if (self._step + 1) % trainer.log_every_n_steps == 0:
@@ -254,6 +263,15 @@ class Cannikin(Callback):
         )
         if due_warmup or due_periodic:
             self._replan(trainer, mid_epoch=True)
+
+    @staticmethod
+    def _memory_peak(device: torch.device) -> tuple[float | None, float | None]:
+        """This step's peak allocated bytes and the device's capacity, on CUDA; the peak counter restarts."""
+        if device.type != "cuda":
+            return None, None
+        peak = float(torch.cuda.max_memory_allocated(device))
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak, float(torch.cuda.get_device_properties(device).total_memory)
 
     def _after_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Progress, and on rank zero the noise-scale statistics of the step's gradients."""

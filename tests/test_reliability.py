@@ -86,12 +86,44 @@ def test_a_dataset_smaller_than_one_global_batch_fails_clearly_and_fast(tmp_path
     assert time.perf_counter() - started < 60
 
 
-def test_limits_and_untouched_validation(tmp_path):
+def test_limits_are_respected(tmp_path):
     _, records = _fit(tmp_path, 2, max_epochs=3, limit_train_batches=4, enable_checkpointing=False)
     assert len(records[0]["steps"]) == len(records[1]["steps"]) == 12  # 4 per epoch
     (tmp_path / "s").mkdir()
     _, records = _fit(tmp_path / "s", 2, max_steps=5, enable_checkpointing=False)
     assert len(records[0]["steps"]) == 5
+
+
+class ValidatingRegressor(RecordingRegressor):
+    """Also validates, and records the validation batch sizes each rank saw."""
+
+    def validation_step(self, batch, batch_idx):
+        x, y, index = batch
+        self.validation_sizes.append(len(index))
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(self.dataset, batch_size=10)
+
+    def on_train_end(self):
+        self.steps.append(self.validation_sizes)  # ride along in the record file
+        super().on_train_end()
+
+
+def test_validation_loader_is_left_to_ddp(tmp_path):
+    torch.manual_seed(0)
+    model = ValidatingRegressor(IndexedRegression(200), batch_size=8, record_dir=str(tmp_path))
+    model.validation_sizes = []
+    trainer = quiet_trainer(
+        CannikinStrategy(local_batch_sizes=[12, 4], start_method="fork"), 2, max_epochs=1, num_sanity_val_steps=0
+    )
+    trainer.fit(model)
+    records = read_records(tmp_path, 2)
+    training = [{len(s) for s in r["steps"][:-1]} for r in records]
+    validation = [r["steps"][-1] for r in records]
+    assert training == [{12, 6}, {4, 2}], "training follows the uneven split (the last batch: 8 left, split 6:2)"
+    # validation is DDP's: a DistributedSampler gives each rank 100 of the 200 samples in batches of 10
+    assert validation == [[10] * 10, [10] * 10]
 
 
 def test_cannikin_callback_requires_the_cannikin_strategy():

@@ -1,0 +1,51 @@
+"""The memory model (pure) and its effect on plans."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_cannikin.balancer import SplitBalancer, StepRecord
+from lightning_cannikin.memory_model import MemoryFitter
+
+GIB = 1024**3
+
+
+def test_fitted_memory_model_and_cap():
+    fitter = MemoryFitter()
+    assert fitter.fit() is None
+    for batch in (16, 32, 48):
+        for jitter in (0.0, 0.01, -0.01):
+            fitter.add(batch, (2.0 + 0.1 * batch) * GIB * (1 + jitter))
+    m0, m1 = fitter.fit()
+    # the largest peak per size is used: the fit sits on the upper envelope, never below the truth
+    assert m1 == pytest.approx(0.1 * 1.01 * GIB, rel=0.02)
+    cap = fitter.max_batch_size(16 * GIB, headroom=0.9)
+    assert (m0 + m1 * cap) <= 0.9 * 16 * GIB < (m0 + m1 * (cap + 1))
+    fitter.add(8, float("nan"))  # ignored
+    restored = MemoryFitter()
+    restored.load_state_dict(fitter.state_dict())
+    assert restored.fit() == fitter.fit()
+
+
+def test_memory_caps_bound_the_plan():
+    balancer = SplitBalancer(2)
+    step = 0
+    for sizes in ((32, 32), (48, 16), (40, 24)):
+        for _ in range(3):
+            balancer.add(
+                [
+                    # rank 0 is 4x faster but has a small device: 1 GiB + 0.1 GiB per sample of 4 GiB
+                    StepRecord(
+                        step, 0, sizes[0], 0.001 * sizes[0], 0.2, None, None, (1 + 0.1 * sizes[0]) * GIB, 4 * GIB
+                    ),
+                    StepRecord(step, 1, sizes[1], 0.004 * sizes[1], 0.2, None, None, 1e9, 80 * GIB),
+                ]
+            )
+            step += 1
+    free = SplitBalancer(2)
+    free.load_state_dict({**balancer.state_dict(), "memory": [], "memory_caps": [None, None]})
+    assert free.plan_split(64).local_batch_sizes[0] > 26, "unbounded, the fast rank would take more"
+    cap = balancer.upper[0]
+    assert cap in (25, 26)  # (0.9 * 4 GiB - 1 GiB) / 0.1 GiB = 26, less a rounding hair
+    assert balancer.upper[1] > 64
+    assert balancer.plan_split(64).local_batch_sizes == (cap, 64 - cap)
