@@ -11,7 +11,6 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from lightning_cannikin import Cannikin, CannikinStrategy, EmulatedCluster
-from lightning_cannikin.noise_scale import pooled_moments
 from tests.models import IndexedRegression, RecordingRegressor, quiet_trainer, read_records
 
 
@@ -80,49 +79,6 @@ def test_scaled_lr_is_schedule_times_factor_during_the_step_only(tmp_path, sched
         assert len(set(lrs["scheduled"])) > 1, "the schedule must actually move for this test to mean anything"
 
 
-class DumpEstimator(Callback):
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def on_train_end(self, trainer, pl_module):
-        if trainer.is_global_zero:
-            cannikin = next(cb for cb in trainer.callbacks if isinstance(cb, Cannikin))
-            self.path.write_text(json.dumps(cannikin._estimator.state_dict()))
-
-
-@pytest.mark.parametrize("sizes", [[24, 8], [20, 8, 4]])
-def test_noise_statistics_from_the_hook_match_a_single_process_replay(tmp_path, sizes):
-    torch.manual_seed(0)
-    dataset = IndexedRegression(256)
-    model = RecordingRegressor(dataset, batch_size=8, record_dir=str(tmp_path))
-    initial = {k: v.clone() for k, v in model.layer.state_dict().items()}
-    out = tmp_path / "estimator.json"
-    trainer = quiet_trainer(
-        CannikinStrategy(local_batch_sizes=sizes, start_method="fork"),
-        len(sizes),
-        [Cannikin(track_noise_scale=True), DumpEstimator(out)],
-        max_steps=1,
-    )
-    trainer.fit(model)
-    records = read_records(tmp_path, len(sizes))
-    state = json.loads(out.read_text())
-    assert state["num_updates"] == 1
-
-    def squared_gradient_norm(index: list[int]) -> float:
-        layer = nn.Linear(dataset.x.shape[1], 1)
-        layer.load_state_dict(initial)
-        index = torch.tensor(index)
-        nn.functional.mse_loss(layer(dataset.x[index]), dataset.y[index]).backward()
-        return sum(float(p.grad.pow(2).sum()) for p in layer.parameters())
-
-    local = [squared_gradient_norm(r["steps"][0]) for r in records]
-    everything = squared_gradient_norm([i for r in records for i in r["steps"][0]])
-    expected_sqr, expected_var = pooled_moments(local, sizes, everything)
-    # after one update the bias-corrected averages are that update's values
-    assert state["sqr_biased"] / state["weight"] == pytest.approx(expected_sqr, rel=1e-4)
-    assert state["var_biased"] / state["weight"] == pytest.approx(expected_var, rel=1e-4)
-
-
 def test_total_batch_grows_only_at_epoch_ends_and_keeps_every_sample_once(tmp_path):
     torch.manual_seed(0)
     # a noisy problem (large noise scale) on a cluster where each step has a large fixed cost: bigger is better
@@ -183,21 +139,7 @@ class RecordNoiseInputs(Callback):
 
 
 def test_adam_noise_statistics_use_the_preconditioned_gradient(tmp_path):
-    torch.manual_seed(0)
-    dataset = IndexedRegression(256)
-    model = AdamRegressor(dataset, batch_size=8, record_dir=str(tmp_path))
-    initial = {k: v.clone() for k, v in model.layer.state_dict().items()}
-    out = tmp_path / "inputs.json"
-    sizes = [24, 8]
-    trainer = quiet_trainer(
-        CannikinStrategy(local_batch_sizes=sizes, start_method="fork"),
-        2,
-        [Cannikin(track_noise_scale=True), RecordNoiseInputs(out)],
-        max_steps=2,
-    )
-    trainer.fit(model)
-    records = read_records(tmp_path, 2)
-    fed = json.loads(out.read_text())
+    dataset, initial, records, fed = fit_recording_noise(tmp_path, [24, 8], AdamRegressor, max_steps=2)
     assert len(fed) == 2
 
     # replay: Adam on the union of each step's samples, and every group's gradient at the same parameters
@@ -235,32 +177,48 @@ def test_adam_noise_statistics_use_the_preconditioned_gradient(tmp_path):
         optimizer.step()
 
 
-def test_accumulation_micro_batches_are_noise_groups_of_their_own(tmp_path):
+def fit_recording_noise(tmp_path, sizes, model_class=RecordingRegressor, **trainer_kwargs):
+    """A fixed-split run that records what the noise-scale estimator is fed; returns what a replay needs."""
     torch.manual_seed(0)
     dataset = IndexedRegression(256)
-    model = RecordingRegressor(dataset, batch_size=8, record_dir=str(tmp_path))
+    model = model_class(dataset, batch_size=8, record_dir=str(tmp_path))
     initial = {k: v.clone() for k, v in model.layer.state_dict().items()}
     out = tmp_path / "inputs.json"
     trainer = quiet_trainer(
-        CannikinStrategy(local_batch_sizes=[24, 8], start_method="fork"),
-        2,
+        CannikinStrategy(local_batch_sizes=sizes, start_method="fork"),
+        len(sizes),
         [Cannikin(track_noise_scale=True), RecordNoiseInputs(out)],
-        max_steps=1,
-        accumulate_grad_batches=2,
+        **trainer_kwargs,
     )
     trainer.fit(model)
-    records = read_records(tmp_path, 2)
-    (fed,) = json.loads(out.read_text())
-    local, sizes, global_sqr = fed
+    return dataset, initial, read_records(tmp_path, len(sizes)), json.loads(out.read_text())
 
-    def squared_gradient_norm(index: list[int]) -> float:
-        layer = nn.Linear(dataset.x.shape[1], 1)
-        layer.load_state_dict(initial)
-        index = torch.tensor(index)
-        nn.functional.mse_loss(layer(dataset.x[index]), dataset.y[index]).backward()
-        return sum(float(p.grad.pow(2).sum()) for p in layer.parameters())
 
+def squared_gradient_norm(dataset, parameters, index: list[int]) -> float:
+    """``|g|^2`` of the mean-loss gradient over ``index`` at ``parameters`` (a state dict), in one process."""
+    layer = nn.Linear(dataset.x.shape[1], 1)
+    layer.load_state_dict(parameters)
+    index = torch.tensor(index)
+    nn.functional.mse_loss(layer(dataset.x[index]), dataset.y[index]).backward()
+    return sum(float(p.grad.pow(2).sum()) for p in layer.parameters())
+
+
+@pytest.mark.parametrize("sizes", [[24, 8], [20, 8, 4]])
+def test_noise_statistics_from_the_hook_match_a_single_process_replay(tmp_path, sizes):
+    dataset, initial, records, fed = fit_recording_noise(tmp_path, sizes, max_steps=1)
+    ((local, group_sizes, global_sqr),) = fed
+    groups = [r["steps"][0] for r in records]
+    assert group_sizes == sizes
+    assert local == pytest.approx([squared_gradient_norm(dataset, initial, g) for g in groups], rel=1e-4)
+    union = [i for g in groups for i in g]
+    assert global_sqr == pytest.approx(squared_gradient_norm(dataset, initial, union), rel=1e-4)
+
+
+def test_accumulation_micro_batches_are_noise_groups_of_their_own(tmp_path):
+    dataset, initial, records, fed = fit_recording_noise(tmp_path, [24, 8], max_steps=1, accumulate_grad_batches=2)
+    ((local, group_sizes, global_sqr),) = fed
     micro_batches = [micro for r in records for micro in r["steps"][:2]]  # rank-major: r0m0, r0m1, r1m0, r1m1
-    assert sizes == [24, 24, 8, 8]
-    assert local == pytest.approx([squared_gradient_norm(m) for m in micro_batches], rel=1e-4)
-    assert global_sqr == pytest.approx(squared_gradient_norm([i for m in micro_batches for i in m]), rel=1e-4)
+    assert group_sizes == [24, 24, 8, 8]
+    assert local == pytest.approx([squared_gradient_norm(dataset, initial, m) for m in micro_batches], rel=1e-4)
+    union = [i for m in micro_batches for i in m]
+    assert global_sqr == pytest.approx(squared_gradient_norm(dataset, initial, union), rel=1e-4)
