@@ -136,7 +136,10 @@ class SplitBalancer:
         drifted = [
             rank
             for rank, values in sorted(ratios.items())
-            if len(values) >= min_samples and abs(float(np.median(values)) - 1.0) > self.drift_tolerance
+            # a model fitted from one batch size is a guess, not a measurement to drift from
+            if len(self.fitters[rank].distinct_batch_sizes) >= 2
+            and len(values) >= min_samples
+            and abs(float(np.median(values)) - 1.0) > self.drift_tolerance
         ]
         for rank in drifted:
             self.fitters[rank] = ComputeTimeFitter(half_life=self.half_life)

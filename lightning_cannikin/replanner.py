@@ -74,8 +74,8 @@ def next_plan(
         balance: split by the fitted speeds (OptPerf); ``False`` splits evenly.
         margin: relative goodput gain required to change the total batch.
 
-    While some rank's slope is not yet identified (one batch size seen), the split is perturbed so that every rank
-    runs a new batch size and the next re-plan can measure it.
+    While some rank's slope is not yet identified (one batch size seen), the current split is perturbed instead, so
+    that every rank runs a new batch size and the next re-plan can measure it.
     """
     global_batch = current.global_batch_size
     adapt = max_batch_size is not None and noise_scale is not None and base_batch_size is not None
@@ -89,10 +89,12 @@ def next_plan(
             balance,
             margin,  # type: ignore[arg-type]
         )
-    if balance:
+    if balance and not balancer.identified:
+        # a slope guessed from one batch size can be far off (AdaptDL's prior puts half the time in the intercept):
+        # rather than act on it, move every rank a little from where it is, so the next re-plan measures slopes
+        sizes = balancer.probe(current.local_batch_sizes)
+    elif balance:
         sizes = balancer.plan_split(global_batch).local_batch_sizes
-        if not balancer.identified:
-            sizes = balancer.probe(sizes)
     else:
         sizes = even_split(global_batch, current.world_size)
     return current.with_sizes(sizes, predicted_step_time=balancer.predict(sizes))
