@@ -49,8 +49,9 @@ class Cannikin(Callback):
             combined with ``max_batch_size``).
         replan_every_n_steps: also re-plan the split mid-epoch every this many training steps (``None``: at epoch
             ends only). The total batch changes only at epoch ends.
-        warmup_steps: steps timed before the first re-plan, which also probes a second batch size on every rank so
-            each device's slope is measured rather than assumed.
+        warmup_steps: while some device's speed is not yet measured at two batch sizes (at the start, after a
+            restart on other devices, after a speed change), re-plan every this many steps: the first re-plan probes
+            a second batch size on every rank, the next one balances.
         half_life: recency half-life of the timing fits, in steps.
         adapt_margin: relative goodput gain required to change the total batch (hysteresis).
         min_noise_updates: optimizer steps of noise statistics required before the total batch may change.
@@ -128,6 +129,7 @@ class Cannikin(Callback):
         self._in_train_batch = False
         self._hook_handle: Any = None
         self._log_dir: str | None = None
+        self._identified = False  # rank zero's word, broadcast: every rank's slope has been measured
 
     @property
     def plan(self) -> Plan | None:
@@ -257,7 +259,8 @@ class Cannikin(Callback):
         self._step += 1
         if self._strategy.fixed_split:
             return
-        due_warmup = not self.history and self._step == self.warmup_steps
+        # until every rank's slope is measured, re-plan every `warmup_steps`: probe first, then balance
+        due_warmup = not self._identified and self._step % self.warmup_steps == 0
         due_periodic = (
             self.replan_every_n_steps is not None and self._step - self._steps_at_replan >= self.replan_every_n_steps
         )
@@ -346,7 +349,7 @@ class Cannikin(Callback):
         self._records = []
         self._steps_at_replan = self._step
         current = strategy.plan
-        decision: tuple[Plan, float, float] | None = None
+        decision: tuple[Plan, float, float, bool] | None = None
         if trainer.is_global_zero:
             records = [r for rank_records, _ in gathered for r in rank_records]
             self._balancer.add(records)
@@ -370,12 +373,12 @@ class Cannikin(Callback):
                 )
                 # the factor is decided once, here, and broadcast, so every rank steps with the identical LR
                 self._set_lr_factor(plan.total_batch_size)
-                decision = (plan, self.lr_factor, self.gain)
+                decision = (plan, self.lr_factor, self.gain, self._balancer.identified)
         # rank zero models and decides; every rank adopts what it broadcasts
         decision = strategy.broadcast(decision, src=0)
         if decision is None:
             return
-        plan, factor, self.gain = decision
+        plan, factor, self.gain, self._identified = decision
         self.lr_factor = strategy.lr_factor = factor
         self._since_replan = []
         if plan.global_batch_size != current.global_batch_size:
@@ -406,6 +409,7 @@ class Cannikin(Callback):
             "plan": self.plan.to_dict() if self.plan is not None else None,
             "history": self.history,
             "step": self._step,
+            "identified": self._identified,
         }
 
     @override
@@ -437,6 +441,10 @@ class Cannikin(Callback):
         self.gain = state["gain"]
         self.history = list(state["history"])
         self._step = self._steps_at_replan = state["step"]
+        same_devices = (
+            state.get("balancer") is not None and state["balancer"]["world_size"] == self._strategy.world_size
+        )
+        self._identified = bool(state.get("identified", False)) and same_devices
 
 
 def _history_entry(step: int, epoch: int, plan: Plan, lr_factor: float, noise_scale: float | None) -> dict[str, Any]:
