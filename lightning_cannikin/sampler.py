@@ -177,9 +177,6 @@ class UnevenBatchSampler(Sampler[list[int]]):
     def num_samples(self) -> int:
         return self.sampler.num_samples
 
-    def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
-
     def set_plan(self, plan: Plan, from_batch: int = 0) -> None:
         """Put ``plan`` in force from global batch ``from_batch`` of the epoch on (later entries are replaced)."""
         if plan.world_size != self.schedule[0].world_size:

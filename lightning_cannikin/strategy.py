@@ -69,7 +69,6 @@ class CannikinStrategy(DDPStrategy):
         self.hook_state = WeightedAllReduceState()
         self._train_loader: UnevenDataLoader | None = None
         self._step_sizes: tuple[int, ...] | None = None
-        self._window_sizes: tuple[int, ...] | None = None
         self._window: list[tuple[int, ...]] = []
         self._loss_factor = 1.0
         self.lr_factor = 1.0
@@ -95,11 +94,6 @@ class CannikinStrategy(DDPStrategy):
     def step_sizes(self) -> tuple[int, ...] | None:
         """Every rank's sample count in the training step in progress."""
         return self._step_sizes
-
-    @property
-    def window_sizes(self) -> tuple[int, ...] | None:
-        """Every rank's sample count in the optimizer step (accumulation window) in progress."""
-        return self._window_sizes
 
     @property
     def window(self) -> list[tuple[int, ...]]:
@@ -230,9 +224,9 @@ class CannikinStrategy(DDPStrategy):
             # an epoch resumed on another world size has placeholders (no sizes) for the batches it did not run
             window = [sizes_q for sizes_q in window if sizes_q]
         self._window = window
-        self._window_sizes = tuple(sum(column) for column in zip(*window, strict=True))
-        rank_samples = self._window_sizes[rank]
-        self.hook_state.weight = rank_samples / sum(self._window_sizes)
+        window_sizes = [sum(column) for column in zip(*window, strict=True)]
+        rank_samples = window_sizes[rank]
+        self.hook_state.weight = rank_samples / sum(window_sizes)
         self.hook_state.micro_weight = sizes[rank] / rank_samples
         self._loss_factor = accumulation * sizes[rank] / rank_samples
 
