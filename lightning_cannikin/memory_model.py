@@ -10,26 +10,28 @@ Pure: numpy only (no torch, no Lightning).
 from __future__ import annotations
 
 import math
-from collections import deque
 
 import numpy as np
+
+from lightning_cannikin.sample_window import BatchSizeWindow
 
 
 class MemoryFitter:
     """``(batch_size, peak_bytes)`` samples of one device -> the largest local batch that fits.
 
     Args:
-        max_samples: samples kept (the oldest are dropped).
+        max_samples: samples kept. The oldest are dropped, except a few of the previous batch size, so that the fit
+            (and the cap) survive any number of steps at one plan.
 
     """
 
     def __init__(self, max_samples: int = 256) -> None:
-        self._samples: deque[tuple[int, float]] = deque(maxlen=int(max_samples))
+        self._window = BatchSizeWindow(max_samples)
 
     def add(self, batch_size: int, peak_bytes: float) -> None:
         """Record one step's peak; non-finite or non-positive values are ignored."""
         if batch_size >= 1 and math.isfinite(peak_bytes) and peak_bytes > 0:
-            self._samples.append((int(batch_size), float(peak_bytes)))
+            self._window.append(int(batch_size), float(peak_bytes))
 
     def fit(self) -> tuple[float, float] | None:
         """``(m0, m1)`` in bytes and bytes per sample, or ``None`` before two distinct batch sizes were seen.
@@ -38,7 +40,7 @@ class MemoryFitter:
         runs a device out of memory.
         """
         peaks: dict[int, float] = {}
-        for batch, peak in self._samples:
+        for batch, peak in self._window.pairs():
             peaks[batch] = max(peak, peaks.get(batch, 0.0))
         if len(peaks) < 2:
             return None
@@ -56,9 +58,8 @@ class MemoryFitter:
         return max(0, int((headroom * capacity_bytes - m0) // m1))
 
     def state_dict(self) -> dict:
-        return {"samples": [list(s) for s in self._samples]}
+        return {"samples": [list(s) for s in self._window.pairs()]}
 
     def load_state_dict(self, state: dict) -> None:
-        self._samples.clear()
-        for batch, peak in state["samples"]:
-            self.add(batch, peak)
+        samples = [(b, p) for b, p in state["samples"] if b >= 1 and math.isfinite(p) and p > 0]
+        self._window.restore([b for b, _ in samples], [p for _, p in samples], (int, float))

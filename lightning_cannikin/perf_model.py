@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,6 +20,8 @@ import numpy as np
 from numpy.typing import ArrayLike
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.linear_model import HuberRegressor
+
+from lightning_cannikin.sample_window import BatchSizeWindow, SampleWindow
 
 __all__ = [
     "CommModel",
@@ -115,41 +116,22 @@ def _weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
     return float(values[order][np.searchsorted(cumulative, 0.5 * cumulative[-1])])
 
 
-class _RecencyWindow:
-    """The newest ``max_samples`` samples, each weighted ``0.5 ** (age / half_life)`` with age 0 for the newest."""
+class _WindowedFitter:
+    """What the fitters share: a bounded window of samples, and its size and contents."""
 
-    def __init__(self, half_life: float, max_samples: int) -> None:
-        half_life = float(half_life)
-        if not half_life > 0:  # also rejects NaN; math.inf turns recency weighting off
-            raise ValueError(f"`half_life` must be > 0, got {half_life}.")
-        if int(max_samples) < 1:
-            raise ValueError(f"`max_samples` must be >= 1, got {max_samples}.")
-        self.half_life = half_life
-        self.max_samples = int(max_samples)
-        self._samples: deque[tuple] = deque(maxlen=self.max_samples)
+    _window: SampleWindow
 
     @property
     def num_samples(self) -> int:
         """Samples in the window."""
-        return len(self._samples)
+        return len(self._window)
 
-    def _weights(self) -> np.ndarray:
-        age = np.arange(len(self._samples) - 1, -1, -1, dtype=np.float64)
-        return 0.5 ** (age / self.half_life)
-
-    def _columns(self) -> tuple[np.ndarray, np.ndarray]:
-        first, second = zip(*self._samples, strict=True)
-        return np.asarray(first, dtype=np.float64), np.asarray(second, dtype=np.float64)
-
-    def _restore(self, first: Sequence, second: Sequence, convert: tuple[type, type]) -> None:
-        if len(first) != len(second):
-            raise ValueError(f"state holds {len(first)} and {len(second)} values; they must pair up.")
-        self._samples.clear()
-        # A window shorter than the saved one keeps the newest samples, as if they had arrived one by one.
-        self._samples.extend((convert[0](u), convert[1](v)) for u, v in zip(first, second, strict=True))
+    def samples(self) -> list[tuple]:
+        """The samples in the window, oldest first."""
+        return self._window.pairs()
 
 
-class ComputeTimeFitter(_RecencyWindow):
+class ComputeTimeFitter(_WindowedFitter):
     """Fits one device's :class:`LinearTimeModel` from ``(batch_size, seconds)`` samples.
 
     With two or more distinct batch sizes it runs a Huber regression weighted by recency: stragglers (a step ten times
@@ -159,12 +141,14 @@ class ComputeTimeFitter(_RecencyWindow):
 
     Args:
         half_life: age in samples at which a sample's weight halves; ``math.inf`` weighs all samples equally.
-        max_samples: samples kept (the oldest are dropped).
+        max_samples: samples kept. The oldest are dropped, except a few of the previous batch size, so that the slope
+            stays measured however long one plan runs.
 
     """
 
     def __init__(self, half_life: float = 50.0, max_samples: int = 512) -> None:
-        super().__init__(half_life, max_samples)
+        self._window = BatchSizeWindow(max_samples, half_life)
+        self.half_life, self.max_samples = self._window.half_life, self._window.max_samples
 
     def add(self, batch_size: int, seconds: float) -> None:
         """Record one measurement; non-finite or non-positive times (a clock glitch, a skipped step) are ignored."""
@@ -172,23 +156,19 @@ class ComputeTimeFitter(_RecencyWindow):
             raise ValueError(f"`batch_size` must be a positive integer, got {batch_size}.")
         seconds = float(seconds)
         if math.isfinite(seconds) and seconds > 0:
-            self._samples.append((int(batch_size), seconds))
+            self._window.append(int(batch_size), seconds)
 
     @property
     def distinct_batch_sizes(self) -> tuple[int, ...]:
         """The batch sizes present in the window, ascending."""
-        return tuple(sorted({b for b, _ in self._samples}))
-
-    def samples(self) -> list[tuple[int, float]]:
-        """The samples in the window, oldest first."""
-        return list(self._samples)
+        return self._window.distinct_batch_sizes()
 
     def fit(self) -> LinearTimeModel | None:
         """The current model, or ``None`` before the first sample."""
-        if not self._samples:
+        if not len(self._window):
             return None
-        sizes, seconds = self._columns()
-        weights = self._weights()
+        sizes, seconds = self._window.columns()
+        weights = self._window.weights()
         if len(np.unique(sizes)) < 2:
             return self._prior(sizes, seconds, weights)
         distinct = np.unique(sizes)
@@ -223,11 +203,12 @@ class ComputeTimeFitter(_RecencyWindow):
 
     def state_dict(self) -> dict:
         """The samples as JSON-friendly lists (the settings stay with the constructor)."""
-        return {"batch_sizes": [b for b, _ in self._samples], "seconds": [t for _, t in self._samples]}
+        pairs = self._window.pairs()
+        return {"batch_sizes": [b for b, _ in pairs], "seconds": [t for _, t in pairs]}
 
     def load_state_dict(self, state: dict) -> None:
         """Replace the samples with those of :meth:`state_dict`."""
-        self._restore(state["batch_sizes"], state["seconds"], (int, float))
+        self._window.restore(state["batch_sizes"], state["seconds"], (int, float))
 
 
 def _huber(sizes: np.ndarray, seconds: np.ndarray, weights: np.ndarray, fit_intercept: bool) -> tuple[float, float]:
@@ -244,7 +225,7 @@ def _huber(sizes: np.ndarray, seconds: np.ndarray, weights: np.ndarray, fit_inte
     return float(model.coef_[0]) * y_scale / x_scale, intercept
 
 
-class CommTimeFitter(_RecencyWindow):
+class CommTimeFitter(_WindowedFitter):
     """Fits the :class:`CommModel` from ``(allreduce_seconds, exposed_seconds)`` samples by recency-weighted medians.
 
     The all-reduce time does not depend on the local batch, so a robust location is the whole model.
@@ -256,7 +237,8 @@ class CommTimeFitter(_RecencyWindow):
     """
 
     def __init__(self, half_life: float = 50.0, max_samples: int = 512) -> None:
-        super().__init__(half_life, max_samples)
+        self._window = SampleWindow(max_samples, half_life)
+        self.half_life, self.max_samples = self._window.half_life, self._window.max_samples
 
     def add(self, allreduce_seconds: float, exposed_seconds: float) -> None:
         """Record one step; samples with a non-finite or negative time are ignored.
@@ -266,28 +248,25 @@ class CommTimeFitter(_RecencyWindow):
         """
         allreduce, exposed = float(allreduce_seconds), float(exposed_seconds)
         if math.isfinite(allreduce) and math.isfinite(exposed) and allreduce >= 0 and exposed >= 0:
-            self._samples.append((allreduce, min(exposed, allreduce)))
-
-    def samples(self) -> list[tuple[float, float]]:
-        """The samples in the window, oldest first."""
-        return list(self._samples)
+            self._window.append(allreduce, min(exposed, allreduce))
 
     def fit(self) -> CommModel | None:
         """The current model, or ``None`` before the first sample."""
-        if not self._samples:
+        if not len(self._window):
             return None
-        allreduce, exposed = self._columns()
-        weights = self._weights()
+        allreduce, exposed = self._window.columns()
+        weights = self._window.weights()
         total = _weighted_median(allreduce, weights)
         return CommModel(total, min(_weighted_median(exposed, weights), total))
 
     def state_dict(self) -> dict:
         """The samples as JSON-friendly lists (the settings stay with the constructor)."""
-        return {"allreduce": [c for c, _ in self._samples], "exposed": [e for _, e in self._samples]}
+        pairs = self._window.pairs()
+        return {"allreduce": [c for c, _ in pairs], "exposed": [e for _, e in pairs]}
 
     def load_state_dict(self, state: dict) -> None:
         """Replace the samples with those of :meth:`state_dict`."""
-        self._restore(state["allreduce"], state["exposed"], (float, float))
+        self._window.restore(state["allreduce"], state["exposed"], (float, float))
 
 
 def step_time_pieces(

@@ -49,3 +49,20 @@ def test_memory_caps_bound_the_plan():
     assert cap in (25, 26)  # (0.9 * 4 GiB - 1 GiB) / 0.1 GiB = 26, less a rounding hair
     assert balancer.upper[1] > 64
     assert balancer.plan_split(64).local_batch_sizes == (cap, 64 - cap)
+
+
+def test_memory_cap_survives_a_long_run_at_one_plan():
+    # two sizes once, then many more steps at one size than the window holds: the cap must not lift, or the planner
+    # would hand the device a batch that runs it out of memory
+    balancer = SplitBalancer(2)
+    plans = [(32, 32)] * 4 + [(24, 40)] * 4 + [(26, 38)] * 1000
+    for step, sizes in enumerate(plans):
+        balancer.add(
+            [
+                StepRecord(step, 0, sizes[0], 0.001 * sizes[0], 0.2, None, None, (1 + 0.1 * sizes[0]) * GIB, 4 * GIB),
+                StepRecord(step, 1, sizes[1], 0.004 * sizes[1], 0.2, None, None, 1e9, 80 * GIB),
+            ]
+        )
+    assert balancer.identified
+    assert balancer.upper[0] in (25, 26)
+    assert balancer.plan_split(64).local_batch_sizes[0] == balancer.upper[0]

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -280,18 +278,3 @@ def test_step_time():
     assert step_time([1.0, 2.0], [0.5, 0.0], [3, 1]) == 3.5
     with pytest.raises(ValueError, match="local_batch_sizes"):
         step_time([1.0, 2.0], [0.0, 0.0], [1, 2, 3])
-
-
-def test_planner_imports_neither_torch_nor_lightning_nor_sklearn():
-    # Load the module file on its own, so the package __init__ (which imports Lightning) stays out of the picture.
-    path = str(REPO / "lightning_cannikin" / "planner.py")
-    code = (
-        "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('planner', {path!r})\n"
-        "module = importlib.util.module_from_spec(spec); sys.modules['planner'] = module\n"
-        "spec.loader.exec_module(module)\n"
-        "assert module.optimal_split([1.0, 2.0], [0.0, 0.0], 3).local_batch_sizes == (2, 1)\n"
-        "print(sorted(m for m in ('torch', 'lightning', 'sklearn') if m in sys.modules))\n"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert result.stdout.strip() == "[]"

@@ -69,3 +69,15 @@ def test_an_unidentified_rank_is_probed_at_a_new_size():
     plan = next_plan(balancer, Plan((16, 16)))
     assert plan.global_batch_size == 32
     assert all(b != 16 for b in plan.local_batch_sizes), plan
+
+
+def test_a_long_stable_plan_neither_loses_its_slopes_nor_stops_adapting():
+    # An epoch far longer than the timing window, all at one plan: the epoch-end decision must still see measured
+    # slopes. (It once saw one batch size per rank, so it probed instead of balancing, and never grew the batch.)
+    balancer = fitted_balancer(sizes_seen=((16, 16), (20, 12), *[(24, 8)] * 200))
+    assert balancer.identified
+    assert balancer.models()[1].slope == pytest.approx(SLOPES[1], rel=1e-6)
+    current = Plan((24, 8))
+    assert next_plan(balancer, current).local_batch_sizes == (24, 8)
+    grown = next_plan(balancer, current, noise_scale=1e9, base_batch_size=32, max_batch_size=256)
+    assert grown.global_batch_size == 256
