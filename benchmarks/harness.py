@@ -80,6 +80,7 @@ class EpochClock(Callback):
             value = accuracy(pl_module, self.test_set)
             pl_module.train()
             plan = getattr(trainer.strategy, "plan", None)
+            cannikin = next((cb for cb in trainer.callbacks if isinstance(cb, Cannikin)), None)
             self.curve.append(
                 {
                     "time": paused - self.started - self.eval_time,
@@ -88,6 +89,7 @@ class EpochClock(Callback):
                     "total_batch_size": plan.total_batch_size if plan else self.total_batch,
                     "lr_factor": getattr(trainer.strategy, "lr_factor", 1.0),
                     "samples": sum(self.epoch_samples),
+                    "noise_scale": cannikin.noise_scale if cannikin is not None else None,
                 }
             )
             reached = value >= self.target_accuracy
