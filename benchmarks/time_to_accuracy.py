@@ -104,15 +104,16 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(4, 1, figsize=(7, 10), sharex=True)
+    colours = dict(zip(runs, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
     for name, results in runs.items():
-        curve = results[0]["curve"]
+        curve, colour = results[0]["curve"], colours[name]
         times = [p["time"] for p in curve]
-        axes[0].step(times, [p["total_batch_size"] for p in curve], where="post", label=name)
-        axes[1].step(times, [p["lr_factor"] for p in curve], where="post", label=name)
+        axes[0].step(times, [p["total_batch_size"] for p in curve], where="post", color=colour, label=name)
+        axes[1].step(times, [p["lr_factor"] for p in curve], where="post", color=colour, label=name)
         measured = [(p["time"], p["noise_scale"]) for p in curve if p.get("noise_scale") is not None]
         if measured:
-            axes[2].plot(*zip(*measured, strict=True), marker=".", label=name)
-        axes[3].plot(times, [p["accuracy"] for p in curve], marker="o", label=name)
+            axes[2].plot(*zip(*measured, strict=True), marker=".", color=colour, label=name)
+        axes[3].plot(times, [p["accuracy"] for p in curve], marker="o", color=colour, label=name)
     axes[0].set_ylabel("total batch size")
     axes[1].set_ylabel("LR factor")
     axes[2].axhline(curve[0]["total_batch_size"] if curve else 0, color="grey", linestyle=":", label="B0")
