@@ -51,7 +51,7 @@ class Cannikin(Callback):
             ends only). The total batch changes only at epoch ends.
         warmup_steps: while some device's speed is not yet measured at two batch sizes (at the start, after a
             restart on other devices, after a speed change), re-plan every this many steps: the first re-plan probes
-            a second batch size on every rank, the next one balances.
+            a second batch size on every rank, the next one balances. Not used with ``balance=False``.
         half_life: recency half-life of the timing fits, in steps.
         adapt_margin: relative goodput gain required to change the total batch (hysteresis).
         min_noise_updates: optimizer steps of noise statistics required before the total batch may change.
@@ -259,8 +259,9 @@ class Cannikin(Callback):
         self._step += 1
         if self._strategy.fixed_split:
             return
-        # until every rank's slope is measured, re-plan every `warmup_steps`: probe first, then balance
-        due_warmup = not self._identified and self._step % self.warmup_steps == 0
+        # until every rank's slope is measured, re-plan every `warmup_steps`: probe first, then balance (an even split
+        # probes nothing, so it would re-plan every few steps forever for no change)
+        due_warmup = self.balance and not self._identified and self._step % self.warmup_steps == 0
         due_periodic = (
             self.replan_every_n_steps is not None and self._step - self._steps_at_replan >= self.replan_every_n_steps
         )

@@ -74,12 +74,14 @@ def next_plan(
         balance: split by the fitted speeds (OptPerf); ``False`` splits evenly.
         margin: relative goodput gain required to change the total batch.
 
-    While some rank's slope is not yet identified (one batch size seen), the current split is perturbed instead, so
-    that every rank runs a new batch size and the next re-plan can measure it.
+    While some rank's slope is not yet identified (one batch size seen), a balancing plan perturbs the current split
+    instead, so that every rank runs a new batch size and the next re-plan can measure it; the total batch waits.
+    An even split never probes: like AdaptDL, it chooses the total batch from the one-size prior (half the step time
+    as intercept) until a change of total batch measures the slope.
     """
     global_batch = current.global_batch_size
     adapt = max_batch_size is not None and noise_scale is not None and base_batch_size is not None
-    if adapt and balancer.identified:
+    if adapt and (balancer.identified or not balance):
         global_batch = choose_global_batch(
             balancer,
             current,

@@ -79,21 +79,40 @@ def test_scaled_lr_is_schedule_times_factor_during_the_step_only(tmp_path, sched
         assert len(set(lrs["scheduled"])) > 1, "the schedule must actually move for this test to mean anything"
 
 
-def test_total_batch_grows_only_at_epoch_ends_and_keeps_every_sample_once(tmp_path):
+class SaveHistory(Callback):
+    """Writes rank zero's Cannikin history (the re-plans) to a file at the end of training."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.is_global_zero:
+            cannikin = next(cb for cb in trainer.callbacks if isinstance(cb, Cannikin))
+            self.path.write_text(json.dumps(cannikin.history))
+
+
+@pytest.mark.parametrize("balance", [True, False], ids=["cannikin", "even-split"])
+def test_total_batch_grows_only_at_epoch_ends_and_keeps_every_sample_once(tmp_path, balance):
     torch.manual_seed(0)
     # a noisy problem (large noise scale) on a cluster where each step has a large fixed cost: bigger is better
     dataset = IndexedRegression(480, seed=3)
     dataset.y += 3.0 * torch.randn_like(dataset.y)
     model = RecordingRegressor(dataset, batch_size=8, record_dir=str(tmp_path), lr=0.01)
-    cannikin = Cannikin(max_batch_size=128, min_noise_updates=5, warmup_steps=4)
+    cannikin = Cannikin(max_batch_size=128, min_noise_updates=5, warmup_steps=4, balance=balance)
     trainer = quiet_trainer(
         CannikinStrategy(start_method="fork"),
         2,
-        [cannikin, EmulatedCluster([0.2, 0.6], fixed_ms=15.0)],
+        [cannikin, EmulatedCluster([0.2, 0.6], fixed_ms=15.0), SaveHistory(tmp_path / "history.json")],
         max_epochs=4,
     )
     trainer.fit(model)
     records = read_records(tmp_path, 2)
+    history = json.loads((tmp_path / "history.json").read_text())
+    # the even-split baseline has nothing to probe: it re-plans at epoch ends only, from the one-size prior at first
+    mid_epoch = [h["step"] for h in history if h["step"] % 30 and h["epoch"] == 0]
+    assert bool(mid_epoch) == balance, history
+    if not balance:
+        assert all(len(a) - len(b) in (-1, 0, 1) for a, b in zip(records[0]["steps"], records[1]["steps"], strict=True))
     totals_per_epoch = {}
     for epoch in range(4):
         steps = [

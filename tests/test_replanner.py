@@ -81,3 +81,14 @@ def test_a_long_stable_plan_neither_loses_its_slopes_nor_stops_adapting():
     assert next_plan(balancer, current).local_batch_sizes == (24, 8)
     grown = next_plan(balancer, current, noise_scale=1e9, base_batch_size=32, max_batch_size=256)
     assert grown.global_batch_size == 256
+
+
+def test_an_even_split_adapts_from_the_one_size_prior_while_a_balancing_plan_probes_first():
+    balancer = fitted_balancer(sizes_seen=((16, 16),))
+    assert not balancer.identified
+    # AdaptDL's way: the prior (half the step time fixed) already says a bigger batch pays when every sample counts
+    even = next_plan(balancer, Plan((16, 16)), noise_scale=1e9, base_batch_size=32, max_batch_size=256, balance=False)
+    assert even.global_batch_size == 256 and even.local_batch_sizes == (128, 128)
+    # balancing first measures the slopes: same total, probed split
+    probed = next_plan(balancer, Plan((16, 16)), noise_scale=1e9, base_batch_size=32, max_batch_size=256)
+    assert probed.global_batch_size == 32 and probed.local_batch_sizes != (16, 16)
