@@ -38,17 +38,22 @@ def choose_global_batch(
     if upper < lower:
         return current.global_batch_size
     candidates = candidate_batch_sizes(lower, upper)
-    if balance:
-        step_times = balancer.optperf(candidates)
-    else:
-        step_times = np.array([balancer.predict(even_split(int(g), n)) for g in candidates])
+
+    def timed(globals_: np.ndarray) -> np.ndarray:
+        if balance:
+            return balancer.optperf(globals_)
+        return np.array([balancer.predict(even_split(int(g), n)) for g in globals_])
+
+    # Keeping the total batch means running it at its best split (re-splitting is free), not at the current split:
+    # a stale split must not credit a change of total batch with the gain of re-balancing.
+    kept_time = float(timed(np.array([current.global_batch_size]))[0])
     choice = choose_batch_size(
         candidates * accumulation,
-        step_times * accumulation,
+        timed(candidates) * accumulation,
         noise_scale,
         base_batch_size,
         current.total_batch_size,
-        balancer.predict(current.local_batch_sizes) * accumulation,
+        kept_time * accumulation,
         margin=margin,
     )
     return choice.next_batch_size // accumulation
