@@ -61,5 +61,6 @@ class MemoryFitter:
         return {"samples": [list(s) for s in self._window.pairs()]}
 
     def load_state_dict(self, state: dict) -> None:
-        samples = [(b, p) for b, p in state["samples"] if b >= 1 and math.isfinite(p) and p > 0]
-        self._window.restore([b for b, _ in samples], [p for _, p in samples], (int, float))
+        self._window.clear()
+        for batch, peak in state["samples"]:
+            self.add(batch, peak)  # the same checks and eviction as live samples

@@ -119,7 +119,9 @@ def _weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
 class _WindowedFitter:
     """What the fitters share: a bounded window of samples, and its size and contents."""
 
-    _window: SampleWindow
+    def __init__(self, window: SampleWindow) -> None:
+        self._window = window
+        self.half_life, self.max_samples = window.half_life, window.max_samples
 
     @property
     def num_samples(self) -> int:
@@ -147,8 +149,7 @@ class ComputeTimeFitter(_WindowedFitter):
     """
 
     def __init__(self, half_life: float = 50.0, max_samples: int = 512) -> None:
-        self._window = BatchSizeWindow(max_samples, half_life)
-        self.half_life, self.max_samples = self._window.half_life, self._window.max_samples
+        super().__init__(BatchSizeWindow(max_samples, half_life))
 
     def add(self, batch_size: int, seconds: float) -> None:
         """Record one measurement; non-finite or non-positive times (a clock glitch, a skipped step) are ignored."""
@@ -237,8 +238,7 @@ class CommTimeFitter(_WindowedFitter):
     """
 
     def __init__(self, half_life: float = 50.0, max_samples: int = 512) -> None:
-        self._window = SampleWindow(max_samples, half_life)
-        self.half_life, self.max_samples = self._window.half_life, self._window.max_samples
+        super().__init__(SampleWindow(max_samples, half_life))
 
     def add(self, allreduce_seconds: float, exposed_seconds: float) -> None:
         """Record one step; samples with a non-finite or negative time are ignored.

@@ -62,12 +62,16 @@ class SampleWindow:
         first, second = zip(*self._pairs, strict=True)
         return np.asarray(first, dtype=np.float64), np.asarray(second, dtype=np.float64)
 
+    def clear(self) -> None:
+        """Drop every pair."""
+        self._pairs.clear()
+        self._reset()
+
     def restore(self, first: Sequence, second: Sequence, convert: tuple[Callable, Callable]) -> None:
         """Replace the pairs, as if ``zip(first, second)`` had arrived one by one (so the same eviction applies)."""
         if len(first) != len(second):
             raise ValueError(f"state holds {len(first)} and {len(second)} values; they must pair up.")
-        self._pairs.clear()
-        self._reset()
+        self.clear()
         for u, v in zip(first, second, strict=True):
             self.append(convert[0](u), convert[1](v))
 
