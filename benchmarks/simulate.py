@@ -29,7 +29,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lightning_cannikin import goodput
+from lightning_cannikin.core import goodput
+from lightning_cannikin.core.policy import PolicySettings, decide
 from lightning_cannikin.simulation import (
     JOBS,
     ClusterModel,
@@ -115,7 +116,7 @@ def scale(stores: dict[str, ProfileStore], quick: bool) -> list[dict]:
 
 
 def planner_timing(stores: dict[str, ProfileStore], repeats: int) -> list[dict]:
-    """Wall time of one re-plan: OptPerf for 50 candidates, the goodput choice, and the chosen split."""
+    """Wall time of one re-plan: OptPerf for 50 candidates, and the whole ``decide()`` (choice and chosen split)."""
     data = "sia" if "sia" in stores else "shipped"
     mix = parse_cluster(SIA_MIXES[0] if data == "sia" else SHIPPED_MIXES[0])
     rows = []
@@ -126,16 +127,17 @@ def planner_timing(stores: dict[str, ProfileStore], repeats: int) -> list[dict]:
         # 50 candidates over every total batch one micro-step can hold, so every size plans over a full grid.
         grid = goodput.candidate_batch_sizes(model.minimum("cannikin"), model.capacity("cannikin"), 50)
         phi = float(job.noise(0.5 * job.target_progress, grid[0]))
+        settings = PolicySettings(max_batch_size=int(grid[-1]), candidates=50)
+        start = model.plan("cannikin", int(grid[0]))
         optperf_times, replan_times = [], []
         for _ in range(repeats):
             tick = time.perf_counter()
-            times = model.predicted_times("cannikin", grid)
+            model.optperf(grid)
             mid = time.perf_counter()
-            choice = goodput.choose_batch_size(grid, times, phi, job.base_batch_size, int(grid[0]), None)
-            model.plan("cannikin", choice.batch_size)
+            decide(model, start, settings, phi, job.base_batch_size)
             end = time.perf_counter()
             optperf_times.append(mid - tick)
-            replan_times.append(end - tick)
+            replan_times.append(end - mid)
         rows.append(
             {
                 "gpus": cluster.num_devices,

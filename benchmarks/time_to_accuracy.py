@@ -34,8 +34,8 @@ import numpy as np
 from benchmarks.harness import median, run
 from examples.data import fashion_mnist_available
 from lightning_cannikin import Cannikin
-from lightning_cannikin.goodput import candidate_batch_sizes, goodput
-from lightning_cannikin.planner import even_split, optperf, step_time
+from lightning_cannikin.core.goodput import candidate_batch_sizes, goodput
+from lightning_cannikin.core.optperf import even_split, optperf, step_time
 
 PER_SAMPLE_MS = [0.5, 1.0, 2.0]
 

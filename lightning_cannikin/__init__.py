@@ -7,10 +7,10 @@ Importing the package registers ``strategy="cannikin"`` (and ``cannikin_spawn``,
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_cannikin.__about__ import __version__
-from lightning_cannikin.callback import Cannikin
-from lightning_cannikin.emulator import EmulatedCluster
-from lightning_cannikin.plan import Plan
-from lightning_cannikin.strategy import CannikinStrategy
+from lightning_cannikin.core.plan import Plan
+from lightning_cannikin.training.callback import Cannikin
+from lightning_cannikin.training.emulator import EmulatedCluster
+from lightning_cannikin.training.strategy import CannikinStrategy
 
 CannikinStrategy.register_strategies(StrategyRegistry)
 

@@ -23,7 +23,7 @@ class DumpCannikin(Callback):
         if not trainer.is_global_zero:
             return
         cannikin = next(cb for cb in trainer.callbacks if isinstance(cb, Cannikin))
-        models = cannikin.balancer.models()
+        models = cannikin.speed_model.models()
         self.path.write_text(
             json.dumps(
                 {

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from lightning_cannikin.goodput import (
+from lightning_cannikin.core.goodput import (
     GoodputChoice,
     adascale_gain,
     candidate_batch_sizes,

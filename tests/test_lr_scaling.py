@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from lightning_cannikin.lr_scaling import RULES, Progress, is_adam_family, lr_factor, validate_rule
+from lightning_cannikin.core.lr_scaling import RULES, Progress, is_adam_family, lr_factor, validate_rule
 
 B0 = 128
 PHI = 1280.0  # AdaptDL's reference: grad_sqr 1, grad_var 10 per B0-batch

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_cannikin.balancer import SplitBalancer, StepRecord
-from lightning_cannikin.memory_model import MemoryFitter
+from lightning_cannikin.core.memory import MemoryFitter
+from lightning_cannikin.core.speed_model import SpeedModel, StepRecord
 
 GIB = 1024**3
 
@@ -28,7 +28,7 @@ def test_fitted_memory_model_and_cap():
 
 
 def test_memory_caps_bound_the_plan():
-    balancer = SplitBalancer(2)
+    balancer = SpeedModel(2)
     step = 0
     for sizes in ((32, 32), (48, 16), (40, 24)):
         for _ in range(3):
@@ -42,7 +42,7 @@ def test_memory_caps_bound_the_plan():
                 ]
             )
             step += 1
-    free = SplitBalancer(2)
+    free = SpeedModel(2)
     free.load_state_dict({**balancer.state_dict(), "memory": [], "memory_caps": [None, None]})
     assert free.plan_split(64).local_batch_sizes[0] > 26, "unbounded, the fast rank would take more"
     cap = balancer.upper[0]
@@ -54,7 +54,7 @@ def test_memory_caps_bound_the_plan():
 def test_memory_cap_survives_a_long_run_at_one_plan():
     # two sizes once, then many more steps at one size than the window holds: the cap must not lift, or the planner
     # would hand the device a batch that runs it out of memory
-    balancer = SplitBalancer(2)
+    balancer = SpeedModel(2)
     plans = [(32, 32)] * 4 + [(24, 40)] * 4 + [(26, 38)] * 1000
     for step, sizes in enumerate(plans):
         balancer.add(

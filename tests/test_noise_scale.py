@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 
-from lightning_cannikin.noise_scale import NoiseScaleEstimator, adaptdl_moments, pooled_moments
+from lightning_cannikin.core.noise_scale import NoiseScaleEstimator, adaptdl_moments, pooled_moments
 
 DIM = 128
 SIGMA = 1.0

@@ -9,8 +9,8 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_cannikin import Cannikin, CannikinStrategy, EmulatedCluster
-from lightning_cannikin.cli import main as cli_main
-from lightning_cannikin.profile import PROFILE_FILENAME, load_profile
+from lightning_cannikin.tools.cli import main as cli_main
+from lightning_cannikin.tools.run_profile import PROFILE_FILENAME, load_profile
 from tests.models import IndexedRegression, RecordingRegressor, quiet_trainer
 
 
@@ -43,7 +43,7 @@ def test_metrics_reach_a_csv_logger_and_the_profile_round_trips(tmp_path, capsys
     assert expected <= logged, expected - logged
     # the profile written at the last re-plan rebuilds the same models and plans the same split
     profile = load_profile(log_dir / PROFILE_FILENAME)
-    balancer = profile.balancer()
+    balancer = profile.speed_model()
     assert profile.world_size == 2 and len(profile.history) >= 3
     split = balancer.plan_split(32)
     assert split.local_batch_sizes[0] > split.local_batch_sizes[1], "rank 0 is 3x faster: it gets more"

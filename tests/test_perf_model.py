@@ -9,14 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lightning_cannikin.perf_model import (
+from lightning_cannikin.core.optperf import optimal_split, step_time
+from lightning_cannikin.core.timing import (
     CommModel,
     CommTimeFitter,
     ComputeTimeFitter,
     LinearTimeModel,
     step_time_pieces,
 )
-from lightning_cannikin.planner import optimal_split, step_time
 
 REPO = Path(__file__).resolve().parents[1]
 SLOPE, INTERCEPT = 2e-3, 0.05  # 2 ms per sample, 50 ms per step

@@ -10,15 +10,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lightning_cannikin.planner import (
-    Split,
-    closed_form_step_time,
-    even_split,
-    optimal_split,
-    optperf,
-    proportional_split,
-    step_time,
-)
+from lightning_cannikin.core.optperf import Split, most_even_split, optimal_split, optperf, step_time
+from lightning_cannikin.core.plan import even_split, proportional_sizes
+
+
+def proportional_split(slopes, total: int) -> tuple[int, ...]:
+    """The naive heterogeneity-aware baseline: ``b_i`` proportional to speed ``1 / a_i``, ignoring intercepts."""
+    return proportional_sizes(total, [1.0 / float(a) for a in slopes])
+
+
+def closed_form_step_time(slopes: np.ndarray, offsets: np.ndarray, total: float) -> float:
+    """Continuous optimum ``T* = (B + sum a0_i / a_i) / sum(1 / a_i)``: one affine piece per device, no caps."""
+    return float((total + np.sum(offsets / slopes)) / np.sum(1.0 / slopes))
+
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -255,10 +259,19 @@ def test_proportional_split():
         assert sizes.sum() == total and sizes.min() >= 1
         if ideal.min() >= 1:
             assert np.all(np.abs(sizes - ideal) < 1)
-    with pytest.raises(ValueError, match="slopes"):
-        proportional_split([1.0, 0.0], 4)
-    with pytest.raises(ValueError, match="total_batch_size"):
-        proportional_split([1.0, 1.0], 1)
+    with pytest.raises(ValueError, match="weights"):
+        proportional_sizes(4, [1.0, 0.0])
+    with pytest.raises(ValueError, match="Cannot split 1 samples across 2 ranks"):
+        proportional_sizes(1, [1.0, 1.0])
+
+
+def test_most_even_split_respects_caps():
+    assert most_even_split(10, 4).local_batch_sizes == even_split(10, 4)
+    # rank 0 is capped below the even share: it keeps its cap, the rest share what is left as evenly as possible
+    assert most_even_split(30, 3, upper=[4, 100, 100]).local_batch_sizes == (4, 13, 13)
+    assert most_even_split(30, 3, lower=[15, 1, 1]).local_batch_sizes == (15, 8, 7)
+    with pytest.raises(ValueError, match="upper"):
+        most_even_split(10, 2, upper=[4, 4])
 
 
 def test_optimal_beats_proportional_and_even_with_intercepts():

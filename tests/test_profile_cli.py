@@ -11,11 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lightning_cannikin import planner
-from lightning_cannikin.balancer import SplitBalancer, StepRecord
-from lightning_cannikin.cli import main
-from lightning_cannikin.profile import FORMAT, VERSION, build_profile, load_profile, save_profile
-from lightning_cannikin.report import COMPUTE_TIME_PNG, STEP_TIME_PNG, TRAINING_PNG, plot_training
+from lightning_cannikin.core import optperf as planner
+from lightning_cannikin.core.plan import BatchBounds, even_split, proportional_sizes
+from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings, StepRecord
+from lightning_cannikin.tools.cli import main
+from lightning_cannikin.tools.report import COMPUTE_TIME_PNG, STEP_TIME_PNG, TRAINING_PNG, plot_training
+from lightning_cannikin.tools.run_profile import FORMAT, VERSION, build_profile, load_profile, save_profile
 
 SLOPES = (0.0005, 0.001, 0.002)  # seconds per sample: 0.5, 1 and 2 ms
 INTERCEPT = 0.005
@@ -62,28 +63,26 @@ def _noise_history() -> list[dict]:
     return [{"step": 6 * k, "noise_scale": 30.0 * 1.3**k, "total_batch_size": 48} for k in range(1, 8)]
 
 
-def _balancer(ranks: tuple[int, ...] = (0, 1, 2), **kwargs) -> SplitBalancer:
-    kwargs.setdefault("lower", 1)
-    kwargs.setdefault("upper", UPPER)
-    balancer = SplitBalancer(3, **kwargs)
+def _balancer(ranks: tuple[int, ...] = (0, 1, 2), lower=1, upper=UPPER, **settings) -> SpeedModel:
+    balancer = SpeedModel(3, SpeedModelSettings(**settings), BatchBounds.parse((lower, upper), 3))
     balancer.add(_records(np.random.default_rng(0), ranks))
     return balancer
 
 
 @pytest.fixture(scope="module")
-def fitted() -> SplitBalancer:
+def fitted() -> SpeedModel:
     return _balancer()
 
 
 @pytest.fixture(scope="module")
-def profile_path(fitted: SplitBalancer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def profile_path(fitted: SpeedModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
     profile = build_profile(
         fitted, _history(np.random.default_rng(1)), base_batch_size=48, noise_scale_history=_noise_history()
     )
     return save_profile(tmp_path_factory.mktemp("profile") / "run" / "cannikin_profile.json", profile)
 
 
-def _optimal(balancer: SplitBalancer, total: int) -> tuple[int, ...]:
+def _optimal(balancer: SpeedModel, total: int) -> tuple[int, ...]:
     """The planner's own answer, from the balancer's pieces (independent of the CLI's code path)."""
     slopes, offsets = balancer.pieces()
     return planner.optimal_split(slopes, offsets, total, balancer.lower, balancer.upper).local_batch_sizes
@@ -92,7 +91,7 @@ def _optimal(balancer: SplitBalancer, total: int) -> tuple[int, ...]:
 # ---------------------------------------------------------------------------------------------------- the profile
 
 
-def test_build_profile_holds_models_samples_tail_bounds_and_histories(fitted: SplitBalancer) -> None:
+def test_build_profile_holds_models_samples_tail_bounds_and_histories(fitted: SpeedModel) -> None:
     history = _history(np.random.default_rng(1))
     profile = build_profile(fitted, history, base_batch_size=48, noise_scale_history=_noise_history())
     json.dumps(profile, allow_nan=False)  # strict JSON as built
@@ -115,7 +114,7 @@ def test_build_profile_holds_models_samples_tail_bounds_and_histories(fitted: Sp
     assert profile["balancer_state"] == fitted.state_dict()
 
 
-def test_profile_round_trip_rebuilds_the_same_balancer(fitted: SplitBalancer, profile_path: Path) -> None:
+def test_profile_round_trip_rebuilds_the_same_balancer(fitted: SpeedModel, profile_path: Path) -> None:
     profile = load_profile(profile_path)
     assert profile.path == profile_path and profile.world_size == 3 and profile.ready
     assert profile.base_batch_size == 48
@@ -124,10 +123,10 @@ def test_profile_round_trip_rebuilds_the_same_balancer(fitted: SplitBalancer, pr
     assert [d.model for d in profile.devices] == fitted.models()
     assert profile.devices[1].batch_sizes == tuple(b for b, _ in fitted.fitters[1].samples())
     assert profile.devices[1].seconds == tuple(t for _, t in fitted.fitters[1].samples())
-    rebuilt = profile.balancer()
+    rebuilt = profile.speed_model()
     assert rebuilt.models() == fitted.models()  # floats survive JSON exactly (repr round trip)
     assert rebuilt.tail() == fitted.tail()
-    assert (rebuilt.lower, rebuilt.upper, rebuilt.half_life) == (fitted.lower, fitted.upper, fitted.half_life)
+    assert (rebuilt.lower, rebuilt.upper, rebuilt.settings) == (fitted.lower, fitted.upper, fitted.settings)
     for total in (3, 48, 97, 300, 768):
         assert rebuilt.plan_split(total) == fitted.plan_split(total)
     totals = np.arange(3, 769, 7)
@@ -146,15 +145,15 @@ def test_round_trip_keeps_non_default_settings(tmp_path: Path) -> None:
     raw = json.loads(path.read_text())
     assert raw["settings"] == {"half_life": None, "tail_window": 5, "max_samples": 512}
     assert raw["bounds"] == {"lower": [2, 3, 4], "upper": None}
-    rebuilt = load_profile(path).balancer()
-    assert rebuilt.half_life == math.inf and rebuilt.tails.maxlen == 5 and rebuilt.upper is None
+    rebuilt = load_profile(path).speed_model()
+    assert rebuilt.settings.half_life == math.inf and rebuilt.tails.maxlen == 5 and rebuilt.upper is None
     assert list(rebuilt.tails) == list(balancer.tails) and len(rebuilt.tails) == 5
     assert rebuilt.models() == balancer.models()
     for total in (9, 50, 1000):
         assert rebuilt.plan_split(total) == balancer.plan_split(total)
 
 
-def test_save_is_atomic_strict_json_and_overwrites(fitted: SplitBalancer, tmp_path: Path) -> None:
+def test_save_is_atomic_strict_json_and_overwrites(fitted: SpeedModel, tmp_path: Path) -> None:
     history = [
         {
             "step": np.int64(4),
@@ -225,7 +224,7 @@ def test_load_rejects_what_is_not_a_profile(profile_path: Path, tmp_path: Path, 
 # ---------------------------------------------------------------------------------------------------- cannikin plan
 
 
-def test_plan_prints_the_planners_split(fitted: SplitBalancer, profile_path: Path, capsys) -> None:
+def test_plan_prints_the_planners_split(fitted: SpeedModel, profile_path: Path, capsys) -> None:
     total = 300
     assert main(["plan", str(profile_path), "--batch-size", str(total)]) == 0
     out = capsys.readouterr().out
@@ -233,29 +232,29 @@ def test_plan_prints_the_planners_split(fitted: SplitBalancer, profile_path: Pat
     assert expected.local_batch_sizes == _optimal(fitted, total)
     line = next(line for line in out.splitlines() if line.startswith("optimal split:"))
     assert line.startswith(f"optimal split: {list(expected.local_batch_sizes)}  ")
-    assert f"predicted step {1000 * expected.step_time:.2f} ms" in line
+    assert f"predicted step {1000 * expected.predicted_step_time:.2f} ms" in line
     for label in ("Optimal (OptPerf)", "Even (DDP)", "Speed-proportional", "optimal is faster by"):
         assert label in out
-    even_time = fitted.predict(planner.even_split(total, 3))
-    assert f"{even_time / expected.step_time:.3f}x" in out
+    even_time = fitted.predict(even_split(total, 3))
+    assert f"{even_time / expected.predicted_step_time:.3f}x" in out
 
 
 @pytest.mark.parametrize("total", [3, 48, 301, 700])
-def test_plan_json_matches_planner_and_alternatives(fitted: SplitBalancer, profile_path: Path, capsys, total) -> None:
+def test_plan_json_matches_planner_and_alternatives(fitted: SpeedModel, profile_path: Path, capsys, total) -> None:
     assert main(["plan", str(profile_path), "-b", str(total), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["total_batch_size"] == total and data["world_size"] == 3
     optimal = fitted.plan_split(total)
     assert tuple(data["optimal"]["local_batch_sizes"]) == optimal.local_batch_sizes == _optimal(fitted, total)
-    assert data["optimal"]["predicted_step_time"] == optimal.step_time
-    assert data["optimal"]["throughput"] == pytest.approx(total / optimal.step_time)
+    assert data["optimal"]["predicted_step_time"] == optimal.predicted_step_time
+    assert data["optimal"]["throughput"] == pytest.approx(total / optimal.predicted_step_time)
     slopes = [m.slope for m in fitted.models()]
-    alternatives = {"even": planner.even_split(total, 3), "proportional": planner.proportional_split(slopes, total)}
+    alternatives = {"even": even_split(total, 3), "proportional": proportional_sizes(total, [1 / a for a in slopes])}
     for name, sizes in alternatives.items():
         row = data[name]
         assert tuple(row["local_batch_sizes"]) == sizes
         assert row["predicted_step_time"] == fitted.predict(sizes)
-        assert row["optimal_speedup"] == pytest.approx(row["predicted_step_time"] / optimal.step_time)
+        assert row["optimal_speedup"] == pytest.approx(row["predicted_step_time"] / optimal.predicted_step_time)
         within = all(1 <= b <= UPPER for b in sizes)
         assert row["within_bounds"] is within
         if within:
@@ -337,7 +336,7 @@ def test_report_writes_readable_pngs(profile_path: Path, tmp_path: Path, capsys)
     assert width > 2 * height * 0.9
 
 
-def test_report_panels_without_data_say_so(fitted: SplitBalancer, tmp_path: Path, capsys) -> None:
+def test_report_panels_without_data_say_so(fitted: SpeedModel, tmp_path: Path, capsys) -> None:
     path = save_profile(tmp_path / "p.json", build_profile(fitted, []))
     assert main(["report", str(path), "-o", str(tmp_path / "r")]) == 0
     for name in (COMPUTE_TIME_PNG, STEP_TIME_PNG, TRAINING_PNG):
@@ -359,7 +358,7 @@ def test_report_bad_file_exits_2(tmp_path: Path, capsys) -> None:
 
 
 @pytest.mark.skipif(shutil.which("cannikin") is None, reason="the `cannikin` console script is not installed")
-def test_console_script_plan(fitted: SplitBalancer, profile_path: Path) -> None:
+def test_console_script_plan(fitted: SpeedModel, profile_path: Path) -> None:
     done = subprocess.run(
         ["cannikin", "plan", str(profile_path), "--batch-size", "120", "--json"],
         capture_output=True,

@@ -16,7 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lightning_cannikin import goodput, planner
+from lightning_cannikin.core import goodput
+from lightning_cannikin.core import optperf as planner
+from lightning_cannikin.core.plan import even_split
 from lightning_cannikin.simulation import (
     JOBS,
     ClusterModel,
@@ -27,7 +29,7 @@ from lightning_cannikin.simulation import (
     parse_cluster,
     simulate,
 )
-from lightning_cannikin.simulation.engine import POLICIES, adascale_gains
+from lightning_cannikin.simulation.engine import POLICIES
 from lightning_cannikin.simulation.validation import failures, network_holdout, progress_holdout, single_gpu_fits
 
 PACKAGE = Path(__file__).resolve().parent.parent / "lightning_cannikin"
@@ -147,15 +149,13 @@ def test_two_type_cluster_split_is_the_planners_optimal_split() -> None:
     for total in (400, 1000, 2345, 3200, int(upper.sum())):
         expected = planner.optimal_split(slopes, offsets, total, lower, upper)
         plan = model.plan("cannikin", total)
-        assert plan.accumulation == 1
+        assert plan.accumulation_steps == 1
         assert plan.local_batch_sizes == expected.local_batch_sizes
         # V100s (faster) hold more than T4s, and the prediction is the planner's step time plus the network term.
         assert min(plan.local_batch_sizes[:4]) > max(plan.local_batch_sizes[4:])
         assert model.predicted_step_time(plan) == pytest.approx(float(model.overlap(expected.step_time)))
     grid = np.array([400, 1000, 3200])
-    assert np.allclose(
-        model.predicted_times("cannikin", grid), model.overlap(planner.optperf(slopes, offsets, grid, lower, upper))
-    )
+    assert np.allclose(model.optperf(grid), model.overlap(planner.optperf(slopes, offsets, grid, lower, upper)))
     result = simulate(model, "cannikin", replans=REPLANS)
     final = result.final_plan
     micro = sum(final.local_batch_sizes)
@@ -166,15 +166,15 @@ def test_even_split_prediction_matches_planner_step_time() -> None:
     cluster = parse_cluster("3xV100,5xT4")
     model = ClusterModel(load_job("bert", cluster.gpu_types, SHIPPED), cluster)
     for total in (64, 65, 71, 90, 95, 96):  # an even split needs 8 per GPU (Zeus V100) and fits 12 (T4)
-        expected = planner.step_time(model.slopes, model.offsets, planner.even_split(total, 8))
-        assert model.predicted_times("adaptdl", np.array([total]))[0] == pytest.approx(float(model.overlap(expected)))
+        expected = planner.step_time(model.slopes, model.offsets, even_split(total, 8))
+        assert model.predict(even_split(total, 8)) == pytest.approx(float(model.overlap(expected)))
 
 
 def test_accumulation_when_the_batch_exceeds_memory_caps() -> None:
     cluster = parse_cluster("16xT4")
     model = ClusterModel(load_job("bert", ["T4"], SHIPPED), cluster)  # T4 profiled up to 12 per GPU
     plan = model.plan("adaptdl", 384)
-    assert plan.accumulation == 2 and plan.local_batch_sizes == (12,) * 16 and plan.total_batch_size == 384
+    assert plan.accumulation_steps == 2 and plan.local_batch_sizes == (12,) * 16 and plan.total_batch_size == 384
     one = model.true_step_time(model.plan("adaptdl", 192))
     compute = model.true_compute((12,) * 16)
     assert model.true_step_time(plan) == pytest.approx(one + compute)
@@ -211,11 +211,12 @@ def test_fitted_network_cost_grows_with_replicas_and_nodes() -> None:
     assert 1.0 <= net.gamma <= 10.0
 
 
-def test_vectorised_adascale_gain_matches_goodput_module() -> None:
+def test_adascale_gain_over_a_noise_scale_path_matches_one_at_a_time() -> None:
+    # the engine integrates progress with one call over thousands of noise scales
     phi = np.array([0.5, 80.0, 4000.0, 3e7])
     for total in (128, 129, 4096):
         expected = [goodput.adascale_gain(float(p), total, 128) for p in phi]
-        assert np.allclose(adascale_gains(phi, total, 128), expected, rtol=1e-14)
+        assert np.allclose(goodput.adascale_gain(phi, total, 128), expected, rtol=1e-14)
 
 
 def test_noise_model_reproduces_the_base_run_and_interpolates_between_runs() -> None:
@@ -237,7 +238,7 @@ def test_planner_at_1024_devices_plans_a_valid_split() -> None:
     cluster = parse_cluster(MIX).scaled(64)
     model = ClusterModel(load_job("imagenet", cluster.gpu_types, SHIPPED), cluster)
     grid = goodput.candidate_batch_sizes(model.minimum("cannikin"), model.capacity("cannikin"), 50)
-    times = model.predicted_times("cannikin", grid)
+    times = model.optperf(grid)
     assert times.shape == grid.shape and np.all(np.isfinite(times)) and np.all(np.diff(times) >= 0)
     plan = model.plan("cannikin", int(grid[len(grid) // 2]))
     sizes = np.array(plan.local_batch_sizes)

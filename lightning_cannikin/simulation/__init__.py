@@ -1,7 +1,7 @@
 """Simulate Cannikin on 16 to 1,024-GPU heterogeneous clusters driven by measured GPU profiles.
 
-``lightning_cannikin.simulation`` runs the project's own planner (:mod:`lightning_cannikin.planner`), goodput logic
-(:mod:`lightning_cannikin.goodput`) and compute-time fitter (:mod:`lightning_cannikin.perf_model`) against real
+``lightning_cannikin.simulation`` runs the project's own decision policy (:func:`lightning_cannikin.core.policy.decide`,
+with its OptPerf solver and goodput rule) and compute-time fitter (:mod:`lightning_cannikin.core.timing`) against real
 measurements (see ``docs/simulation.md``)::
 
     from lightning_cannikin.simulation import ClusterModel, compare, load_job, parse_cluster
@@ -18,16 +18,16 @@ from __future__ import annotations
 
 from lightning_cannikin.simulation.cli import main
 from lightning_cannikin.simulation.cluster import Cluster, DeviceGroup, parse_cluster
+from lightning_cannikin.simulation.comparison import Comparison, best_fixed_batch_time, compare
 from lightning_cannikin.simulation.engine import (
     POLICIES,
     ClusterModel,
-    Comparison,
     PolicyResult,
-    best_fixed_batch_time,
-    compare,
     default_batch_size,
+    replan,
     simulate,
 )
+from lightning_cannikin.simulation.gpu_profiles import GPU_TYPES, JOBS, ProfileStore, canonical_gpu
 from lightning_cannikin.simulation.models import (
     ComputeModel,
     JobModel,
@@ -37,7 +37,6 @@ from lightning_cannikin.simulation.models import (
     fit_network_model,
     load_job,
 )
-from lightning_cannikin.simulation.profiles import GPU_TYPES, JOBS, ProfileStore, canonical_gpu
 
 __all__ = [
     "GPU_TYPES",
@@ -62,5 +61,6 @@ __all__ = [
     "load_job",
     "main",
     "parse_cluster",
+    "replan",
     "simulate",
 ]

@@ -17,9 +17,10 @@ import sys
 from collections.abc import Sequence
 
 from lightning_cannikin.simulation.cluster import Cluster, parse_cluster
-from lightning_cannikin.simulation.engine import POLICIES, ClusterModel, Comparison, compare
+from lightning_cannikin.simulation.comparison import Comparison, compare
+from lightning_cannikin.simulation.engine import POLICIES, ClusterModel
+from lightning_cannikin.simulation.gpu_profiles import JOBS, ProfileStore
 from lightning_cannikin.simulation.models import NETWORK_SCALINGS, load_job
-from lightning_cannikin.simulation.profiles import JOBS, ProfileStore
 
 __all__ = ["build_parser", "main", "run"]
 
@@ -122,8 +123,8 @@ def format_comparison(result: Comparison, cluster: Cluster) -> str:
     for name, r in rows:
         ratio = f"{r.time_to_target / reference.time_to_target:10.2f}x" if reference else ""
         split = ", ".join(f"{gpu} {b:.0f}" for gpu, b in r.split_by_type(cluster).items())
-        if r.final_plan.accumulation > 1:
-            split += f" (x{r.final_plan.accumulation} accum.)"
+        if r.final_plan.accumulation_steps > 1:
+            split += f" (x{r.final_plan.accumulation_steps} accum.)"
         lines.append(
             f"  {_LABELS[name]:34s} {r.time_to_target / 3600:13.3f} h {ratio:>11s} {r.mean_batch_size:8.0f}"
             f" {r.prediction_error * 100:8.1f}%  {split}"

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_cannikin.simulation.profiles import GPU_TYPES, canonical_gpu
+from lightning_cannikin.simulation.gpu_profiles import GPU_TYPES, canonical_gpu
 
 __all__ = ["Cluster", "DeviceGroup", "parse_cluster"]
 

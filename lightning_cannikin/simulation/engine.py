@@ -12,8 +12,13 @@ Pollux: ``g_i(b) = (c_i(b)^gamma + T_net^gamma)^(1/gamma)``. A step lasts ``max_
 gradient accumulation (when the batch does not fit the devices' memory caps) only the last one all-reduces:
 ``(s - 1) * max_i c_i(b_i) + max_i g_i(b_i)``. Because ``T_net`` is common and the overlap is increasing in ``c``,
 ``max_i g_i = overlap(max_i c_i)``: the split that minimises the slowest device's compute time also minimises the
-step time, so the planner (:func:`lightning_cannikin.planner.optperf`) works on the compute models and the network
-term is applied to its result, exactly.
+step time, so the planner (:func:`lightning_cannikin.core.optperf.optperf`) works on the compute models and the
+network term is applied to its result, exactly.
+
+**One policy.** The adaptive policies re-plan with the library's own :func:`lightning_cannikin.core.policy.decide`:
+:class:`ClusterModel` answers the same calls as the callback's fitted speed model, so the simulated choice of total
+batch, accumulation and split is the decision a live run would make from the same models. The policy predicts a
+step of ``s`` micro-steps as ``s`` micro-steps; the clock charges ``(s - 1) * c + overlap(c)``.
 
 **What the planner knows vs the clock.** The planner and the goodput choice use the linear models ``a_i*b + a0_i``
 fitted by the project's fitter (what a live Cannikin run would learn). The clock charges the measured profiles
@@ -30,26 +35,25 @@ Pure numpy: imports neither torch nor Lightning.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from lightning_cannikin import goodput, planner
+from lightning_cannikin.core import optperf as planner
+from lightning_cannikin.core.goodput import adascale_gain, candidate_batch_sizes
+from lightning_cannikin.core.plan import Plan, even_split
+from lightning_cannikin.core.policy import Decision, PolicySettings, decide
 from lightning_cannikin.simulation.cluster import Cluster
 from lightning_cannikin.simulation.models import JobModel
 
 __all__ = [
     "POLICIES",
     "ClusterModel",
-    "Comparison",
     "PolicyResult",
-    "StepPlan",
-    "adascale_gains",
-    "best_fixed_batch_time",
     "candidate_grid",
-    "compare",
     "default_batch_size",
+    "replan",
     "simulate",
 ]
 
@@ -60,21 +64,11 @@ ADAPTIVE = frozenset({"adaptdl", "cannikin"})
 BALANCED = frozenset({"cannikin_fixed", "cannikin"})
 
 
-@dataclass(frozen=True)
-class StepPlan:
-    """One optimizer step: ``accumulation`` micro-steps of ``local_batch_sizes``."""
-
-    local_batch_sizes: tuple[int, ...]
-    accumulation: int = 1
-
-    @property
-    def total_batch_size(self) -> int:
-        """Samples per optimizer step."""
-        return sum(self.local_batch_sizes) * self.accumulation
-
-
 class ClusterModel:
     """A job on a cluster: per-device bounds, the planner's model and the ground-truth clock.
+
+    It is a :class:`~lightning_cannikin.core.policy.StepTimeModel` (``optperf``, ``predict``, ``plan_split``, the
+    bounds): what :func:`~lightning_cannikin.core.policy.decide` asks of the callback's fitted speed model.
 
     Args:
         job: fitted job model; must have a compute model for every GPU type in the cluster.
@@ -93,7 +87,7 @@ class ClusterModel:
             raise ValueError(f"Job {job.name!r} has no compute model for {', '.join(missing)}.")
         self.job = job
         self.cluster = cluster
-        self.n = cluster.num_devices
+        self.n = self.world_size = cluster.num_devices
         fitted = float(job.network.time(self.n, cluster.multi_node))
         self.network_time = fitted if network_time is None else float(network_time)
         counts = [g.count for g in cluster.groups]
@@ -121,14 +115,14 @@ class ClusterModel:
         b = np.asarray(local_batch_sizes, dtype=np.float64)
         return max(float(m.measured(b[s : s + c]).max()) for m, s, c in self._groups)
 
-    def true_step_time(self, plan: StepPlan) -> float:
+    def true_step_time(self, plan: Plan) -> float:
         """Step time on the measured profiles."""
-        return float(self._step(self.true_compute(plan.local_batch_sizes), plan.accumulation))
+        return float(self._step(self.true_compute(plan.local_batch_sizes), plan.accumulation_steps))
 
-    def predicted_step_time(self, plan: StepPlan) -> float:
+    def predicted_step_time(self, plan: Plan) -> float:
         """The planner's prediction for a plan."""
         compute = planner.step_time(self.slopes, self.offsets, plan.local_batch_sizes)
-        return float(self._step(compute, plan.accumulation))
+        return float(self._step(compute, plan.accumulation_steps))
 
     # ------------------------------------------------------------------------------------------------ policies
     def capacity(self, policy: str) -> int:
@@ -155,30 +149,32 @@ class ClusterModel:
         micro = np.maximum(-(-t // steps), self.minimum(policy))
         return steps, micro
 
-    def plan(self, policy: str, total: int) -> StepPlan:
-        """The plan a policy runs at total batch ``total``."""
+    def plan(self, policy: str, total: int) -> Plan:
+        """The plan a fixed-batch policy runs at total batch ``total``."""
         steps, micro = (int(x) for x in self.accumulation(policy, total))
-        if policy in BALANCED:
-            split = planner.optimal_split(self.slopes, self.offsets, micro, self.lower, self.upper).local_batch_sizes
-        else:
-            split = planner.even_split(micro, self.n)
-        return StepPlan(tuple(int(b) for b in split), steps)
+        sizes = self.plan_split(micro).local_batch_sizes if policy in BALANCED else even_split(micro, self.n)
+        return Plan(sizes, steps)
 
-    def predicted_times(self, policy: str, totals: np.ndarray) -> np.ndarray:
-        """Predicted step time of each total batch under a policy (one call: the re-plan's cost)."""
-        steps, micro = self.accumulation(policy, np.asarray(totals).reshape(-1))
-        if policy in BALANCED:
-            compute = planner.optperf(self.slopes, self.offsets, micro, self.lower, self.upper)
-        else:
-            compute = self._even_compute(micro)
-        return self._step(compute, steps).reshape(np.shape(totals))
+    # --------------------------------------------------------------------------- the policy's step-time model
+    identified = True  # the planner's linear models are known: nothing to probe
 
-    def _even_compute(self, micro: np.ndarray) -> np.ndarray:
-        # An even split puts q + 1 samples on devices before index r (q, r = divmod(B, n)) and q on the rest; with
-        # non-decreasing linear models the slowest device is the worst of the two prefix/suffix maxima.
-        q, r = np.divmod(np.asarray(micro, dtype=np.int64), self.n)
-        lines = self.slopes[None, :] * (q[:, None] + (np.arange(self.n)[None, :] < r[:, None])) + self.offsets
-        return lines.max(axis=1)
+    def optperf(self, total_batch_sizes: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Predicted best micro-step time of each global batch (network term applied; ``inf`` where infeasible)."""
+        totals = np.asarray(total_batch_sizes)
+        return self.overlap(planner.optperf(self.slopes, self.offsets, totals, self.lower, self.upper))
+
+    def predict(self, local_batch_sizes: Sequence[int]) -> float:
+        """Predicted micro-step time of a split (network term applied)."""
+        return float(self.overlap(planner.step_time(self.slopes, self.offsets, local_batch_sizes)))
+
+    def plan_split(self, total_batch_size: int) -> Plan:
+        """The OptPerf split of a global batch, with its predicted micro-step time."""
+        split = planner.optimal_split(self.slopes, self.offsets, total_batch_size, self.lower, self.upper)
+        return Plan(split.local_batch_sizes, predicted_step_time=self.predict(split.local_batch_sizes))
+
+    def probe(self, local_batch_sizes: Sequence[int]) -> tuple[int, ...]:
+        """Nothing to measure: the split is kept."""
+        return tuple(local_batch_sizes)
 
     def effective_total(self, policy: str, total: int) -> int:
         """The total batch a policy actually runs when asked for ``total`` (accumulation rounds it up)."""
@@ -208,7 +204,7 @@ class PolicyResult:
     steps: float
     samples: float
     mean_batch_size: float
-    final_plan: StepPlan
+    final_plan: Plan
     trajectory: list[tuple[float, int, float]] = field(default_factory=list)
     prediction_error: float = float("nan")
     replan_seconds: list[float] = field(default_factory=list)
@@ -232,18 +228,6 @@ def _progress_grid(job: JobModel, cells: int) -> tuple[np.ndarray, np.ndarray]:
     return edges, 0.5 * (edges[1:] + edges[:-1])
 
 
-def adascale_gains(phi: np.ndarray, total: int, base: int) -> np.ndarray:
-    """AdaScale gain ``r = (phi + B0) / (phi + B) * B / B0`` for many noise scales at one total batch.
-
-    Vectorised over ``phi`` (:func:`lightning_cannikin.goodput.adascale_gain` takes one noise scale per call, and
-    the integration needs thousands); the tests check it against that function.
-    """
-    phi = np.asarray(phi, dtype=np.float64)
-    if total == base:
-        return np.ones_like(phi)
-    return (phi + base) / (phi + total) * (total / base)
-
-
 def candidate_grid(model: ClusterModel, policy: str, max_batch_size: int, count: int = 50) -> np.ndarray:
     """Candidate total batches of an adaptive policy.
 
@@ -253,7 +237,7 @@ def candidate_grid(model: ClusterModel, policy: str, max_batch_size: int, count:
     base = model.job.base_batch_size
     lowest = max(base, model.minimum(policy))
     cap = max(max_batch_size, lowest)
-    grid = goodput.candidate_batch_sizes(base, max(cap, base + 1), count)
+    grid = candidate_batch_sizes(base, max(cap, base + 1), count)
     grid = grid[(grid >= lowest) & (grid <= cap)]
     return np.unique(np.concatenate(([lowest], grid)))
 
@@ -270,6 +254,25 @@ def default_batch_size(model: ClusterModel, max_batch_size: int | None = None) -
     cap = job.max_validated_batch if max_batch_size is None else int(max_batch_size)
     per_device = min(max(job.base_batch_size, int(model.lower.max())), int(model.upper.min()))
     return max(min(model.n * per_device, cap), model.minimum("ddp"))
+
+
+def replan(
+    model: ClusterModel,
+    policy: str,
+    plan: Plan,
+    noise_scale: float,
+    max_batch_size: int,
+    margin: float = 0.05,
+    candidates: int = 50,
+) -> Decision:
+    """One re-plan of an adaptive policy: the library's :func:`~lightning_cannikin.core.policy.decide` on the model.
+
+    ``adaptdl`` splits evenly, ``cannikin`` by OptPerf; both reach totals beyond the memory caps by accumulation.
+    """
+    settings = PolicySettings(
+        max_batch_size=max_batch_size, balance=policy in BALANCED, margin=margin, candidates=candidates, accumulate=True
+    )
+    return decide(model, plan, settings, noise_scale, model.job.base_batch_size)
 
 
 def simulate(
@@ -313,7 +316,6 @@ def simulate(
     edges, mids = _progress_grid(job, replans * cells_per_replan)
     widths = np.diff(edges)
     adaptive = policy in ADAPTIVE
-    grid = candidate_grid(model, policy, cap, candidates) if adaptive else np.asarray([start])
 
     total = model.effective_total(policy, start)
     plan = model.plan(policy, total)
@@ -325,21 +327,20 @@ def simulate(
     replan_seconds: list[float] = []
     for k in range(replans):
         cells = slice(k * cells_per_replan, (k + 1) * cells_per_replan)
-        if adaptive and grid.size > 1:
+        if adaptive:
             tick = time.perf_counter()
-            times = model.predicted_times(policy, grid)
             # The live estimator measures the noise scale at the batch in force, so that is what the choice sees.
             phi_now = float(job.noise(edges[k * cells_per_replan], total))
-            choice = goodput.choose_batch_size(grid, times, phi_now, base, total, predicted, margin)
+            decision = replan(model, policy, plan, phi_now, cap, margin, candidates)
             replan_seconds.append(time.perf_counter() - tick)
-            if choice.adopted:
-                total = model.effective_total(policy, choice.batch_size)
-                plan = model.plan(policy, total)
+            if decision.plan.total_batch_size != total:
+                plan = decision.plan
+                total = plan.total_batch_size
                 predicted = model.predicted_step_time(plan)
                 true_time = model.true_step_time(plan)
         trajectory.append((float(edges[k * cells_per_replan]), int(total), true_time))
         errors.append(abs(predicted - true_time) / true_time)
-        gain = adascale_gains(job.noise(mids[cells], total), total, base)
+        gain = adascale_gain(job.noise(mids[cells], total), total, base)
         n_steps = float(np.sum(widths[cells] / gain))
         steps += n_steps
         samples += n_steps * total
@@ -354,139 +355,4 @@ def simulate(
         trajectory=trajectory,
         prediction_error=float(np.median(errors)),
         replan_seconds=replan_seconds,
-    )
-
-
-def best_fixed_batch_time(
-    model: ClusterModel, max_batch_size: int | None = None, cells: int = 1000, candidates: int = 50
-) -> tuple[int, float]:
-    """Hindsight-tuned DDP: the fixed total batch (even split) with the shortest time to target.
-
-    Tuning the batch needs the finished runs, so no real DDP user has it; it shows how much of Cannikin's gain is
-    "a better batch size" and how much is adaptivity and balance.
-
-    Returns:
-        ``(batch size, seconds to target)``.
-
-    """
-    job = model.job
-    cap = job.max_validated_batch if max_batch_size is None else int(max_batch_size)
-    grid = candidate_grid(model, "ddp", cap, candidates)
-    totals = np.asarray([model.effective_total("ddp", int(t)) for t in grid])
-    edges, mids = _progress_grid(job, cells)
-    widths = np.diff(edges)
-    steps = np.asarray(
-        [np.sum(widths / adascale_gains(job.noise(mids, int(t)), int(t), job.base_batch_size)) for t in totals]
-    )
-    times = np.asarray([model.true_step_time(model.plan("ddp", int(t))) for t in totals]) * steps
-    best = int(np.argmin(times))
-    return int(totals[best]), float(times[best])
-
-
-@dataclass
-class Comparison:
-    """All policies on one job and cluster.
-
-    Attributes:
-        job: job name.
-        cluster: cluster spec string.
-        results: per-policy results.
-        ddp_tuned: ``(batch, seconds)`` of hindsight-tuned fixed-batch DDP (a stronger baseline than ``ddp``).
-        network_time: the all-reduce term ``T_net`` in seconds.
-        start_batch_size: DDP's fixed batch and every policy's starting batch.
-        max_validated_batch: the job's largest validated total batch; statistics beyond it are extrapolated.
-
-    """
-
-    job: str
-    cluster: str
-    results: dict[str, PolicyResult]
-    ddp_tuned: tuple[int, float] | None
-    network_time: float
-    start_batch_size: int
-    max_validated_batch: int
-
-    @property
-    def extrapolated(self) -> bool:
-        """Whether any policy ran a total batch above the largest validated one (noise scale held at that run's)."""
-        used = [r.max_batch_size for r in self.results.values()]
-        if self.ddp_tuned is not None:
-            used.append(self.ddp_tuned[0])
-        return max(used) > self.max_validated_batch
-
-    def time(self, policy: str) -> float:
-        """Seconds to target of a policy (``"ddp_tuned"`` included)."""
-        if policy == "ddp_tuned":
-            if self.ddp_tuned is None:
-                raise KeyError("ddp_tuned was not computed.")
-            return self.ddp_tuned[1]
-        return self.results[policy].time_to_target
-
-    def ratio(self, numerator: str, denominator: str) -> float:
-        """``time(numerator) / time(denominator)``."""
-        return self.time(numerator) / self.time(denominator)
-
-    def reduction(self, baseline: str, policy: str = "cannikin") -> float:
-        """Fraction of the baseline's time-to-target that ``policy`` saves (0.4 = 40% less time)."""
-        return 1.0 - self.ratio(policy, baseline)
-
-    def to_dict(self) -> dict:
-        """JSON-friendly summary (trajectories downsampled to about 20 points)."""
-        out: dict = {
-            "job": self.job,
-            "cluster": self.cluster,
-            "network_time_s": self.network_time,
-            "start_batch_size": self.start_batch_size,
-            "max_validated_batch": self.max_validated_batch,
-            "extrapolated": self.extrapolated,
-            "policies": {},
-        }
-        for name, r in self.results.items():
-            stride = max(1, len(r.trajectory) // 20)
-            out["policies"][name] = {
-                "time_to_target_s": r.time_to_target,
-                "steps": r.steps,
-                "mean_batch_size": r.mean_batch_size,
-                "final_batch_size": r.final_plan.total_batch_size,
-                "final_accumulation": r.final_plan.accumulation,
-                "prediction_error_median": r.prediction_error,
-                "replan_ms_median": float(np.median(r.replan_seconds) * 1e3) if r.replan_seconds else None,
-                "trajectory": [list(t) for t in r.trajectory[::stride]],
-            }
-        if self.ddp_tuned is not None:
-            out["ddp_tuned"] = {"batch_size": self.ddp_tuned[0], "time_to_target_s": self.ddp_tuned[1]}
-        names = set(self.results) | ({"ddp_tuned"} if self.ddp_tuned is not None else set())
-        if "cannikin" in names:
-            out["cannikin_reduction"] = {b: self.reduction(b) for b in ("ddp", "ddp_tuned", "adaptdl") if b in names}
-        if {"cannikin_fixed", "ddp"} <= names:
-            out["cannikin_fixed_reduction_vs_ddp"] = self.reduction("ddp", "cannikin_fixed")
-        return out
-
-
-def compare(
-    model: ClusterModel,
-    policies: Iterable[str] = POLICIES,
-    batch_size: int | None = None,
-    max_batch_size: int | None = None,
-    replans: int = 100,
-    tuned_ddp: bool = True,
-    **kwargs: int | float,
-) -> Comparison:
-    """Simulate several policies on the same job and cluster, all starting from the same batch.
-
-    Args:
-        model: the job on the cluster.
-        policies: which of :data:`POLICIES` to run.
-        batch_size: fixed/starting total batch (default: :func:`default_batch_size`).
-        max_batch_size: cap of the adaptive policies (and of tuned DDP's search).
-        replans: re-plans over the run.
-        tuned_ddp: also compute hindsight-tuned fixed-batch DDP.
-        **kwargs: passed to :func:`simulate` (``cells_per_replan``, ``candidates``, ``margin``).
-
-    """
-    start = default_batch_size(model, max_batch_size) if batch_size is None else int(batch_size)
-    results = {p: simulate(model, p, start, max_batch_size, replans, **kwargs) for p in policies}  # type: ignore[arg-type]
-    tuned = best_fixed_batch_time(model, max_batch_size) if tuned_ddp else None
-    return Comparison(
-        model.job.name, model.cluster.spec(), results, tuned, model.network_time, start, model.job.max_validated_batch
     )

@@ -23,6 +23,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from lightning_cannikin.simulation.gpu_profiles import JOBS, ComputeProfile, ProfileStore
 from lightning_cannikin.simulation.models import (
     NoiseModel,
     fit_compute_model,
@@ -30,7 +31,6 @@ from lightning_cannikin.simulation.models import (
     noise_model,
     t4_network_data,
 )
-from lightning_cannikin.simulation.profiles import JOBS, ComputeProfile, ProfileStore
 
 __all__ = [
     "TOLERANCE",

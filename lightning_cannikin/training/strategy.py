@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
@@ -15,10 +14,12 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_cannikin.comm_hook import WeightedAllReduceState, weighted_allreduce_hook
-from lightning_cannikin.loader import UnevenDataLoader, loader_batch_size, rebuild_uneven
-from lightning_cannikin.plan import Plan
-from lightning_cannikin.planner import even_split, optimal_split
+from lightning_cannikin.core.optperf import most_even_split
+from lightning_cannikin.core.plan import Plan, even_split
+from lightning_cannikin.training.callback import Cannikin
+from lightning_cannikin.training.comm_hook import WeightedAllReduceState, weighted_allreduce_hook
+from lightning_cannikin.training.loader import UnevenDataLoader, loader_batch_size, rebuild_uneven
+from lightning_cannikin.training.runtime import RuntimeState
 
 
 def validate_local_batch_sizes(local_batch_sizes: Sequence[int] | None) -> tuple[int, ...] | None:
@@ -65,40 +66,34 @@ class CannikinStrategy(DDPStrategy):
             raise ValueError("`model_averaging_period` (post-local SGD) is not supported by CannikinStrategy.")
         super().__init__(**kwargs)
         self._fixed_sizes = validate_local_batch_sizes(local_batch_sizes)
-        self._plan: Plan | None = None
-        self.hook_state = WeightedAllReduceState()
+        self._runtime = RuntimeState(fixed_split=self._fixed_sizes is not None)
         self._train_loader: UnevenDataLoader | None = None
-        self._step_sizes: tuple[int, ...] | None = None
-        self._window: list[tuple[int, ...]] = []
         self._loss_factor = 1.0
-        self.lr_factor = 1.0
-        # per-rank (lower, upper) local batch bounds, set by the Cannikin callback; the first plan respects them
-        self.batch_bounds: tuple[list[int], list[int] | None] | None = None
+
+    @property
+    def runtime(self) -> RuntimeState:
+        """The state this strategy shares with the :class:`~lightning_cannikin.Cannikin` callback."""
+        return self._runtime
+
+    @property
+    def hook_state(self) -> WeightedAllReduceState:
+        """The weighted all-reduce's state (its observers see every gradient bucket)."""
+        return self._runtime.hook
 
     @property
     def plan(self) -> Plan | None:
         """The split in force (``None`` before the training DataLoader is set up)."""
-        return self._plan
+        return self._runtime.plan
 
     @property
     def fixed_split(self) -> bool:
         """Whether the user fixed the split with ``local_batch_sizes`` (the planner must leave it alone)."""
-        return self._fixed_sizes is not None
+        return self._runtime.fixed_split
 
     @property
     def train_loader(self) -> UnevenDataLoader | None:
         """The uneven training loader built by :meth:`process_dataloader`."""
         return self._train_loader
-
-    @property
-    def step_sizes(self) -> tuple[int, ...] | None:
-        """Every rank's sample count in the training step in progress."""
-        return self._step_sizes
-
-    @property
-    def window(self) -> list[tuple[int, ...]]:
-        """Every rank's sample count in each micro-batch of the accumulation window in progress, in order."""
-        return list(self._window)
 
     def set_plan(self, plan: Plan, from_batch: int | None = None) -> None:
         """Put ``plan`` in force.
@@ -113,9 +108,7 @@ class CannikinStrategy(DDPStrategy):
             raise ValueError(
                 f"The plan splits across {plan.world_size} ranks, but the world size is {self.world_size}."
             )
-        self._plan = plan
-        if from_batch is not None and self._train_loader is not None:
-            self._train_loader.uneven_sampler.set_plan(plan, from_batch)
+        self._runtime.adopt(plan, from_batch)
 
     @override
     def _configure_launcher(self) -> None:
@@ -133,11 +126,9 @@ class CannikinStrategy(DDPStrategy):
         # `strategy="cannikin"` alone still balances the cluster: add the callback unless the user passed one or
         # fixed the split
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and not self.fixed_split:
-            from lightning_cannikin.callback import Cannikin
-
-            if not any(isinstance(cb, Cannikin) for cb in trainer.callbacks):
-                trainer.callbacks.append(Cannikin())
+        wanted = trainer is not None and not self.fixed_split
+        if wanted and not any(isinstance(cb, Cannikin) for cb in trainer.callbacks):
+            trainer.callbacks.append(Cannikin())
         super().setup_environment()
 
     @override
@@ -147,7 +138,7 @@ class CannikinStrategy(DDPStrategy):
         assert isinstance(self.model, DistributedDataParallel)
         _register_ddp_comm_hook(
             model=self.model,
-            ddp_comm_state=self.hook_state,
+            ddp_comm_state=self._runtime.hook,
             ddp_comm_hook=weighted_allreduce_hook,
             ddp_comm_wrapper=self._ddp_comm_wrapper,
         )
@@ -164,41 +155,43 @@ class CannikinStrategy(DDPStrategy):
         accumulation = trainer.accumulate_grad_batches
         if self._fixed_sizes is not None:
             plan = Plan(self._fixed_sizes, accumulation)
-        elif self._plan is not None:
-            plan = Plan(self._plan.local_batch_sizes, accumulation, self._plan.predicted_step_time)
+        elif self.plan is not None:
+            plan = Plan(self.plan.local_batch_sizes, accumulation, self.plan.predicted_step_time)
         else:
             plan = self._initial_plan(loader_batch_size(dataloader) * self.world_size, accumulation)
         loader = rebuild_uneven(dataloader, plan, self.global_rank)
-        self._plan = plan
+        self._runtime.plan = plan
+        self._runtime.sampler = loader.uneven_sampler
         self._train_loader = loader
         return loader
 
     def _initial_plan(self, global_batch_size: int, accumulation: int) -> Plan:
-        """The user's batch size on every rank, moved inside ``batch_bounds`` (same total) when it violates them."""
+        """The user's batch size on every rank, moved inside the callback's bounds (same total) if it violates them."""
         n = self.world_size
-        if self.batch_bounds is None:
+        bounds = self._runtime.bounds
+        if bounds is None:
             return Plan(even_split(global_batch_size, n), accumulation)
-        lower, upper = self.batch_bounds
-        if sum(lower) > global_batch_size or (upper is not None and sum(upper) < global_batch_size):
+        if sum(bounds.lower) > global_batch_size or (
+            bounds.upper is not None and sum(bounds.upper) < global_batch_size
+        ):
+            upper = None if bounds.upper is None else list(bounds.upper)
             raise ValueError(
-                f"`local_batch_bounds` (lower {lower}, upper {upper}) cannot hold the initial global batch of"
-                f" {global_batch_size} (the DataLoader's batch_size x {n} ranks). Lower the DataLoader `batch_size` or"
-                " widen the bounds."
+                f"`local_batch_bounds` (lower {list(bounds.lower)}, upper {upper})"
+                f" cannot hold the initial global batch of {global_batch_size} (the DataLoader's batch_size x {n}"
+                " ranks). Lower the DataLoader `batch_size` or widen the bounds."
             )
-        # equal costs: the planner's split is the most even one inside the bounds
-        return Plan(
-            optimal_split(np.ones(n), np.zeros(n), global_batch_size, lower, upper).local_batch_sizes, accumulation
-        )
+        split = most_even_split(global_batch_size, n, bounds.lower, bounds.upper)
+        return Plan(split.local_batch_sizes, accumulation)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         loader = self._train_loader
         if loader is None or not loader.pending_steps:
-            self._step_sizes = None
+            self._runtime.step_sizes = None
             return
         position, sizes = loader.pending_steps.popleft()
-        self._step_sizes = sizes
+        self._runtime.step_sizes = sizes
         self._set_step_weights(position, sizes)
 
     def _set_step_weights(self, position: int, sizes: tuple[int, ...]) -> None:
@@ -223,11 +216,12 @@ class CannikinStrategy(DDPStrategy):
             window = [sampler.sizes_at(q) for q in range(first, max(last, position + 1))]
             # an epoch resumed on another world size has placeholders (no sizes) for the batches it did not run
             window = [sizes_q for sizes_q in window if sizes_q]
-        self._window = window
+        self._runtime.accumulation_window = tuple(window)
         window_sizes = [sum(column) for column in zip(*window, strict=True)]
         rank_samples = window_sizes[rank]
-        self.hook_state.weight = rank_samples / sum(window_sizes)
-        self.hook_state.micro_weight = sizes[rank] / rank_samples
+        hook = self._runtime.hook
+        hook.weight = rank_samples / sum(window_sizes)
+        hook.micro_weight = sizes[rank] / rank_samples
         self._loss_factor = accumulation * sizes[rank] / rank_samples
 
     @override
@@ -239,7 +233,7 @@ class CannikinStrategy(DDPStrategy):
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         # scale the learning rate for this step only and restore it, so any LR scheduler keeps its own values
-        factor = self.lr_factor
+        factor = self._runtime.lr_factor
         if factor == 1.0:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         saved = [group["lr"] for group in optimizer.param_groups]
@@ -254,6 +248,7 @@ class CannikinStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         self._train_loader = None
+        self._runtime.sampler = None
         super().teardown()
 
     @classmethod

@@ -2,8 +2,8 @@
 
 At each re-plan the callback can write one profile into the trainer's log dir. It holds every rank's fitted
 compute-time model and raw timing samples, the step's tail, the local batch bounds, the plan history and the
-noise-scale history, plus the :class:`~lightning_cannikin.balancer.SplitBalancer`'s full state and settings, so that
-:meth:`Profile.balancer` rebuilds a balancer that fits the same models and plans the same splits.
+noise-scale history, plus the :class:`~lightning_cannikin.core.speed_model.SpeedModel`'s full state and settings, so
+that :meth:`Profile.speed_model` rebuilds a speed model that fits the same models and plans the same splits.
 
 Schema version 1 (JSON object; non-finite numbers are written as ``null`` so the file is strict JSON)::
 
@@ -21,7 +21,7 @@ Schema version 1 (JSON object; non-finite numbers are written as ``null`` so the
     history              [{step, epoch, local_batch_sizes, total_batch_size, predicted_step_time,
                            measured_step_time, lr_factor, noise_scale}], one entry per re-plan
     noise_scale_history  [{step, noise_scale, ...}]
-    balancer_state       SplitBalancer.state_dict()
+    balancer_state       SpeedModel.state_dict()
 
 Pure: numpy and the project's pure modules only (no torch, no Lightning).
 """
@@ -40,8 +40,9 @@ from typing import Any
 
 import numpy as np
 
-from lightning_cannikin.balancer import SplitBalancer
-from lightning_cannikin.perf_model import ComputeTimeFitter, LinearTimeModel
+from lightning_cannikin.core.plan import BatchBounds
+from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings
+from lightning_cannikin.core.timing import LinearTimeModel
 
 __all__ = [
     "FORMAT",
@@ -70,19 +71,19 @@ _REQUIRED = (
     "noise_scale_history",
     "balancer_state",
 )
-_DEFAULT_MAX_SAMPLES = ComputeTimeFitter().max_samples
+_DEFAULT_MAX_SAMPLES = SpeedModelSettings().max_samples
 
 
 def build_profile(
-    balancer: SplitBalancer,
+    balancer: SpeedModel,
     history: Sequence[Mapping[str, Any]],
     base_batch_size: int | None = None,
     noise_scale_history: Sequence[Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Snapshot a balancer and the callback's history as a JSON-ready profile (schema version 1).
+    """Snapshot a speed model and the callback's history as a JSON-ready profile (schema version 1).
 
     Args:
-        balancer: the callback's balancer; ranks without samples get ``model: null``.
+        balancer: the callback's speed model; ranks without samples get ``model: null``.
         history: the callback's ``history`` (one dict per re-plan).
         base_batch_size: the total batch the learning rate was tuned for, if known.
         noise_scale_history: dicts with at least ``step`` and ``noise_scale``; ``None`` takes them from the history
@@ -94,7 +95,7 @@ def build_profile(
     """
     devices = []
     for rank, fitter in enumerate(balancer.fitters):
-        # fitter.fit() rather than balancer.models(): the latter refuses while any rank lacks samples, and a profile
+        # fitter.fit() rather than models(): the latter refuses while any rank lacks samples, and a profile
         # written early (or by a rank that joined late) should still show what is known.
         model = fitter.fit()
         state = fitter.state_dict()
@@ -117,7 +118,7 @@ def build_profile(
             # an infinite noise scale (no detectable signal) has no strict-JSON form and no point on a plot
             if entry.get("noise_scale") is not None and math.isfinite(entry["noise_scale"])
         ]
-    half_life = float(balancer.half_life)
+    half_life = float(balancer.settings.half_life)
     profile = {
         "format": FORMAT,
         "version": VERSION,
@@ -131,8 +132,8 @@ def build_profile(
         "settings": {
             # JSON has no infinity; null stands for "no recency weighting".
             "half_life": half_life if math.isfinite(half_life) else None,
-            "tail_window": balancer.tails.maxlen,
-            "max_samples": balancer.fitters[0].max_samples if balancer.fitters else _DEFAULT_MAX_SAMPLES,
+            "tail_window": balancer.settings.tail_window,
+            "max_samples": balancer.settings.max_samples,
         },
         "history": [dict(entry) for entry in history],
         "noise_scale_history": [dict(entry) for entry in noise_scale_history],
@@ -206,8 +207,8 @@ class Profile:
         upper: per-rank upper bounds, or ``None``.
         history: the callback's plan history, one dict per re-plan.
         noise_scale_history: dicts with at least ``step`` and ``noise_scale``.
-        settings: the balancer's ``half_life`` (``None``: infinite), ``tail_window`` and ``max_samples``.
-        balancer_state: the balancer's ``state_dict()``.
+        settings: the speed model's ``half_life`` (``None``: infinite), ``tail_window`` and ``max_samples``.
+        balancer_state: the speed model's ``state_dict()`` (the key keeps the name of schema version 1).
         created_unix: when the profile was built, if recorded.
 
     """
@@ -226,22 +227,17 @@ class Profile:
     balancer_state: dict[str, Any]
     created_unix: float | None = None
 
-    def balancer(self) -> SplitBalancer:
-        """A fresh :class:`SplitBalancer` with the stored settings and state: same models, same splits."""
+    def speed_model(self) -> SpeedModel:
+        """A fresh :class:`SpeedModel` with the stored settings and state: same models, same splits."""
         half_life = self.settings.get("half_life")
-        balancer = SplitBalancer(
-            self.world_size,
+        settings = SpeedModelSettings(
             half_life=math.inf if half_life is None else float(half_life),
             tail_window=int(self.settings["tail_window"]),
-            lower=list(self.lower),
-            upper=None if self.upper is None else list(self.upper),
+            max_samples=int(self.settings.get("max_samples", _DEFAULT_MAX_SAMPLES)),
         )
-        max_samples = int(self.settings.get("max_samples", _DEFAULT_MAX_SAMPLES))
-        if max_samples != balancer.fitters[0].max_samples:
-            # SplitBalancer takes no max_samples argument; a window of another size would keep other samples.
-            balancer.fitters = [ComputeTimeFitter(balancer.half_life, max_samples) for _ in range(self.world_size)]
-        balancer.load_state_dict(self.balancer_state)
-        return balancer
+        model = SpeedModel(self.world_size, settings, BatchBounds(self.lower, self.upper))
+        model.load_state_dict(self.balancer_state)
+        return model
 
     @property
     def ready(self) -> bool:

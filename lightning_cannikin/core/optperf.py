@@ -1,7 +1,7 @@
 """OptPerf: the exact integer split of a total batch across heterogeneous devices that minimises the step time.
 
 Device ``i`` adds ``g_i(b) = max_k(slopes[i, k] * b + offsets[i, k])`` to the step time when it holds ``b`` samples,
-and a step lasts ``max_i g_i(b_i)`` (DESIGN.md section 3). Every ``g_i`` is non-decreasing because slopes are
+and a step lasts ``max_i g_i(b_i)``. Every ``g_i`` is non-decreasing because slopes are
 non-negative, so the optimum is water-filling. :func:`optimal_split` returns exactly what the greedy "give the next
 sample to the device whose time grows least, lowest rank first" produces when started from the lower bounds, but
 without walking the ``B`` samples one at a time: the greedy takes the ``k = B - sum(lower)`` smallest "unit costs"
@@ -19,15 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import ArrayLike
 
-__all__ = [
-    "Split",
-    "closed_form_step_time",
-    "even_split",
-    "optimal_split",
-    "optperf",
-    "proportional_split",
-    "step_time",
-]
+__all__ = ["Split", "most_even_split", "optimal_split", "optperf", "step_time"]
 
 # Safety net for the level search: at least every third probe halves the bracket, so a few hundred probes take any
 # realistic bracket of step times down to adjacent floats; reaching this means a bug rather than a hard input.
@@ -36,21 +28,19 @@ _MAX_SEARCH_ITERATIONS = 1000
 
 @dataclass(frozen=True)
 class Split:
-    """A split of the total batch and the step time it costs.
+    """The solver's answer: a split of the total batch and the step time it costs.
+
+    Unlike a :class:`~lightning_cannikin.core.plan.Plan` it may give a device zero samples (a lower bound of 0 is
+    valid maths); callers that train turn it into a plan.
 
     Args:
-        local_batch_sizes: samples on each device, indexed like the planner's inputs.
+        local_batch_sizes: samples on each device, indexed like the solver's inputs.
         step_time: ``max_i g_i(b_i)`` for that split, in the units of the offsets (seconds).
 
     """
 
     local_batch_sizes: tuple[int, ...]
     step_time: float
-
-    @property
-    def total_batch_size(self) -> int:
-        """Sum of the local batch sizes."""
-        return sum(self.local_batch_sizes)
 
 
 class _Pieces:
@@ -392,59 +382,12 @@ def step_time(slopes: ArrayLike, offsets: ArrayLike, local_batch_sizes: Sequence
     return float(pieces.evaluate(sizes).max())
 
 
-def even_split(total_batch_size: int, n: int) -> tuple[int, ...]:
-    """Plain DDP's split: as even as possible, the remainder on the lowest ranks (zeros when ``B < n``)."""
-    if n < 1:
-        raise ValueError(f"`n` must be >= 1, got {n}.")
-    if total_batch_size < 0:
-        raise ValueError(f"`total_batch_size` must be >= 0, got {total_batch_size}.")
-    q, r = divmod(int(total_batch_size), int(n))
-    return tuple(q + 1 if i < r else q for i in range(n))
+def most_even_split(
+    total_batch_size: int, n: int, lower: ArrayLike | None = None, upper: ArrayLike | None = None
+) -> Split:
+    """The most even split of ``total_batch_size`` within the bounds: OptPerf on identical devices.
 
-
-def proportional_split(slopes: ArrayLike, total_batch_size: int) -> tuple[int, ...]:
-    """The naive heterogeneity-aware baseline: ``b_i`` proportional to speed ``1 / a_i``, ignoring intercepts.
-
-    Rounded by largest remainders (ties to the lowest rank), then every device is raised to one sample, taking
-    the samples from the devices furthest above their ideal share (ties to the highest rank).
-
-    Args:
-        slopes: ``(n,)`` positive seconds per sample.
-        total_batch_size: ``B >= n``.
-
+    Without binding bounds it is :func:`~lightning_cannikin.core.plan.even_split` (the remainder on the lowest ranks);
+    a rank capped below the even share keeps its cap and the others share the rest evenly.
     """
-    s = np.asarray(slopes, dtype=np.float64)
-    if s.ndim != 1 or s.size == 0:
-        raise ValueError(f"`slopes` must have shape (n,) with n >= 1, got {s.shape}.")
-    if not np.all(np.isfinite(s)) or np.any(s <= 0):
-        raise ValueError("`slopes` must be finite and > 0 for a speed-proportional split.")
-    n, total = s.size, int(total_batch_size)
-    if total < n:
-        raise ValueError(f"`total_batch_size`={total} is smaller than the number of devices ({n}).")
-    speed = 1.0 / s
-    ideal = total * speed / speed.sum()
-    sizes = np.floor(ideal).astype(np.int64)
-    remainder = ideal - sizes
-    # Stable sorts keep the lowest rank first among equal keys.
-    for i in np.argsort(-remainder, kind="stable")[: total - int(sizes.sum())]:
-        sizes[i] += 1
-    for i in np.flatnonzero(sizes < 1):
-        sizes[i] = 1
-        surplus = np.where(sizes > 1, sizes - ideal, -np.inf)
-        sizes[n - 1 - int(np.argmax(surplus[::-1]))] -= 1  # the highest rank among equals, so low ranks keep more
-    return tuple(int(b) for b in sizes)
-
-
-def closed_form_step_time(slopes: ArrayLike, offsets: ArrayLike, total_batch_size: float) -> float:
-    """Continuous optimum ``T* = (B + sum a0_i / a_i) / sum(1 / a_i)`` for one affine piece per device, no caps.
-
-    It relaxes integrality and bounds, so it never exceeds the integer optimum; when every device's continuous share
-    ``(T* - a0_i) / a_i`` lies within its bounds, the integer optimum is at most ``T* + max_i a_i``.
-    """
-    a = np.asarray(slopes, dtype=np.float64)
-    a0 = np.asarray(offsets, dtype=np.float64)
-    if a.ndim != 1 or a.shape != a0.shape:
-        raise ValueError(f"`slopes` and `offsets` must both have shape (n,), got {a.shape} and {a0.shape}.")
-    if np.any(a <= 0):
-        raise ValueError("`slopes` must be > 0 for the closed form.")
-    return float((total_batch_size + np.sum(a0 / a)) / np.sum(1.0 / a))
+    return optimal_split(np.ones(n), np.zeros(n), total_batch_size, lower, upper)

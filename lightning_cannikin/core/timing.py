@@ -4,7 +4,7 @@ Compute time of a device for a local batch ``b`` is ``t(b) = a * b + a0`` (DESIG
 recency-weighted ``(b, seconds)`` samples with a robust regression so that stragglers and a device that changes speed
 (another job arrives on a shared GPU) do not derail the plan. The gradient all-reduce costs ``c`` seconds, of which
 ``c_last`` are exposed after backward. :func:`step_time_pieces` turns both into the ``(slopes, offsets)`` pieces that
-:mod:`lightning_cannikin.planner` minimises over.
+:mod:`lightning_cannikin.core.optperf` minimises over.
 
 Pure numpy and scikit-learn: imports neither torch nor Lightning.
 """
@@ -21,7 +21,7 @@ from numpy.typing import ArrayLike
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.linear_model import HuberRegressor
 
-from lightning_cannikin.sample_window import BatchSizeWindow, SampleWindow
+from lightning_cannikin.core.sample_window import BatchSizeWindow, SampleWindow
 
 __all__ = [
     "CommModel",
@@ -274,6 +274,7 @@ def step_time_pieces(
     comm: CommModel | None,
     backward_fraction: float | None = None,
     forward_fraction: float = DEFAULT_FORWARD_FRACTION,
+    overhead: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The planner's ``(slopes, offsets)``, each of shape ``(n, K)``, from per-device compute models and the comm model.
 
@@ -288,16 +289,18 @@ def step_time_pieces(
         comm: the all-reduce model, or None to ignore communication.
         backward_fraction: ``r``, the fraction of backward done when the first gradient bucket is ready.
         forward_fraction: forward's share of the compute time.
+        overhead: seconds every step costs on top, whatever the split (the optimizer step, the framework's work).
 
     """
     if len(compute) == 0:
         raise ValueError("`compute` must hold one model per device, got none.")
     a = np.array([m.slope for m in compute], dtype=np.float64)
     a0 = np.array([m.intercept for m in compute], dtype=np.float64)
+    extra = _check_nonnegative("overhead", overhead)
     if comm is None:
-        return a[:, None], a0[:, None]
+        return a[:, None], (a0 + extra)[:, None]
     if backward_fraction is None:
-        return a[:, None], (a0 + comm.exposed)[:, None]
+        return a[:, None], (a0 + comm.exposed + extra)[:, None]
     r = float(backward_fraction)
     phi = float(forward_fraction)
     if not 0.0 <= r <= 1.0:
@@ -307,5 +310,5 @@ def step_time_pieces(
     # Communication bottleneck: the all-reduce starts once forward and a fraction r of backward are done.
     share = phi + r * (1.0 - phi)
     slopes = np.stack([a, share * a], axis=1)
-    offsets = np.stack([a0 + comm.exposed, share * a0 + comm.allreduce], axis=1)
+    offsets = np.stack([a0 + comm.exposed, share * a0 + comm.allreduce], axis=1) + extra
     return slopes, offsets

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from lightning_cannikin.sample_window import BatchSizeWindow
+from lightning_cannikin.core.sample_window import BatchSizeWindow
 
 
 class MemoryFitter:

@@ -8,7 +8,6 @@ No ``from __future__ import annotations`` here: DDP checks the hook's return ann
 ``torch.futures.Future[torch.Tensor]`` object, and a string annotation fails that check.
 """
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -33,10 +32,8 @@ class WeightedAllReduceState:
         weight: this rank's share ``b_i / B`` of the samples of the optimizer step in progress.
         micro_weight: the current micro-batch's share of this rank's accumulated gradient (1 without accumulation).
         calls: buckets reduced so far (cheap evidence that the hook runs, on CPU too).
-        first_entry: ``time.perf_counter()`` when the step's first bucket reached the hook.
-        last_entry: when the step's latest bucket reached the hook: the end of this rank's backward compute.
-        last_done: when the latest bucket's all-reduce completed.
-        observers: :class:`BucketObserver` objects called for every bucket; they must not block.
+        observers: :class:`BucketObserver` objects called for every bucket (the step timer, the gradient-norm
+            observer); they must not block.
 
     """
 
@@ -44,14 +41,7 @@ class WeightedAllReduceState:
     weight: float = 1.0
     micro_weight: float = 1.0
     calls: int = 0
-    first_entry: float | None = None
-    last_entry: float | None = None
-    last_done: float | None = None
     observers: list[BucketObserver] = field(default_factory=list)
-
-    def reset_step(self) -> None:
-        """Forget the previous step's timestamps."""
-        self.first_entry = self.last_entry = self.last_done = None
 
 
 def weighted_allreduce_hook(
@@ -59,10 +49,6 @@ def weighted_allreduce_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: ``sum_i (b_i / B) * grad_i`` over the ranks."""
     state.calls += 1
-    now = time.perf_counter()
-    if state.first_entry is None:
-        state.first_entry = now
-    state.last_entry = now
     for observer in state.observers:
         observer.before_reduce(state, bucket)
     tensor = bucket.buffer()
@@ -72,7 +58,6 @@ def weighted_allreduce_hook(
 
     def finished(future: torch.futures.Future) -> torch.Tensor:
         reduced = future.value()[0]
-        state.last_done = time.perf_counter()
         for observer in state.observers:
             observer.after_reduce(state, bucket, reduced)
         return reduced

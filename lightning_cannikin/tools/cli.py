@@ -49,7 +49,7 @@ def _error(command: str, message: str) -> int:
 
 def _load(command: str, path: str) -> Any:
     """The profile at ``path``, or an exit code after printing why it cannot be read."""
-    from lightning_cannikin.profile import load_profile
+    from lightning_cannikin.tools.run_profile import load_profile
 
     try:
         return load_profile(path)
@@ -76,7 +76,7 @@ def compare_splits(balancer: Any, total_batch_size: int) -> dict[str, Any]:
     """The optimal, even and speed-proportional splits of ``total_batch_size`` with their predicted step times.
 
     Args:
-        balancer: a fitted :class:`~lightning_cannikin.balancer.SplitBalancer` (every rank has samples).
+        balancer: a fitted :class:`~lightning_cannikin.core.speed_model.SpeedModel` (every rank has samples).
         total_batch_size: ``B``.
 
     Returns:
@@ -88,9 +88,10 @@ def compare_splits(balancer: Any, total_batch_size: int) -> dict[str, Any]:
         ValueError: no split of ``total_batch_size`` satisfies the bounds.
 
     """
-    from lightning_cannikin.planner import even_split, proportional_split
+    from lightning_cannikin.core.plan import even_split, proportional_sizes
 
     optimal = balancer.plan_split(total_batch_size)  # raises ValueError when B is infeasible
+    optimal_time = float(optimal.predicted_step_time)  # type: ignore[arg-type]
     slopes = [m.slope for m in balancer.models()]
     lower, upper = balancer.lower, balancer.upper
 
@@ -105,18 +106,18 @@ def compare_splits(balancer: Any, total_batch_size: int) -> dict[str, Any]:
             "within_bounds": within,
         }
 
-    result: dict[str, Any] = {"optimal": entry(optimal.local_batch_sizes, optimal.step_time)}
+    result: dict[str, Any] = {"optimal": entry(optimal.local_batch_sizes, optimal_time)}
     alternatives: dict[str, tuple[int, ...] | None] = {"even": even_split(total_batch_size, balancer.world_size)}
     try:
-        alternatives["proportional"] = proportional_split(slopes, total_batch_size)
-    except ValueError:
+        alternatives["proportional"] = proportional_sizes(total_batch_size, [1.0 / a for a in slopes])
+    except (ValueError, ZeroDivisionError):
         alternatives["proportional"] = None  # a zero slope: "proportional to speed" is undefined
     for name, sizes in alternatives.items():
         if sizes is None:
             result[name] = None
             continue
         row = entry(sizes, balancer.predict(sizes))
-        row["optimal_speedup"] = row["predicted_step_time"] / optimal.step_time if optimal.step_time > 0 else None
+        row["optimal_speedup"] = row["predicted_step_time"] / optimal_time if optimal_time > 0 else None
         result[name] = row
     return result
 
@@ -133,7 +134,7 @@ def _plan(argv: list[str]) -> int:
     if not profile.ready:
         missing = [d.rank for d in profile.devices if d.model is None]
         return _error("plan", f"{args.profile}: no timing samples for rank(s) {missing}; nothing to plan with.")
-    balancer = profile.balancer()
+    balancer = profile.speed_model()
     try:
         splits = compare_splits(balancer, args.batch_size)
     except ValueError as err:
@@ -227,7 +228,7 @@ def _report(argv: list[str]) -> int:
         return profile
     from rich.console import Console
 
-    from lightning_cannikin.report import write_report
+    from lightning_cannikin.tools.report import write_report
 
     try:
         written = write_report(profile, args.output_dir)

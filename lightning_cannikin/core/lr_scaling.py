@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 
-from lightning_cannikin.goodput import adascale_gain
+from lightning_cannikin.core.goodput import adascale_gain
 
 __all__ = ["RULES", "Progress", "is_adam_family", "lr_factor", "validate_rule"]
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Sampler
 
-from lightning_cannikin.plan import Plan
+from lightning_cannikin.core.plan import Plan
 
 
 class EpochPermutation(Sampler[int]):

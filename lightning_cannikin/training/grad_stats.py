@@ -10,12 +10,13 @@ issued asynchronously next to the gradient's own, so the statistics add no synch
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from lightning_cannikin.comm_hook import WeightedAllReduceState
+from lightning_cannikin.core.noise_scale import NoiseScaleEstimator
+from lightning_cannikin.training.comm_hook import WeightedAllReduceState
 
 
 class GradientNormObserver:
@@ -88,6 +89,25 @@ class GradientNormObserver:
         if not all(math.isfinite(z) for z in local) or not math.isfinite(global_sqr):
             return None  # an overflowing step (e.g. fp16) tells nothing about the noise
         return local, global_sqr
+
+    def fold_into(self, estimator: NoiseScaleEstimator | None, window: Sequence[Sequence[int]]) -> bool:
+        """Collect the step's norms (every rank must call it) and fold them into ``estimator`` (rank zero's).
+
+        Args:
+            estimator: where the statistics go; ``None`` on ranks that only take part in the exchange.
+            window: every rank's sample count in each micro-batch of the step's accumulation window.
+
+        Returns:
+            Whether the estimator changed.
+
+        """
+        statistics = self.collect()
+        if estimator is None or statistics is None or not window:
+            return False
+        local, global_sqr = statistics
+        # groups are rank-major, as they were exchanged: rank 0's micro-batches first
+        sizes = [micro[rank] for rank in range(self.world_size) for micro in window]
+        return estimator.update(local, sizes, global_sqr)
 
     def _bucket_squared(
         self, flat: torch.Tensor, bucket: dist.GradBucket, weight: float, subtract_previous: bool

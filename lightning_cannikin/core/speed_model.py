@@ -1,4 +1,4 @@
-"""From measured step timings of every rank to the split of a total batch: measure, model, plan.
+"""The per-device speed model: from every rank's measured step timings to predicted step times and splits.
 
 Pure: numpy and the project's maths modules only (no torch, no Lightning), so the simulator and the CLI can use it.
 """
@@ -11,9 +11,16 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from lightning_cannikin.memory_model import MemoryFitter
-from lightning_cannikin.perf_model import CommModel, CommTimeFitter, ComputeTimeFitter, LinearTimeModel
-from lightning_cannikin.planner import Split, optimal_split, optperf
+from lightning_cannikin.core.memory import MemoryFitter
+from lightning_cannikin.core.optperf import optimal_split, optperf, step_time
+from lightning_cannikin.core.plan import BatchBounds, Plan
+from lightning_cannikin.core.timing import (
+    CommModel,
+    CommTimeFitter,
+    ComputeTimeFitter,
+    LinearTimeModel,
+    step_time_pieces,
+)
 
 
 @dataclass(frozen=True)
@@ -49,45 +56,70 @@ class StepRecord:
         return asdict(self)
 
 
-class SplitBalancer:
-    """Learns each rank's compute time ``t_i(b) = a_i b + a0_i`` and the step's tail, and plans splits.
+@dataclass(frozen=True)
+class SpeedModelSettings:
+    """How a :class:`SpeedModel` fits; none of it is fitted state.
+
+    Args:
+        half_life: recency half-life of the compute-time fits, in samples, so a device that changes speed is followed.
+        tail_window: steps over which the tail's median is taken.
+        drift_tolerance: relative change of a rank's median measured/predicted time that restarts its fit.
+        max_samples: timing samples kept per rank.
+
+    """
+
+    half_life: float = 50.0
+    tail_window: int = 64
+    drift_tolerance: float = 0.25
+    max_samples: int = 512
+
+    def __post_init__(self) -> None:
+        if not float(self.half_life) > 0:
+            raise ValueError(f"`half_life` must be positive, got {self.half_life}.")
+        if int(self.tail_window) < 1 or int(self.max_samples) < 1:
+            raise ValueError(
+                f"`tail_window` and `max_samples` must be >= 1, got {self.tail_window}, {self.max_samples}."
+            )
+
+
+class SpeedModel:
+    """Learns each rank's compute time ``t_i(b) = a_i b + a0_i`` and the step's tail; predicts and splits by them.
 
     The *tail* is what a step costs beyond the slowest rank's compute: the exposed part of the all-reduce, the optimizer
     step and the framework's own work. It is the same for every split, so it does not move the optimal split, but it
     makes the predicted step time comparable with the measured one.
 
+    It is the step-time model :func:`lightning_cannikin.core.policy.decide` asks (``optperf``, ``predict``,
+    ``plan_split``, ``probe``, the bounds and ``identified``); the simulator's cluster model answers the same calls.
+
     Args:
         world_size: number of ranks.
-        half_life: recency half-life of the compute-time fits, in steps, so a device that changes speed is followed.
-        tail_window: steps over which the tail's median is taken.
-        lower: per-rank (or scalar) lower bound on the local batch size; at least 1.
-        upper: per-rank (or scalar) upper bound on the local batch size (a memory cap), or ``None``.
+        settings: how to fit (default :class:`SpeedModelSettings`).
+        bounds: the user's per-rank local batch bounds (default: at least one sample, no cap). On CUDA the fitted
+            memory caps tighten the upper bounds.
 
     """
 
     def __init__(
-        self,
-        world_size: int,
-        half_life: float = 50.0,
-        tail_window: int = 64,
-        lower: int | Sequence[int] | None = None,
-        upper: int | Sequence[int] | None = None,
-        drift_tolerance: float = 0.25,
+        self, world_size: int, settings: SpeedModelSettings | None = None, bounds: BatchBounds | None = None
     ) -> None:
         self.world_size = int(world_size)
-        self.drift_tolerance = float(drift_tolerance)
+        self.settings = settings or SpeedModelSettings()
+        bounds = bounds or BatchBounds.parse(None, self.world_size)
+        if bounds.world_size != self.world_size:
+            raise ValueError(f"`local_batch_bounds` have {bounds.world_size} entries for {self.world_size} ranks.")
+        self.lower = list(bounds.lower)
+        self.user_upper = None if bounds.upper is None else list(bounds.upper)
         self.drifts: list[int] = []  # ranks whose history was dropped at the last `add`, for logging
-        self.half_life = float(half_life)
-        self.lower = _per_rank(lower, self.world_size, default=1, name="lower")
-        self.user_upper = None if upper is None else _per_rank(upper, self.world_size, default=None, name="upper")
-        if self.user_upper is not None and any(lo > hi for lo, hi in zip(self.lower, self.user_upper, strict=True)):
-            raise ValueError(f"`local_batch_bounds` lower bounds {self.lower} exceed upper bounds {self.user_upper}.")
         self.memory = [MemoryFitter() for _ in range(self.world_size)]
         self.memory_caps: list[int | None] = [None] * self.world_size
-        self.fitters = [ComputeTimeFitter(half_life=self.half_life) for _ in range(self.world_size)]
-        self.tails: deque[float] = deque(maxlen=int(tail_window))
-        self.comm_fitter = CommTimeFitter(half_life=self.half_life)
+        self.fitters = [self._new_fitter() for _ in range(self.world_size)]
+        self.tails: deque[float] = deque(maxlen=int(self.settings.tail_window))
+        self.comm_fitter = CommTimeFitter(half_life=self.settings.half_life)
         self._models: list[LinearTimeModel] | None = None  # fitted once per batch of new samples
+
+    def _new_fitter(self) -> ComputeTimeFitter:
+        return ComputeTimeFitter(half_life=self.settings.half_life, max_samples=self.settings.max_samples)
 
     def add(self, records: Iterable[StepRecord]) -> None:
         """Feed the records of all ranks (any order); steps missing a rank contribute no tail sample."""
@@ -139,10 +171,10 @@ class SplitBalancer:
             # a model fitted from one batch size is a guess, not a measurement to drift from
             if len(self.fitters[rank].distinct_batch_sizes) >= 2
             and len(values) >= min_samples
-            and abs(float(np.median(values)) - 1.0) > self.drift_tolerance
+            and abs(float(np.median(values)) - 1.0) > self.settings.drift_tolerance
         ]
         for rank in drifted:
-            self.fitters[rank] = ComputeTimeFitter(half_life=self.half_life)
+            self.fitters[rank] = self._new_fitter()
         return drifted
 
     @property
@@ -182,15 +214,19 @@ class SplitBalancer:
 
     def pieces(self) -> tuple[np.ndarray, np.ndarray]:
         """Planner inputs: per-rank slopes and offsets of ``g_i(b) = a_i b + a0_i + tail``."""
-        models = self.models()
-        slopes = np.array([m.slope for m in models])
-        offsets = np.array([m.intercept for m in models]) + self.tail()
-        return slopes, offsets
+        return step_time_pieces(self.models(), None, overhead=self.tail())
 
-    def plan_split(self, total_batch_size: int) -> Split:
+    @property
+    def bounds(self) -> BatchBounds:
+        """The bounds in force: the user's and, on CUDA, the fitted memory caps."""
+        upper = self.upper
+        return BatchBounds(tuple(self.lower), None if upper is None else tuple(upper))
+
+    def plan_split(self, total_batch_size: int) -> Plan:
         """The optimal integer split of ``total_batch_size`` under the bounds, with its predicted step time."""
         slopes, offsets = self.pieces()
-        return optimal_split(slopes, offsets, total_batch_size, self.lower, self.upper)
+        split = optimal_split(slopes, offsets, total_batch_size, self.lower, self.upper)
+        return Plan(split.local_batch_sizes, predicted_step_time=split.step_time)
 
     def optperf(self, total_batch_sizes: Sequence[int]) -> np.ndarray:
         """Predicted optimal step time for each candidate total batch size (``inf`` where infeasible)."""
@@ -200,7 +236,7 @@ class SplitBalancer:
     def predict(self, local_batch_sizes: Sequence[int]) -> float:
         """Predicted step time of a given split."""
         slopes, offsets = self.pieces()
-        return float(np.max(slopes * np.asarray(local_batch_sizes) + offsets))
+        return step_time(slopes, offsets, local_batch_sizes)
 
     def probe(self, local_batch_sizes: Sequence[int], fraction: float = 0.125) -> tuple[int, ...]:
         """Perturb a split so that every rank runs a batch size it has not run yet, keeping the total.
@@ -245,31 +281,3 @@ class SplitBalancer:
         self.tails.extend(state["tails"])
         if "comm" in state:
             self.comm_fitter.load_state_dict(state["comm"])
-
-
-def _per_rank(value: int | Sequence[int] | None, n: int, default: int | None, name: str) -> list:
-    if value is None:
-        return [default] * n
-    if isinstance(value, int):
-        values = [value] * n
-    else:
-        values = [int(v) for v in value]
-        if len(values) != n:
-            raise ValueError(f"`local_batch_bounds` {name} bounds have {len(values)} entries for {n} ranks.")
-    if any(v < 1 for v in values):
-        raise ValueError(f"`local_batch_bounds` {name} bounds must be >= 1, got {values}.")
-    return values
-
-
-def median_step_time(records: Iterable[StepRecord], local_batch_sizes: Sequence[int]) -> float | None:
-    """Measured step time under a split: median over steps whose sizes match it of the ranks' median step time."""
-    by_step: dict[int, dict[int, StepRecord]] = {}
-    for record in records:
-        by_step.setdefault(record.step, {})[record.rank] = record
-    times = [
-        float(np.median([r.step_time for r in step.values()]))
-        for step in by_step.values()
-        if len(step) == len(local_batch_sizes)
-        and all(step[rank].batch_size == b for rank, b in enumerate(local_batch_sizes) if rank in step)
-    ]
-    return float(np.median(times)) if times else None

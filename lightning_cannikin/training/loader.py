@@ -14,8 +14,8 @@ from typing import Any
 
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
-from lightning_cannikin.plan import Plan
-from lightning_cannikin.sampler import UnevenBatchSampler, epoch_layout
+from lightning_cannikin.core.plan import Plan
+from lightning_cannikin.training.sampler import UnevenBatchSampler, epoch_layout
 
 # DataLoader arguments carried over from the user's loader unchanged.
 _KEPT_ARGUMENTS = (

@@ -1,0 +1,65 @@
+"""The plan history a run keeps: every adopted plan, its prediction and, once it has run, its measured step time.
+
+Pure Python and numpy: imports neither torch nor Lightning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from lightning_cannikin.core.plan import Plan
+from lightning_cannikin.core.speed_model import StepRecord
+
+__all__ = ["PlanHistory", "median_step_time"]
+
+
+def median_step_time(records: Iterable[StepRecord], local_batch_sizes: Sequence[int]) -> float | None:
+    """Measured step time under a split: median over steps whose sizes match it of the ranks' median step time."""
+    by_step: dict[int, dict[int, StepRecord]] = {}
+    for record in records:
+        by_step.setdefault(record.step, {})[record.rank] = record
+    times = [
+        float(np.median([r.step_time for r in step.values()]))
+        for step in by_step.values()
+        if len(step) == len(local_batch_sizes)
+        and all(step[rank].batch_size == b for rank, b in enumerate(local_batch_sizes) if rank in step)
+    ]
+    return float(np.median(times)) if times else None
+
+
+class PlanHistory:
+    """One JSON-friendly entry per adopted plan, in order (what checkpoints and run profiles store).
+
+    The records seen since the last entry are kept until the next re-plan, when they give that entry its measured
+    step time.
+    """
+
+    def __init__(self) -> None:
+        self.entries: list[dict[str, Any]] = []
+        self._since_last: list[StepRecord] = []
+
+    def observe(self, records: Iterable[StepRecord]) -> None:
+        """Records of the plan in force; the latest entry gets its measured step time from them."""
+        self._since_last.extend(records)
+        if self.entries and self.entries[-1]["measured_step_time"] is None:
+            latest = self.entries[-1]
+            latest["measured_step_time"] = median_step_time(self._since_last, latest["local_batch_sizes"])
+
+    def append(self, step: int, epoch: int, plan: Plan, lr_factor: float, noise_scale: float | None) -> None:
+        """A plan adopted at ``step``; its measurement starts afresh."""
+        self._since_last = []
+        self.entries.append(
+            {
+                "step": step,
+                "epoch": epoch,
+                "local_batch_sizes": list(plan.local_batch_sizes),
+                "total_batch_size": plan.total_batch_size,
+                "predicted_step_time": plan.predicted_step_time,
+                "measured_step_time": None,
+                "lr_factor": lr_factor,
+                "noise_scale": noise_scale,
+            }
+        )

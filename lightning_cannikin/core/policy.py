@@ -1,0 +1,212 @@
+"""The one decision policy: from a step-time model, the plan in force and the noise scale to the next plan and LR.
+
+:func:`decide` chooses the total batch (goodput, when allowed), its split (OptPerf, an even split, or a probe while
+some device's slope is unmeasured) and the learning-rate factor and AdaScale gain that go with it. The Lightning
+callback calls it on rank zero with its fitted :class:`~lightning_cannikin.core.speed_model.SpeedModel`; the
+simulator calls it with its cluster model. Both answer the :class:`StepTimeModel` calls, so a projection of the
+simulator is the library's own decision.
+
+Pure: numpy and the project's maths modules only (no torch, no Lightning).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from lightning_cannikin.core.goodput import adascale_gain, candidate_batch_sizes, choose_batch_size
+from lightning_cannikin.core.lr_scaling import lr_factor, validate_rule
+from lightning_cannikin.core.optperf import most_even_split
+from lightning_cannikin.core.plan import Plan, even_split
+
+__all__ = ["Decision", "PolicySettings", "StepTimeModel", "decide", "learning_rate_scale"]
+
+
+class StepTimeModel(Protocol):
+    """What :func:`decide` asks of a model of the cluster's step time (times per micro-step, in seconds)."""
+
+    world_size: int
+
+    @property
+    def lower(self) -> Sequence[int]: ...
+
+    @property
+    def upper(self) -> Sequence[int] | None: ...
+
+    @property
+    def identified(self) -> bool:
+        """Every device's slope is measured, not assumed."""
+        ...
+
+    def optperf(self, total_batch_sizes: Sequence[int]) -> np.ndarray:
+        """Best step time of each global batch under the bounds (``inf`` where infeasible)."""
+        ...
+
+    def predict(self, local_batch_sizes: Sequence[int]) -> float:
+        """Step time of one split."""
+        ...
+
+    def plan_split(self, total_batch_size: int) -> Plan:
+        """The OptPerf split of a global batch, with its predicted step time."""
+        ...
+
+    def probe(self, local_batch_sizes: Sequence[int]) -> tuple[int, ...]:
+        """A perturbed split (same total) that makes every device run a new batch size."""
+        ...
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    """The user's choices that shape every decision.
+
+    Args:
+        max_batch_size: the largest total batch (per optimizer step) to consider; ``None`` keeps the total batch.
+        balance: split by the model's speeds (OptPerf); ``False`` splits as evenly as the bounds allow (AdaptDL).
+        margin: relative goodput gain required to change the total batch (hysteresis).
+        lr_scaling: one of :data:`~lightning_cannikin.core.lr_scaling.RULES`.
+        candidates: geometric candidate total batches per decision.
+        accumulate: reach totals beyond what the devices hold in one micro-step with gradient accumulation (the
+            fewest micro-steps that fit, the same on every rank). ``False`` keeps the accumulation in force.
+
+    """
+
+    max_batch_size: int | None = None
+    balance: bool = True
+    margin: float = 0.05
+    lr_scaling: str = "adascale"
+    candidates: int = 50
+    accumulate: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size is not None and (isinstance(self.max_batch_size, bool) or self.max_batch_size < 1):
+            raise ValueError(f"`max_batch_size` must be a positive integer or None, got {self.max_batch_size}.")
+        if not self.margin >= 0:
+            raise ValueError(f"`adapt_margin` must be >= 0, got {self.margin}.")
+        object.__setattr__(self, "lr_scaling", validate_rule(self.lr_scaling))
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What every rank adopts after a re-plan.
+
+    Attributes:
+        plan: the plan to run next, with its predicted step time.
+        lr_factor: the multiplier of the base learning rate for the plan's total batch.
+        gain: the AdaScale gain of a step at that total (B0-steps of progress per step).
+        identified: whether every device's slope was measured when the decision was made.
+
+    """
+
+    plan: Plan
+    lr_factor: float
+    gain: float
+    identified: bool
+
+
+def learning_rate_scale(
+    rule: str, total_batch_size: int, base_batch_size: int, noise_scale: float | None, adam: bool = False
+) -> tuple[float, float]:
+    """``(lr factor, AdaScale gain)`` of a step at ``total_batch_size`` (both 1 at B0 or without statistics)."""
+    factor = lr_factor(rule, total_batch_size, base_batch_size, noise_scale, adam)
+    return factor, float(adascale_gain(noise_scale, total_batch_size, base_batch_size))
+
+
+def decide(
+    model: StepTimeModel,
+    current: Plan,
+    settings: PolicySettings,
+    noise_scale: float | None,
+    base_batch_size: int,
+    adapt_total: bool = True,
+    adam: bool = False,
+) -> Decision:
+    """The plan to adopt next, and the learning-rate scale that goes with it.
+
+    Args:
+        model: the step-time model (a fitted speed model, or the simulator's cluster).
+        current: the plan in force.
+        settings: the user's policy settings.
+        noise_scale: the gradient noise scale once it can be acted on; ``None`` keeps the total batch.
+        base_batch_size: B0, the total batch the learning rate was tuned for.
+        adapt_total: whether the total batch may change now (``False`` mid-epoch, where the epoch's length is fixed).
+        adam: whether the optimizer is Adam-family (the square root of the AdaScale gain).
+
+    While some device's slope is not yet identified (one batch size seen), a balancing decision perturbs the current
+    split instead, so that every rank runs a new batch size and the next re-plan can measure it; the total batch
+    waits. An even split never probes: like AdaptDL, it chooses the total batch from the one-size prior until a
+    change of total batch measures the slope.
+    """
+    global_batch, accumulation = current.global_batch_size, current.accumulation_steps
+    adapt = adapt_total and settings.max_batch_size is not None and noise_scale is not None
+    if adapt and (model.identified or not settings.balance):
+        global_batch, accumulation = _choose_total(model, current, settings, noise_scale, base_batch_size)  # type: ignore[arg-type]
+    if settings.balance and not model.identified:
+        # a slope guessed from one batch size can be far off (AdaptDL's prior puts half the time in the intercept):
+        # rather than act on it, move every rank a little from where it is, so the next re-plan measures slopes
+        sizes = model.probe(current.local_batch_sizes)
+    elif settings.balance:
+        sizes = model.plan_split(global_batch).local_batch_sizes
+    else:
+        sizes = most_even_split(global_batch, model.world_size, model.lower, model.upper).local_batch_sizes
+    plan = Plan(sizes, accumulation, predicted_step_time=model.predict(sizes))
+    factor, gain = learning_rate_scale(settings.lr_scaling, plan.total_batch_size, base_batch_size, noise_scale, adam)
+    return Decision(plan, factor, gain, model.identified)
+
+
+def _choose_total(
+    model: StepTimeModel, current: Plan, settings: PolicySettings, noise_scale: float, base_batch_size: int
+) -> tuple[int, int]:
+    """``(global batch, accumulation steps)`` with the best predicted goodput, or the current ones.
+
+    Candidates run from the base batch to ``max_batch_size`` (per optimizer step), within what a micro-step can
+    hold: the sum of the per-rank bounds, or, for an even split, ``n`` times the tightest bound (an even split of more
+    would put more than its cap on the smallest device). A step of ``s`` micro-steps is predicted to cost ``s`` times
+    one micro-step.
+    """
+    n = model.world_size
+    lower_bounds = list(model.lower)
+    upper_bounds = None if model.upper is None else list(model.upper)
+    if settings.balance:
+        lowest, highest = sum(lower_bounds), None if upper_bounds is None else sum(upper_bounds)
+    else:
+        lowest, highest = n * max(lower_bounds), None if upper_bounds is None else n * min(upper_bounds)
+    lowest = max(lowest, n)
+    cap = settings.max_batch_size
+    assert cap is not None
+    if settings.accumulate:
+        totals = candidate_batch_sizes(max(base_batch_size, lowest), max(cap, lowest), settings.candidates)
+        steps = np.ones_like(totals) if highest is None else np.maximum(1, -(-totals // highest))
+        micro = np.maximum(-(-totals // steps), lowest)
+    else:
+        steps_now = current.accumulation_steps
+        lower = max(-(-base_batch_size // steps_now), lowest)
+        upper = cap // steps_now if highest is None else min(cap // steps_now, highest)
+        if upper < lower:
+            return current.global_batch_size, steps_now
+        micro = candidate_batch_sizes(lower, upper, settings.candidates)
+        steps = np.full_like(micro, steps_now)
+    if settings.balance:
+        micro_times = np.asarray(model.optperf(micro), dtype=np.float64)
+        kept = float(model.optperf([current.global_batch_size])[0])
+    else:
+        micro_times = np.array([model.predict(even_split(int(g), n)) for g in micro])
+        kept_split = most_even_split(current.global_batch_size, n, lower_bounds, upper_bounds)
+        kept = model.predict(kept_split.local_batch_sizes)
+    # Keeping the total batch means running it at its best split (re-splitting is free), not at the current split:
+    # a stale split must not credit a change of total batch with the gain of re-balancing.
+    choice = choose_batch_size(
+        micro * steps,
+        micro_times * steps,
+        noise_scale,
+        base_batch_size,
+        current.total_batch_size,
+        kept * current.accumulation_steps,
+        margin=settings.margin,
+    )
+    if not choice.adopted:
+        return current.global_batch_size, current.accumulation_steps
+    index = int(np.flatnonzero(micro * steps == choice.batch_size)[0])
+    return int(micro[index]), int(steps[index])

@@ -1,0 +1,374 @@
+"""``Cannikin``: the callback that wires the timer, the speed model and the noise scale into Lightning's hooks.
+
+Each step every rank times itself; at each re-plan the ranks gather their records, rank zero fits and calls
+:func:`lightning_cannikin.core.policy.decide`, broadcasts the :class:`~lightning_cannikin.core.policy.Decision`, and
+every rank adopts it. The maths lives in :mod:`lightning_cannikin.core`; the state shared with the strategy lives in
+its :class:`~lightning_cannikin.training.runtime.RuntimeState`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lightning_cannikin.core.goodput import efficiency
+from lightning_cannikin.core.history import PlanHistory
+from lightning_cannikin.core.lr_scaling import Progress, is_adam_family
+from lightning_cannikin.core.noise_scale import NoiseScaleEstimator
+from lightning_cannikin.core.plan import BatchBounds, Plan, even_split
+from lightning_cannikin.core.policy import Decision, PolicySettings, decide, learning_rate_scale
+from lightning_cannikin.core.schedule import ReplanSchedule
+from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings, StepRecord
+from lightning_cannikin.tools.run_profile import PROFILE_FILENAME, build_profile, save_profile
+from lightning_cannikin.training.grad_stats import GradientNormObserver
+from lightning_cannikin.training.runtime import RuntimeState
+
+
+class Cannikin(Callback):
+    """Balance a heterogeneous cluster and, optionally, adapt the total batch size for goodput.
+
+    Args:
+        max_batch_size: the largest total batch (per optimizer step) to consider. ``None`` keeps the total batch
+            fixed and only balances its split.
+        local_batch_bounds: bounds on any rank's local batch: an upper bound, or ``(lower, upper)`` with scalars or
+            per-rank sequences. ``None``: at least one sample, no cap.
+        lr_scaling: how the learning rate follows the total batch: ``"adascale"`` (the AdaScale gain; its square root
+            for Adam-family optimizers), ``"sqrt"``, ``"linear"`` or ``"none"``.
+        base_batch_size: the total batch the learning rate was tuned for (default: the initial total batch).
+        balance: split unevenly by measured speed; ``False`` keeps an even split (an AdaptDL-like baseline when
+            combined with ``max_batch_size``).
+        replan_every_n_steps: also re-plan the split mid-epoch every this many training steps (``None``: at epoch
+            ends only). The total batch changes only at epoch ends.
+        warmup_steps: while some device's speed is not yet measured at two batch sizes, re-plan every this many
+            steps: the first re-plan probes a second batch size on every rank, the next one balances.
+        half_life: recency half-life of the timing fits, in steps.
+        adapt_margin: relative goodput gain required to change the total batch (hysteresis).
+        min_noise_updates: optimizer steps of noise statistics required before the total batch may change.
+        track_noise_scale: measure the gradient noise scale (one extra all-reduce of ``world_size`` floats per
+            optimizer step). ``None``: only when it can change something, i.e. with ``max_batch_size`` or with
+            ``lr_scaling="adascale"`` and a ``base_batch_size``.
+        save_profile: at each re-plan, rank zero writes ``cannikin_profile.json`` into the trainer's log dir, for
+            ``cannikin plan`` and ``cannikin report``. Nothing is written without a logger.
+
+    Example::
+
+        trainer = Trainer(strategy="cannikin", devices=4, callbacks=[Cannikin(max_batch_size=4096)])
+
+    """
+
+    def __init__(
+        self,
+        max_batch_size: int | None = None,
+        local_batch_bounds: int | tuple[int | Sequence[int], int | Sequence[int] | None] | None = None,
+        lr_scaling: str = "adascale",
+        base_batch_size: int | None = None,
+        balance: bool = True,
+        replan_every_n_steps: int | None = None,
+        warmup_steps: int = 8,
+        half_life: float = 50.0,
+        adapt_margin: float = 0.05,
+        min_noise_updates: int = 20,
+        track_noise_scale: bool | None = None,
+        save_profile: bool = True,
+    ) -> None:
+        if base_batch_size is not None and base_batch_size < 1:
+            raise ValueError(f"`base_batch_size` must be a positive integer or None, got {base_batch_size}.")
+        BatchBounds.check(local_batch_bounds)
+        self.policy = PolicySettings(max_batch_size, balance, adapt_margin, lr_scaling)
+        self.schedule = ReplanSchedule(warmup_steps, replan_every_n_steps)
+        self.speed_settings = SpeedModelSettings(half_life=half_life)
+        self.local_batch_bounds = local_batch_bounds
+        self.base_batch_size = base_batch_size
+        self.min_noise_updates = min_noise_updates
+        if track_noise_scale is None:
+            track_noise_scale = max_batch_size is not None or (lr_scaling == "adascale" and base_batch_size is not None)
+        self.track_noise_scale = track_noise_scale
+        self.save_profile = save_profile
+        self.progress = Progress()
+        self.lr_factor = 1.0
+        self.gain = 1.0
+        self._history = PlanHistory()
+        self._speed_model: SpeedModel | None = None
+        self._estimator: NoiseScaleEstimator | None = None
+        self._observer: GradientNormObserver | None = None
+        self._runtime: RuntimeState | None = None
+        self._world_size = 1
+        self._restored: dict[str, Any] | None = None
+        self._records: list[StepRecord] = []
+        self._step = 0
+        self._adam = False
+        self._log_dir: str | None = None
+        self._identified = False  # rank zero's word, broadcast: every rank's slope has been measured
+
+    @property
+    def plan(self) -> Plan | None:
+        """The split in force."""
+        return self._runtime.plan if self._runtime is not None else None
+
+    @property
+    def noise_scale(self) -> float | None:
+        """The gradient noise scale ``tr(Sigma) / |G|^2`` in samples (rank zero; ``None`` until measured)."""
+        return self._estimator.noise_scale if self._estimator is not None else None
+
+    @property
+    def speed_model(self) -> SpeedModel | None:
+        """The per-device timing models (``None`` before fitting starts)."""
+        return self._speed_model
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """One entry per adopted plan: sizes, predicted and measured step time, LR factor, noise scale."""
+        return self._history.entries
+
+    @property
+    def max_batch_size(self) -> int | None:
+        return self.policy.max_batch_size
+
+    @property
+    def replan_every_n_steps(self) -> int | None:
+        return self.schedule.every_n_steps
+
+    @property
+    def lr_scaling(self) -> str:
+        return self.policy.lr_scaling
+
+    @property
+    def state_key(self) -> str:
+        return "Cannikin"
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        runtime = getattr(trainer.strategy, "runtime", None)
+        if not isinstance(runtime, RuntimeState):
+            raise ValueError(
+                f"The Cannikin callback needs `strategy='cannikin'` (a CannikinStrategy), got"
+                f" {type(trainer.strategy).__name__}."
+            )
+        self._runtime, self._world_size = runtime, trainer.world_size
+        if self._speed_model is None:
+            bounds = BatchBounds.parse(self.local_batch_bounds, trainer.world_size)
+            self._speed_model = SpeedModel(trainer.world_size, self.speed_settings, bounds)
+        runtime.bounds = self._speed_model.bounds
+        if self._observer is None and trainer.world_size > 1 and self.track_noise_scale:
+            self._observer = GradientNormObserver(trainer.global_rank, trainer.world_size)
+            runtime.hook.observers.append(self._observer)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self._runtime is not None
+        self._runtime.timer.attach(pl_module)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        plan = self.plan
+        base = self.base_batch_size or (plan.total_batch_size if plan is not None else 1)
+        if self._estimator is None:
+            self._estimator = NoiseScaleEstimator(base)
+        self._adam = bool(trainer.optimizers) and is_adam_family(type(trainer.optimizers[0]).__name__)
+        if self._observer is not None and self._adam:
+            self._observer.optimizer = trainer.optimizers[0]
+        # `trainer.log_dir` broadcasts from rank zero: ask on every rank here, never from rank zero alone later
+        self._log_dir = trainer.log_dir if self.save_profile and trainer.loggers else None
+        if self._restored is not None:
+            self._load(self._restored)  # rank zero's factor and gain, the same on every rank
+            self._restored = None
+        elif plan is not None:  # no statistics yet: the same on every rank
+            self.lr_factor, self.gain = learning_rate_scale(self.policy.lr_scaling, plan.total_batch_size, base, None)
+        assert self._runtime is not None
+        self._runtime.lr_factor = self.lr_factor
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._runtime is not None:
+            self._runtime.timer.detach()
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        assert self._runtime is not None
+        self._runtime.timer.start()
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self._runtime is not None
+        self._runtime.timer.backward_done()
+        if self._observer is not None and not self._runtime.timer.reduced:
+            # an accumulation micro-step (no reduction): its gradient is a noise group of its own
+            self._observer.after_micro_step(pl_module.parameters(), self._runtime.hook.micro_weight)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        runtime = self._runtime
+        assert runtime is not None
+        sizes = runtime.step_sizes
+        rank = trainer.global_rank
+        record = runtime.timer.finish(self._step, rank, None if sizes is None else sizes[rank], pl_module.device)
+        if record is not None:
+            self._records.append(record)
+            if (self._step + 1) % trainer.log_every_n_steps == 0:
+                self._log_step(pl_module, record)  # only on steps whose metrics reach the loggers: logging costs
+        if runtime.timer.reduced:
+            self._after_optimizer_step(trainer, pl_module)
+        self._step += 1
+        if not runtime.fixed_split and self.schedule.due(self._step, self._identified, self.policy.balance):
+            self._replan(trainer, mid_epoch=True)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self._runtime is not None
+        if not self._runtime.fixed_split:
+            self._replan(trainer, mid_epoch=False)
+
+    def _after_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Progress, and on rank zero the noise-scale statistics of the step's gradients."""
+        assert self._runtime is not None and self._estimator is not None
+        # the gain comes from rank zero's last decision, so progress (and schedules driven by it) agree on all ranks
+        self.progress.add(self.gain)
+        if self._observer is None:
+            return
+        estimator = self._estimator if trainer.is_global_zero else None
+        updated = self._observer.fold_into(estimator, self._runtime.accumulation_window)
+        phi = self._estimator.noise_scale
+        if updated and phi is not None and np.isfinite(phi) and (self._step + 1) % trainer.log_every_n_steps == 0:
+            plan = self.plan
+            total = plan.total_batch_size if plan is not None else self._estimator.base_batch_size
+            phi_efficiency = float(efficiency(phi, total, self._estimator.base_batch_size))
+            for name, value in (("cannikin/noise_scale", phi), ("cannikin/efficiency", phi_efficiency)):
+                pl_module.log(name, value, on_step=True, on_epoch=False, rank_zero_only=True)
+
+    def _log_step(self, pl_module: pl.LightningModule, record: StepRecord) -> None:
+        plan = self.plan
+        values = {
+            "cannikin/step_time": record.step_time,
+            "cannikin/local_batch_size": float(record.batch_size),
+            "cannikin/lr_factor": self.lr_factor,
+        }
+        if plan is not None:
+            values["cannikin/total_batch_size"] = float(plan.total_batch_size)
+            if plan.predicted_step_time is not None:
+                values["cannikin/predicted_step_time"] = plan.predicted_step_time
+        for name, value in values.items():
+            prog_bar = name in ("cannikin/total_batch_size", "cannikin/local_batch_size")
+            # per step, no sync: a synced per-step log would add a collective and distort the timing it reports
+            pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=prog_bar, batch_size=record.batch_size)
+
+    def _decide(self, records: list[StepRecord], current: Plan | None, mid_epoch: bool) -> Decision | None:
+        """Rank zero: fold in every rank's records and decide (``None`` while some rank has no timing yet)."""
+        assert self._speed_model is not None and self._estimator is not None
+        self._speed_model.add(records)
+        if self._speed_model.drifts:
+            rank_zero_info(f"Cannikin: ranks {self._speed_model.drifts} changed speed; their timing starts afresh.")
+        self._history.observe(records)
+        if current is None or not self._speed_model.ready:
+            return None
+        enough = self._estimator.num_updates >= self.min_noise_updates
+        return decide(
+            self._speed_model,
+            current,
+            self.policy,
+            self._estimator.noise_scale if enough else None,
+            self._estimator.base_batch_size,
+            adapt_total=not mid_epoch,  # mid-epoch, the epoch's length must not change
+            adam=self._adam,
+        )
+
+    def _replan(self, trainer: pl.Trainer, mid_epoch: bool) -> None:
+        """Gather, decide on rank zero, broadcast, adopt. Every rank must call this at the same step."""
+        runtime = self._runtime
+        assert runtime is not None
+        gathered = _all_gather((self._records, runtime.batches_yielded))
+        from_batch = max(y for _, y in gathered) if mid_epoch else 0
+        self._records = []
+        self.schedule.last_replan_step = self._step
+        current = runtime.plan
+        decision = None
+        if trainer.is_global_zero:
+            decision = self._decide([r for rank_records, _ in gathered for r in rank_records], current, mid_epoch)
+        decision = trainer.strategy.broadcast(decision, src=0)
+        if decision is None or current is None:
+            return
+        plan = decision.plan
+        self.lr_factor = runtime.lr_factor = decision.lr_factor
+        self.gain, self._identified = decision.gain, decision.identified
+        if plan.global_batch_size != current.global_batch_size:
+            # the epoch's length changes with the total batch: Lightning must rebuild the loader to see it
+            trainer.reload_dataloaders_every_n_epochs = max(trainer.reload_dataloaders_every_n_epochs, 1)
+            runtime.adopt(plan)
+        else:
+            runtime.adopt(plan, from_batch=from_batch)
+        self._history.append(self._step, trainer.current_epoch, plan, decision.lr_factor, self.noise_scale)
+        if trainer.is_global_zero and self._log_dir and self._speed_model is not None:
+            base = self._estimator.base_batch_size if self._estimator is not None else None
+            profile = build_profile(self._speed_model, self.history, base_batch_size=base)
+            save_profile(Path(self._log_dir) / PROFILE_FILENAME, profile)
+        if trainer.is_global_zero and plan.local_batch_sizes != current.local_batch_sizes:
+            rank_zero_info(
+                f"Cannikin: local batch sizes {list(current.local_batch_sizes)} -> {list(plan.local_batch_sizes)}"
+                f" (predicted step {1000 * (plan.predicted_step_time or 0):.1f} ms, lr factor {self.lr_factor:.3g})"
+            )
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "balancer": self._speed_model.state_dict() if self._speed_model is not None else None,
+            "estimator": self._estimator.state_dict() if self._estimator is not None else None,
+            "progress": self.progress.state_dict(),
+            "lr_factor": self.lr_factor,
+            "gain": self.gain,
+            "plan": self.plan.to_dict() if self.plan is not None else None,
+            "history": self.history,
+            "step": self._step,
+            "identified": self._identified,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Lightning restores callbacks after `setup` and before it builds the training loader: put the saved plan in
+        # force now so the loader is built with it. The rest waits for on_train_start (the estimator needs B0).
+        self._restored = dict(state_dict)
+        saved = state_dict.get("plan")
+        if saved is None or self._runtime is None or self._runtime.fixed_split:
+            return
+        plan = Plan.from_dict(saved)
+        if plan.world_size != self._world_size:
+            # elastic restart: keep the total batch where the new cluster can hold it, split evenly until timed
+            global_batch = max(plan.global_batch_size, self._world_size)
+            plan = Plan(even_split(global_batch, self._world_size), plan.accumulation_steps)
+            rank_zero_info(
+                f"Cannikin: resuming a {len(saved['local_batch_sizes'])}-rank run on {self._world_size} ranks;"
+                f" keeping the global batch of {global_batch}, split evenly until the new devices are timed."
+            )
+        self._runtime.adopt(plan)
+
+    def _load(self, state: dict[str, Any]) -> None:
+        if state.get("balancer") is not None and self._speed_model is not None:
+            self._speed_model.load_state_dict(state["balancer"])
+        if state.get("estimator") is not None and self._estimator is not None:
+            self._estimator.load_state_dict(state["estimator"])
+        self.progress.load_state_dict(state["progress"])
+        self.lr_factor = state["lr_factor"]
+        self.gain = state["gain"]
+        self._history.entries = list(state["history"])
+        self._step = self.schedule.last_replan_step = state["step"]
+        same_devices = state.get("balancer") is not None and state["balancer"]["world_size"] == self._world_size
+        self._identified = bool(state.get("identified", False)) and same_devices
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    """One object per rank (a single-process run returns ``[obj]``)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered

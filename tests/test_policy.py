@@ -1,0 +1,193 @@
+"""The one decision policy (pure): goodput picks the total batch, OptPerf its split; callback and simulator agree."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_cannikin.core.optperf import optimal_split
+from lightning_cannikin.core.plan import BatchBounds, Plan
+from lightning_cannikin.core.policy import PolicySettings, decide
+from lightning_cannikin.core.speed_model import SpeedModel, StepRecord
+
+SLOPES = (0.001, 0.003)  # seconds per sample: rank 1 is 3x slower
+FIXED = 0.020  # seconds per step on every rank
+
+
+def next_plan(model, current, noise_scale=None, base_batch_size=None, max_batch_size=None, balance=True, margin=0.05):
+    """The plan ``decide`` adopts, with the callback's arguments (no ``max_batch_size``: the total stays)."""
+    settings = PolicySettings(max_batch_size=max_batch_size, balance=balance, margin=margin)
+    base = current.total_batch_size if base_batch_size is None else base_batch_size
+    return decide(model, current, settings, noise_scale, base).plan
+
+
+def fitted_balancer(sizes_seen=((24, 8), (16, 16), (20, 12)), upper=None) -> SpeedModel:
+    balancer = SpeedModel(2, bounds=BatchBounds.parse((None, upper), 2))
+    step = 0
+    for sizes in sizes_seen:
+        for _ in range(5):
+            records = [
+                StepRecord(step, rank, b, FIXED + SLOPES[rank] * b, FIXED + max(SLOPES) * max(sizes) + 0.002)
+                for rank, b in enumerate(sizes)
+            ]
+            balancer.add(records)
+            step += 1
+    return balancer
+
+
+def test_without_statistics_the_total_stays_and_the_split_is_optimal():
+    balancer = fitted_balancer()
+    plan = next_plan(balancer, Plan((16, 16)), noise_scale=None, base_batch_size=32, max_batch_size=1024)
+    slopes, offsets = balancer.pieces()
+    assert plan.global_batch_size == 32
+    assert plan.local_batch_sizes == optimal_split(slopes, offsets, 32).local_batch_sizes == (24, 8)
+    assert plan.predicted_step_time == pytest.approx(FIXED + 0.024 + balancer.tail(), rel=1e-6)
+
+
+def test_goodput_grows_the_batch_only_when_the_noise_scale_pays_for_it():
+    balancer = fitted_balancer()
+    current = Plan((24, 8))
+    # all noise (efficiency ~1 everywhere): the fixed cost per step makes the largest batch the best
+    grown = next_plan(balancer, current, noise_scale=1e9, base_batch_size=32, max_batch_size=256)
+    assert grown.global_batch_size == 256
+    # no noise (each extra sample is worth nothing): stay at the base batch
+    kept = next_plan(balancer, current, noise_scale=0.0, base_batch_size=32, max_batch_size=256)
+    assert kept.global_batch_size == 32
+    # mid-epoch (no max_batch_size passed) the total never changes
+    assert next_plan(balancer, current, noise_scale=1e9, base_batch_size=32).global_batch_size == 32
+
+
+def test_even_split_baseline_and_bounds():
+    balancer = fitted_balancer(upper=[20, 64])
+    even = next_plan(balancer, Plan((16, 16)), balance=False)
+    assert even.local_batch_sizes == (16, 16)
+    capped = next_plan(balancer, Plan((16, 16)))
+    assert capped.local_batch_sizes == (20, 12), "rank 0's cap binds"
+    # with rank 0 capped, every extra sample lands on the 3x slower rank: no larger batch pays, even with E = 1
+    kept = next_plan(balancer, Plan((16, 16)), noise_scale=1e9, base_batch_size=32, max_batch_size=1024)
+    assert kept.global_batch_size == 32 and kept.local_batch_sizes == (20, 12)
+    # uncapped, the same statistics grow the batch to the maximum
+    free = next_plan(fitted_balancer(), Plan((16, 16)), noise_scale=1e9, base_batch_size=32, max_batch_size=1024)
+    assert free.global_batch_size == 1024
+
+
+def test_an_unidentified_rank_is_probed_at_a_new_size():
+    balancer = fitted_balancer(sizes_seen=((16, 16),))
+    assert not balancer.identified
+    plan = next_plan(balancer, Plan((16, 16)))
+    assert plan.global_batch_size == 32
+    assert all(b != 16 for b in plan.local_batch_sizes), plan
+
+
+def test_a_long_stable_plan_neither_loses_its_slopes_nor_stops_adapting():
+    # An epoch far longer than the timing window, all at one plan: the epoch-end decision must still see measured
+    # slopes. (It once saw one batch size per rank, so it probed instead of balancing, and never grew the batch.)
+    balancer = fitted_balancer(sizes_seen=((16, 16), (20, 12), *[(24, 8)] * 200))
+    assert balancer.identified
+    assert balancer.models()[1].slope == pytest.approx(SLOPES[1], rel=1e-6)
+    current = Plan((24, 8))
+    assert next_plan(balancer, current).local_batch_sizes == (24, 8)
+    grown = next_plan(balancer, current, noise_scale=1e9, base_batch_size=32, max_batch_size=256)
+    assert grown.global_batch_size == 256
+
+
+def test_an_even_split_adapts_from_the_one_size_prior_while_a_balancing_plan_probes_first():
+    balancer = fitted_balancer(sizes_seen=((16, 16),))
+    assert not balancer.identified
+    # AdaptDL's way: the prior (half the step time fixed) already says a bigger batch pays when every sample counts
+    even = next_plan(balancer, Plan((16, 16)), noise_scale=1e9, base_batch_size=32, max_batch_size=256, balance=False)
+    assert even.global_batch_size == 256 and even.local_batch_sizes == (128, 128)
+    # balancing first measures the slopes: same total, probed split
+    probed = next_plan(balancer, Plan((16, 16)), noise_scale=1e9, base_batch_size=32, max_batch_size=256)
+    assert probed.global_batch_size == 32 and probed.local_batch_sizes != (16, 16)
+
+
+def test_a_stale_split_does_not_push_the_total_batch_up():
+    # The split in force is far from balanced. At this noise scale a bigger batch (49) beats B0 = 32 by 4.5% at the
+    # best split, under the 5% margin, but by 40% over the stale split: re-balancing is the gain, not the batch.
+    balancer = fitted_balancer()
+    stale = Plan((16, 16))
+    assert balancer.predict(stale.local_batch_sizes) > 1.2 * balancer.plan_split(32).predicted_step_time
+    plan = next_plan(balancer, stale, noise_scale=40.0, base_batch_size=32, max_batch_size=256)
+    assert plan.global_batch_size == 32
+    assert plan.local_batch_sizes == balancer.plan_split(32).local_batch_sizes
+    # and with a clear gain (noise scale 100: +21% at the best split) the batch does grow
+    assert next_plan(balancer, stale, noise_scale=100.0, base_batch_size=32, max_batch_size=256).global_batch_size > 32
+
+
+def _fitted_on(slopes, intercepts, bounds: BatchBounds, sizes_seen) -> SpeedModel:
+    """A speed model fed exact linear timings (no tail), as the callback's gather would feed it."""
+    model = SpeedModel(len(slopes), bounds=bounds)
+    step = 0
+    for sizes in sizes_seen:
+        for _ in range(3):
+            compute = [a * b + a0 for a, a0, b in zip(slopes, intercepts, sizes, strict=True)]
+            model.add(StepRecord(step, rank, b, compute[rank], max(compute)) for rank, b in enumerate(sizes))
+            step += 1
+    return model
+
+
+def test_an_even_split_never_grows_past_the_smallest_cap():
+    # Rank 0 holds at most 10 samples. An even split of more than 3 x 10 would overrun it; the old re-planner capped
+    # the total at sum(upper) = 90 and split 90 evenly, putting 30 samples on rank 0.
+    bounds = BatchBounds.parse((None, [10, 40, 40]), 3)
+    model = _fitted_on([0.001, 0.002, 0.004], [0.02] * 3, bounds, [(10, 10, 10), (8, 11, 11)])
+    assert model.identified
+    plan = next_plan(model, Plan((10, 10, 10)), noise_scale=1e9, base_batch_size=30, max_batch_size=200, balance=False)
+    assert all(b <= cap for b, cap in zip(plan.local_batch_sizes, [10, 40, 40], strict=True)), plan
+    assert plan.local_batch_sizes == (10, 10, 10)
+    # an even split the bounds do not allow is made as even as they do allow
+    uneven_cap = BatchBounds.parse((None, [4, 40, 40]), 3)
+    model = _fitted_on([0.001, 0.002, 0.004], [0.02] * 3, uneven_cap, [(4, 13, 13), (3, 14, 13)])
+    kept = next_plan(model, Plan((4, 13, 13)), balance=False)
+    assert kept.local_batch_sizes == (4, 13, 13)
+
+
+@pytest.mark.parametrize(("phi", "max_batch"), [(30.0, 600), (5e3, 600), (1e6, 900), (1e6, 300)])
+def test_the_simulator_and_the_callback_decide_alike(phi: float, max_batch: int) -> None:
+    import math
+
+    from lightning_cannikin import Cannikin
+    from lightning_cannikin.core.noise_scale import NoiseScaleEstimator
+    from lightning_cannikin.simulation import ClusterModel, load_job, parse_cluster
+    from lightning_cannikin.simulation.engine import replan
+    from lightning_cannikin.simulation.gpu_profiles import ProfileStore
+
+    cluster = parse_cluster("2xV100,2xT4")
+    job = load_job("imagenet", cluster.gpu_types, ProfileStore(use_sia=False))
+    simulated = ClusterModel(job, cluster, network_time=0.0)  # no network term: the callback's model has none
+    base = job.base_batch_size
+    current = simulated.plan("cannikin", base)
+
+    # the callback: the same devices measured at two splits, the same noise scale, rank zero's decision
+    callback = Cannikin(max_batch_size=max_batch)
+    bounds = BatchBounds(tuple(int(b) for b in simulated.lower), tuple(int(b) for b in simulated.upper))
+    seen = [current.local_batch_sizes, simulated.plan("cannikin", base + 40).local_batch_sizes]
+    callback._speed_model = _fitted_on(simulated.slopes, simulated.offsets, BatchBounds(bounds.lower, bounds.upper), [])
+    records = []
+    for step, sizes in enumerate(seen * 3):
+        compute = [a * b + a0 for a, a0, b in zip(simulated.slopes, simulated.offsets, sizes, strict=True)]
+        records += [StepRecord(step, rank, b, compute[rank], max(compute)) for rank, b in enumerate(sizes)]
+    estimator = NoiseScaleEstimator(base)
+    estimator.load_state_dict(
+        {
+            "base_batch_size": base,
+            "decay": 0.999,
+            "sqr_biased": 1.0,
+            "var_biased": phi,
+            "weight": 1.0,
+            "num_updates": 99,
+        }
+    )
+    callback._estimator = estimator
+    live = callback._decide(records, current, mid_epoch=False)
+
+    projected = replan(simulated, "cannikin", current, phi, max_batch)
+    assert live is not None and live.identified and projected.identified
+    assert live.plan.local_batch_sizes == projected.plan.local_batch_sizes
+    assert live.plan.accumulation_steps == projected.plan.accumulation_steps == 1
+    assert live.plan.predicted_step_time == pytest.approx(projected.plan.predicted_step_time, rel=1e-9)
+    assert live.lr_factor == pytest.approx(projected.lr_factor, rel=1e-12)
+    assert live.gain == pytest.approx(projected.gain, rel=1e-12)
+    if phi > 1e5 and max_batch > base:
+        assert projected.plan.total_batch_size > base, "all noise: the decision must grow the batch"
+    assert math.isfinite(live.lr_factor)
