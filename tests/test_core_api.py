@@ -11,7 +11,9 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_cannikin
 from lightning_cannikin import CannikinStrategy, EmulatedCluster, Plan
-from lightning_cannikin.training.sampler import UnevenBatchSampler, epoch_layout, split_like
+from lightning_cannikin.core.layout import epoch_layout
+from lightning_cannikin.core.plan import proportional_sizes
+from lightning_cannikin.training.sampler import UnevenBatchSampler
 
 
 @pytest.mark.parametrize(
@@ -70,13 +72,13 @@ def test_plan_totals_and_validation():
         Plan((4, 4), accumulation_steps=0)
 
 
-def test_split_like_is_proportional_positive_and_exact():
+def test_the_tail_split_is_proportional_positive_and_exact():
     plan = Plan((24, 8))
-    assert split_like(7, plan) == (5, 2)
-    assert split_like(2, plan) == (1, 1)
-    assert sum(split_like(33, Plan((40, 20, 4)))) == 33
+    assert proportional_sizes(7, plan.local_batch_sizes) == (5, 2)
+    assert proportional_sizes(2, plan.local_batch_sizes) == (1, 1)
+    assert sum(proportional_sizes(33, Plan((40, 20, 4)).local_batch_sizes)) == 33
     with pytest.raises(ValueError):
-        split_like(2, Plan((1, 1, 1)))
+        proportional_sizes(2, Plan((1, 1, 1)).local_batch_sizes)
 
 
 @pytest.mark.parametrize("num_samples", [1, 2, 3, 31, 32, 33, 64, 65, 97, 1000])

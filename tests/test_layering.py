@@ -1,51 +1,153 @@
-"""The maths layer stays free of torch, Lightning and torch.distributed, as the design promises."""
+"""The package's floors hold: core/ is pure, tools/ and simulation/ are free of torch and Lightning, no import cycle.
+
+Every file is found by walking the package, so a new module is checked without anyone adding it to a list.
+"""
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "lightning_cannikin"
+NAME = "lightning_cannikin"
 
-# every module that holds maths (models, planner, estimators, goodput, scaling rules) or plain tooling on top of it
-PURE_MODULES = [
-    "balancer",
-    "goodput",
-    "lr_scaling",
-    "memory_model",
-    "noise_scale",
-    "perf_model",
-    "plan",
-    "planner",
-    "profile",
-    "replanner",
-    "sample_window",
-    "simulation.engine",
-    "simulation.models",
-    "simulation.validation",
-]
+# What each floor may import from outside the package (first component of the module name), besides the stdlib.
+PURE_EXTERNALS = {"numpy", "sklearn", "scipy"}
+TOOL_EXTERNALS = PURE_EXTERNALS | {"matplotlib", "rich"}
+FRAMEWORKS = {"torch", "lightning", "pytorch_lightning", "lightning_fabric", "typing_extensions"}
+# The floors, lowest first: a module may import its own floor and the floors below it, never one above.
+FLOORS = ("core", "simulation", "tools", "training")
+MAX_LINES = 420  # "about 400": a module longer than this does more than one job
 
 
-def test_maths_modules_import_neither_torch_nor_lightning():
-    # The package __init__ imports Lightning (it registers the strategy), so the package is set up here as a bare
-    # module with the right __path__: importing a submodule then runs that module and its own imports, nothing else.
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join((NAME, *parts))] = path
+    return modules
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    """Every module ``path`` imports, at any depth of the file (lazy imports inside functions count too)."""
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module or ""
+            found.add(target)
+            # `from pkg import sub` imports the submodule when it is one
+            found.update(f"{target}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: {m for m in _imports(path, name) if m in modules and m != name} for name, path in modules.items()}
+
+
+def _floor(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 and parts[1] in FLOORS else None
+
+
+def test_the_package_has_no_import_cycle():
+    graph = _graph()
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for target in sorted(graph[node]):
+            # a module imports its package's __init__ on the way: only arrows between real modules can cycle
+            if node.startswith(target + "."):
+                continue
+            if state.get(target) == 1:
+                cycles.append([*path[path.index(target) :], target] if target in path else [node, target])
+            elif target not in state:
+                visit(target, [*path, target])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, cycles
+
+
+def test_floors_import_only_downwards():
+    upward = []
+    for module, targets in _graph().items():
+        floor = _floor(module)
+        if floor is None:
+            continue
+        for target in targets:
+            other = _floor(target)
+            if other is not None and FLOORS.index(other) > FLOORS.index(floor):
+                upward.append(f"{module} -> {target}")
+    assert not upward, upward
+
+
+def test_pure_floors_import_no_framework():
+    # the simulator reads cluster specs from YAML files too (PyYAML comes with Lightning)
+    allowed = {"core": PURE_EXTERNALS, "simulation": PURE_EXTERNALS | {"yaml"}, "tools": TOOL_EXTERNALS | {"yaml"}}
+    stdlib = sys.stdlib_module_names
+    leaks = []
+    modules = _modules()
+    for module, path in modules.items():
+        floor = _floor(module) or (module.split(".")[1] if module.count(".") == 1 else None)
+        if floor not in allowed:
+            continue
+        for target in _imports(path, module):
+            top = target.split(".")[0]
+            if top in (NAME, "__future__") or top in stdlib or top in allowed[floor]:
+                continue
+            leaks.append(f"{module} imports {target}")
+    assert not leaks, leaks
+
+
+def test_pure_modules_run_without_torch_or_lightning():
+    # The package __init__ imports Lightning (it registers the strategy), so the package and its floors are set up
+    # here as bare modules with the right __path__: importing a submodule then runs that module and its own imports.
+    pure = [
+        m
+        for m in _modules()
+        if _floor(m) in ("core", "simulation", "tools") and not m.endswith((".core", ".simulation", ".tools"))
+    ]
+    assert len(pure) >= 20, pure  # the walk found the floors
+    packages = [(NAME, str(PACKAGE))] + [(f"{NAME}.{f}", str(PACKAGE / f)) for f in ("core", "simulation", "tools")]
     code = f"""
 import importlib, json, sys, types
-package = types.ModuleType("lightning_cannikin")
-package.__path__ = [{str(PACKAGE)!r}]
-sys.modules["lightning_cannikin"] = package
-simulation = types.ModuleType("lightning_cannikin.simulation")
-simulation.__path__ = [{str(PACKAGE / "simulation")!r}]
-sys.modules["lightning_cannikin.simulation"] = simulation
+for name, path in {packages!r}:
+    module = types.ModuleType(name)
+    module.__path__ = [path]
+    sys.modules[name] = module
 leaks = {{}}
-for name in {PURE_MODULES!r}:
-    importlib.import_module("lightning_cannikin." + name)
-    leaks[name] = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "lightning", "pytorch_lightning"))
+for name in {pure!r}:
+    importlib.import_module(name)
+    leaks[name] = sorted(m for m in sys.modules if m.split(".")[0] in {sorted(FRAMEWORKS)!r})
 print(json.dumps(leaks))
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     leaks = json.loads(result.stdout)
-    assert list(leaks) == PURE_MODULES
+    assert list(leaks) == pure
     assert all(not modules for modules in leaks.values()), {name: m[:3] for name, m in leaks.items() if m}
+
+
+def test_no_module_is_over_about_400_lines():
+    long = {
+        str(p.relative_to(PACKAGE)): n
+        for p in PACKAGE.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, long

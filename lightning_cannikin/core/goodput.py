@@ -1,4 +1,4 @@
-"""Statistical efficiency, AdaScale gain and the goodput-maximising total batch size (design notes, section 5).
+"""Statistical efficiency, AdaScale gain and the goodput-maximising total batch size (see docs/architecture.md).
 
 With the noise scale ``phi = tr(Sigma) / |G|^2`` (per-sample covariance, in samples) and the initial total batch B0,
 one step at total batch B makes as much progress as ``r(B) = (phi + B0) / (phi + B) * B / B0`` steps at B0 (the

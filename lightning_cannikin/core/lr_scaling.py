@@ -1,4 +1,4 @@
-"""Learning-rate scaling rules for a total batch B that differs from the base batch B0 (design notes, section 5).
+"""Learning-rate scaling rules for a total batch B that differs from the base batch B0.
 
 - ``"adascale"``: the AdaScale gain ``r(B) = (phi + B0) / (phi + B) * B / B0``, which follows the measured noise
   scale: close to ``B / B0`` while noise dominates, close to 1 once the gradient signal dominates. Adam-family

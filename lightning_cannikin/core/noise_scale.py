@@ -1,4 +1,4 @@
-"""Gradient noise scale from groups of uneven size (Cannikin, section 4 of the design notes).
+"""Gradient noise scale from groups of uneven size (the Cannikin paper's setting).
 
 One optimizer step averages the gradients of several *groups*: with n ranks and K accumulation micro-batches,
 every (rank, micro-batch) pair is one group j with b_j samples, and B = sum_j b_j. The caller measures

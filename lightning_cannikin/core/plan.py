@@ -68,6 +68,13 @@ class Plan:
         """A copy with another split (same accumulation)."""
         return Plan(tuple(local_batch_sizes), self.accumulation_steps, predicted_step_time)
 
+    def resized(self, world_size: int) -> Plan:
+        """The plan for another number of ranks (an elastic restart): the same global batch where ``world_size``
+        ranks can hold it (one sample each at least), split evenly until the new devices are timed."""
+        if world_size == self.world_size:
+            return self
+        return Plan(even_split(max(self.global_batch_size, world_size), world_size), self.accumulation_steps)
+
     def to_dict(self) -> dict:
         """A JSON- and checkpoint-friendly form."""
         return {

@@ -1,6 +1,6 @@
 """The performance model: per-device compute time fitted online, the all-reduce cost, and the planner's pieces.
 
-Compute time of a device for a local batch ``b`` is ``t(b) = a * b + a0`` (DESIGN.md section 3), fitted from
+Compute time of a device for a local batch ``b`` is ``t(b) = a * b + a0``, fitted from
 recency-weighted ``(b, seconds)`` samples with a robust regression so that stragglers and a device that changes speed
 (another job arrives on a shared GPU) do not derail the plan. The gradient all-reduce costs ``c`` seconds, of which
 ``c_last`` are exposed after backward. :func:`step_time_pieces` turns both into the ``(slopes, offsets)`` pieces that
@@ -280,7 +280,7 @@ def step_time_pieces(
 
     - ``comm`` is None: ``K = 1``, the compute time alone.
     - ``backward_fraction`` is None: ``K = 1``, ``t_i(b) + c_last`` (exact when every device is compute-bound).
-    - otherwise ``K = 2``, DESIGN.md's two regimes: compute bottleneck ``t_i(b) + c_last`` and communication
+    - otherwise ``K = 2``, the two regimes: compute bottleneck ``t_i(b) + c_last`` and communication
       bottleneck ``f_i(b) + r * k_i(b) + c``, with forward ``f_i = forward_fraction * t_i`` and backward
       ``k_i = (1 - forward_fraction) * t_i``.
 

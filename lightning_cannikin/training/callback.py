@@ -23,12 +23,13 @@ from lightning_cannikin.core.goodput import efficiency
 from lightning_cannikin.core.history import PlanHistory
 from lightning_cannikin.core.lr_scaling import Progress, is_adam_family
 from lightning_cannikin.core.noise_scale import NoiseScaleEstimator
-from lightning_cannikin.core.plan import BatchBounds, Plan, even_split
+from lightning_cannikin.core.plan import BatchBounds, Plan
 from lightning_cannikin.core.policy import Decision, PolicySettings, decide, learning_rate_scale
 from lightning_cannikin.core.schedule import ReplanSchedule
 from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings, StepRecord
 from lightning_cannikin.tools.run_profile import PROFILE_FILENAME, build_profile, save_profile
 from lightning_cannikin.training.grad_stats import GradientNormObserver
+from lightning_cannikin.training.metrics import log_noise_scale, log_step
 from lightning_cannikin.training.runtime import RuntimeState
 
 
@@ -217,7 +218,7 @@ class Cannikin(Callback):
         if record is not None:
             self._records.append(record)
             if (self._step + 1) % trainer.log_every_n_steps == 0:
-                self._log_step(pl_module, record)  # only on steps whose metrics reach the loggers: logging costs
+                log_step(pl_module, record, self.plan, self.lr_factor)  # only where it reaches a logger: it costs
         if runtime.timer.reduced:
             self._after_optimizer_step(trainer, pl_module)
         self._step += 1
@@ -241,27 +242,9 @@ class Cannikin(Callback):
         updated = self._observer.fold_into(estimator, self._runtime.accumulation_window)
         phi = self._estimator.noise_scale
         if updated and phi is not None and np.isfinite(phi) and (self._step + 1) % trainer.log_every_n_steps == 0:
-            plan = self.plan
-            total = plan.total_batch_size if plan is not None else self._estimator.base_batch_size
-            phi_efficiency = float(efficiency(phi, total, self._estimator.base_batch_size))
-            for name, value in (("cannikin/noise_scale", phi), ("cannikin/efficiency", phi_efficiency)):
-                pl_module.log(name, value, on_step=True, on_epoch=False, rank_zero_only=True)
-
-    def _log_step(self, pl_module: pl.LightningModule, record: StepRecord) -> None:
-        plan = self.plan
-        values = {
-            "cannikin/step_time": record.step_time,
-            "cannikin/local_batch_size": float(record.batch_size),
-            "cannikin/lr_factor": self.lr_factor,
-        }
-        if plan is not None:
-            values["cannikin/total_batch_size"] = float(plan.total_batch_size)
-            if plan.predicted_step_time is not None:
-                values["cannikin/predicted_step_time"] = plan.predicted_step_time
-        for name, value in values.items():
-            prog_bar = name in ("cannikin/total_batch_size", "cannikin/local_batch_size")
-            # per step, no sync: a synced per-step log would add a collective and distort the timing it reports
-            pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=prog_bar, batch_size=record.batch_size)
+            base = self._estimator.base_batch_size
+            total = self.plan.total_batch_size if self.plan is not None else base
+            log_noise_scale(pl_module, phi, float(efficiency(phi, total, base)))
 
     def _decide(self, records: list[StepRecord], current: Plan | None, mid_epoch: bool) -> Decision | None:
         """Rank zero: fold in every rank's records and decide (``None`` while some rank has no timing yet)."""
@@ -340,14 +323,11 @@ class Cannikin(Callback):
         saved = state_dict.get("plan")
         if saved is None or self._runtime is None or self._runtime.fixed_split:
             return
-        plan = Plan.from_dict(saved)
-        if plan.world_size != self._world_size:
-            # elastic restart: keep the total batch where the new cluster can hold it, split evenly until timed
-            global_batch = max(plan.global_batch_size, self._world_size)
-            plan = Plan(even_split(global_batch, self._world_size), plan.accumulation_steps)
+        plan = Plan.from_dict(saved).resized(self._world_size)
+        if len(saved["local_batch_sizes"]) != self._world_size:
             rank_zero_info(
                 f"Cannikin: resuming a {len(saved['local_batch_sizes'])}-rank run on {self._world_size} ranks;"
-                f" keeping the global batch of {global_batch}, split evenly until the new devices are timed."
+                f" keeping the global batch of {plan.global_batch_size}, split evenly until the new devices are timed."
             )
         self._runtime.adopt(plan)
 

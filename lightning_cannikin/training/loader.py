@@ -14,8 +14,9 @@ from typing import Any
 
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
+from lightning_cannikin.core.layout import epoch_layout
 from lightning_cannikin.core.plan import Plan
-from lightning_cannikin.training.sampler import UnevenBatchSampler, epoch_layout
+from lightning_cannikin.training.sampler import UnevenBatchSampler
 
 # DataLoader arguments carried over from the user's loader unchanged.
 _KEPT_ARGUMENTS = (

@@ -1,24 +1,18 @@
 """Uneven distributed batch sampling: one shared permutation per epoch, a contiguous slice of it per rank.
 
-Every rank builds the same seeded permutation of the dataset each epoch and walks it one *global batch* at a time.
-Global batch ``p`` holds ``sum(b_i)`` consecutive indices of the permutation and rank ``i`` takes its own contiguous
-``b_i`` of them. Because the layout depends only on the dataset length, the seed, the epoch and the plan schedule,
-every rank knows every other rank's batch sizes without talking to it; the strategy uses that to weight the gradient
-all-reduce exactly.
-
-The epoch's tail: when fewer than a full global batch of samples remain, the remainder is split across the ranks in
-proportion to the plan (nothing is dropped unless ``drop_last``); a remainder smaller than the number of ranks is
-folded into the previous global batch so that no rank ever runs a step with zero samples.
+Every rank builds the same seeded permutation each epoch and walks it one global batch at a time, laid out by
+:func:`lightning_cannikin.core.layout.epoch_layout`; every rank therefore knows every other rank's batch sizes, which
+the strategy uses to weight the gradient all-reduce exactly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 from torch.utils.data import Sampler
 
+from lightning_cannikin.core.layout import GlobalBatch, epoch_layout
 from lightning_cannikin.core.plan import Plan
 
 
@@ -55,86 +49,6 @@ class EpochPermutation(Sampler[int]):
 
     def __len__(self) -> int:
         return self.num_samples
-
-
-@dataclass(frozen=True)
-class GlobalBatch:
-    """One step's slice of the permutation: where it starts and how many samples each rank takes."""
-
-    start: int
-    local_batch_sizes: tuple[int, ...]
-
-    def rank_slice(self, rank: int) -> slice:
-        offset = self.start + sum(self.local_batch_sizes[:rank])
-        return slice(offset, offset + self.local_batch_sizes[rank])
-
-
-def split_like(total: int, plan: Plan) -> tuple[int, ...]:
-    """Split ``total`` samples across ranks in proportion to ``plan``, every rank getting at least one.
-
-    Largest-remainder rounding keeps the split deterministic, so every rank computes the same answer.
-    """
-    weights = plan.local_batch_sizes
-    n = len(weights)
-    if total < n:
-        raise ValueError(f"Cannot split {total} samples across {n} ranks with at least one sample each.")
-    spare = total - n
-    scale = sum(weights)
-    raw = [spare * w / scale for w in weights]
-    sizes = [1 + int(r) for r in raw]
-    # hand out what rounding down left, largest fractional part first (ties to the lowest rank)
-    order = sorted(range(n), key=lambda i: (-(raw[i] - int(raw[i])), i))
-    for i in order[: total - sum(sizes)]:
-        sizes[i] += 1
-    return tuple(sizes)
-
-
-def epoch_layout(
-    num_samples: int, schedule: dict[int, Plan], drop_last: bool = False, resume: tuple[int, int] = (0, 0)
-) -> list[GlobalBatch]:
-    """Lay one epoch out as global batches.
-
-    Args:
-        num_samples: samples in the epoch.
-        schedule: the plan in force from each global-batch index on (key 0 must be present). Keys are batch indices,
-            not sample offsets, so a plan decided at step ``k`` lands on exactly the same step on every rank.
-        drop_last: drop the final partial global batch instead of splitting it.
-        resume: ``(batch index, sample offset)`` where an epoch begun by another world size continues: the batches
-            before it are placeholders (already consumed), and the layout goes on from that sample.
-
-    """
-    if 0 not in schedule:
-        raise ValueError("The plan schedule needs an entry for global batch 0.")
-    starts = sorted(schedule)
-    first_index, cursor = resume
-    batches: list[GlobalBatch] = [GlobalBatch(0, ())] * first_index
-    plan = schedule[0]
-    next_change = 1
-    while cursor < num_samples:
-        index = len(batches)
-        while next_change < len(starts) and starts[next_change] <= index:
-            plan = schedule[starts[next_change]]
-            next_change += 1
-        remaining = num_samples - cursor
-        if remaining >= plan.global_batch_size:
-            sizes = plan.local_batch_sizes
-        elif drop_last:
-            break
-        elif remaining >= plan.world_size:
-            sizes = split_like(remaining, plan)
-        elif len(batches) > first_index:
-            # too few left to give every rank one: fold them into the previous global batch
-            last = batches.pop()
-            sizes = split_like(sum(last.local_batch_sizes) + remaining, plan)
-            cursor = last.start
-        else:
-            raise ValueError(
-                f"The dataset has {num_samples} samples, fewer than the {plan.world_size} ranks; every rank needs at"
-                " least one sample per step. Use a larger dataset or fewer devices."
-            )
-        batches.append(GlobalBatch(cursor, sizes))
-        cursor += sum(sizes)
-    return batches
 
 
 class UnevenBatchSampler(Sampler[list[int]]):

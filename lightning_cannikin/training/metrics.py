@@ -1,0 +1,39 @@
+"""The ``cannikin/*`` metrics, logged through the LightningModule so that every Lightning logger receives them.
+
+Per step and unsynchronised: a synced per-step log would add a collective per key and distort the timing it reports.
+Values are plain floats (numpy scalars break the fork/spawn launchers' transfer of ``callback_metrics``).
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+
+from lightning_cannikin.core.plan import Plan
+from lightning_cannikin.core.speed_model import StepRecord
+
+__all__ = ["log_noise_scale", "log_step"]
+
+_PROGRESS_BAR = ("cannikin/total_batch_size", "cannikin/local_batch_size")
+
+
+def log_step(pl_module: pl.LightningModule, record: StepRecord, plan: Plan | None, lr_factor: float) -> None:
+    """This rank's step time and local batch, the total batch, the plan's prediction and the LR factor."""
+    values = {
+        "cannikin/step_time": record.step_time,
+        "cannikin/local_batch_size": float(record.batch_size),
+        "cannikin/lr_factor": float(lr_factor),
+    }
+    if plan is not None:
+        values["cannikin/total_batch_size"] = float(plan.total_batch_size)
+        if plan.predicted_step_time is not None:
+            values["cannikin/predicted_step_time"] = float(plan.predicted_step_time)
+    for name, value in values.items():
+        pl_module.log(
+            name, value, on_step=True, on_epoch=False, prog_bar=name in _PROGRESS_BAR, batch_size=record.batch_size
+        )
+
+
+def log_noise_scale(pl_module: pl.LightningModule, noise_scale: float, efficiency: float) -> None:
+    """Rank zero's noise scale and the statistical efficiency of the total batch in force."""
+    for name, value in (("cannikin/noise_scale", noise_scale), ("cannikin/efficiency", efficiency)):
+        pl_module.log(name, float(value), on_step=True, on_epoch=False, rank_zero_only=True)
