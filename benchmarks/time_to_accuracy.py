@@ -35,7 +35,8 @@ from benchmarks.harness import median, run
 from examples.data import fashion_mnist_available
 from lightning_cannikin import Cannikin
 from lightning_cannikin.core.goodput import candidate_batch_sizes, goodput
-from lightning_cannikin.core.optperf import even_split, optperf, step_time
+from lightning_cannikin.core.optperf import optperf, step_time
+from lightning_cannikin.core.plan import even_split
 
 PER_SAMPLE_MS = [0.5, 1.0, 2.0]
 

@@ -13,7 +13,6 @@ Pure numpy: imports neither torch nor Lightning, so every rank can run it and ge
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -373,13 +372,15 @@ def optperf(
     return best.reshape(totals.shape)
 
 
-def step_time(slopes: ArrayLike, offsets: ArrayLike, local_batch_sizes: Sequence[int]) -> float:
-    """``max_i g_i(b_i)``: the step time the model predicts for a given split."""
+def step_time(slopes: ArrayLike, offsets: ArrayLike, local_batch_sizes: ArrayLike) -> float | np.ndarray:
+    """``max_i g_i(b_i)``: the step time the model predicts for a split (shape ``(n,)``: a float), or for each row
+    of a ``(C, n)`` array of splits (an array of ``C`` times)."""
     pieces = _Pieces(slopes, offsets)
     sizes = np.asarray(local_batch_sizes, dtype=np.float64)
-    if sizes.shape != (pieces.n,):
+    if sizes.ndim not in (1, 2) or sizes.shape[-1] != pieces.n:
         raise ValueError(f"`local_batch_sizes` must have one entry per device ({pieces.n}), got shape {sizes.shape}.")
-    return float(pieces.evaluate(sizes).max())
+    times = pieces.evaluate(sizes).max(axis=-1)
+    return float(times) if sizes.ndim == 1 else times
 
 
 def most_even_split(

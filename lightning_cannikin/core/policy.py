@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from lightning_cannikin.core.goodput import adascale_gain, candidate_batch_sizes, choose_batch_size
 from lightning_cannikin.core.lr_scaling import lr_factor, validate_rule
@@ -41,12 +42,13 @@ class StepTimeModel(Protocol):
         """Every device's slope is measured, not assumed."""
         ...
 
-    def optperf(self, total_batch_sizes: Sequence[int]) -> np.ndarray:
-        """Best step time of each global batch under the bounds (``inf`` where infeasible)."""
+    def optperf(self, total_batch_sizes: Sequence[int], accumulation_steps: ArrayLike = 1) -> np.ndarray:
+        """Best step time of each global batch under the bounds, run ``accumulation_steps`` times per optimizer step
+        (``inf`` where infeasible)."""
         ...
 
-    def predict(self, local_batch_sizes: Sequence[int]) -> float:
-        """Step time of one split."""
+    def predict(self, local_batch_sizes: ArrayLike, accumulation_steps: ArrayLike = 1) -> float | np.ndarray:
+        """Step time of a split (shape ``(n,)``), or of each row of a ``(C, n)`` array, times its micro-steps."""
         ...
 
     def plan_split(self, total_batch_size: int) -> Plan:
@@ -151,7 +153,7 @@ def decide(
         sizes = model.plan_split(global_batch).local_batch_sizes
     else:
         sizes = most_even_split(global_batch, model.world_size, model.lower, model.upper).local_batch_sizes
-    plan = Plan(sizes, accumulation, predicted_step_time=model.predict(sizes))
+    plan = Plan(sizes, accumulation, predicted_step_time=float(model.predict(sizes)))
     factor, gain = learning_rate_scale(settings.lr_scaling, plan.total_batch_size, base_batch_size, noise_scale, adam)
     return Decision(plan, factor, gain, model.identified)
 
@@ -163,8 +165,8 @@ def _choose_total(
 
     Candidates run from the base batch to ``max_batch_size`` (per optimizer step), within what a micro-step can
     hold: the sum of the per-rank bounds, or, for an even split, ``n`` times the tightest bound (an even split of more
-    would put more than its cap on the smallest device). A step of ``s`` micro-steps is predicted to cost ``s`` times
-    one micro-step.
+    would put more than its cap on the smallest device). A step of ``s`` micro-steps costs what the model says (its
+    ``accumulation_steps`` argument).
     """
     n = model.world_size
     lower_bounds = list(model.lower)
@@ -176,12 +178,12 @@ def _choose_total(
     lowest = max(lowest, n)
     cap = settings.max_batch_size
     assert cap is not None
+    steps_now = current.accumulation_steps
     if settings.accumulate:
         totals = candidate_batch_sizes(max(base_batch_size, lowest), max(cap, lowest), settings.candidates)
         steps = np.ones_like(totals) if highest is None else np.maximum(1, -(-totals // highest))
         micro = np.maximum(-(-totals // steps), lowest)
     else:
-        steps_now = current.accumulation_steps
         lower = max(-(-base_batch_size // steps_now), lowest)
         upper = cap // steps_now if highest is None else min(cap // steps_now, highest)
         if upper < lower:
@@ -189,24 +191,18 @@ def _choose_total(
         micro = candidate_batch_sizes(lower, upper, settings.candidates)
         steps = np.full_like(micro, steps_now)
     if settings.balance:
-        micro_times = np.asarray(model.optperf(micro), dtype=np.float64)
-        kept = float(model.optperf([current.global_batch_size])[0])
+        times = np.asarray(model.optperf(micro, steps), dtype=np.float64)
+        kept = float(model.optperf([current.global_batch_size], steps_now)[0])
     else:
-        micro_times = np.array([model.predict(even_split(int(g), n)) for g in micro])
+        times = np.asarray(model.predict(np.array([even_split(int(g), n) for g in micro]), steps), dtype=np.float64)
         kept_split = most_even_split(current.global_batch_size, n, lower_bounds, upper_bounds)
-        kept = model.predict(kept_split.local_batch_sizes)
+        kept = float(model.predict(kept_split.local_batch_sizes, steps_now))
     # Keeping the total batch means running it at its best split (re-splitting is free), not at the current split:
     # a stale split must not credit a change of total batch with the gain of re-balancing.
     choice = choose_batch_size(
-        micro * steps,
-        micro_times * steps,
-        noise_scale,
-        base_batch_size,
-        current.total_batch_size,
-        kept * current.accumulation_steps,
-        margin=settings.margin,
+        micro * steps, times, noise_scale, base_batch_size, current.total_batch_size, kept, margin=settings.margin
     )
     if not choice.adopted:
-        return current.global_batch_size, current.accumulation_steps
+        return current.global_batch_size, steps_now
     index = int(np.flatnonzero(micro * steps == choice.batch_size)[0])
     return int(micro[index]), int(steps[index])

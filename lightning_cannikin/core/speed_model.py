@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from lightning_cannikin.core.memory import MemoryFitter
 from lightning_cannikin.core.optperf import optimal_split, optperf, step_time
@@ -228,15 +229,19 @@ class SpeedModel:
         split = optimal_split(slopes, offsets, total_batch_size, self.lower, self.upper)
         return Plan(split.local_batch_sizes, predicted_step_time=split.step_time)
 
-    def optperf(self, total_batch_sizes: Sequence[int]) -> np.ndarray:
-        """Predicted optimal step time for each candidate total batch size (``inf`` where infeasible)."""
-        slopes, offsets = self.pieces()
-        return optperf(slopes, offsets, np.asarray(total_batch_sizes), self.lower, self.upper)
+    def optperf(self, total_batch_sizes: Sequence[int], accumulation_steps: ArrayLike = 1) -> np.ndarray:
+        """Predicted best step time of each global batch (``inf`` where infeasible), times its micro-steps.
 
-    def predict(self, local_batch_sizes: Sequence[int]) -> float:
-        """Predicted step time of a given split."""
+        Every micro-step is predicted at a full step's cost: the tail of a micro-step without a reduction is not
+        measured apart, so accumulation is never credited with savings that were not measured.
+        """
         slopes, offsets = self.pieces()
-        return step_time(slopes, offsets, local_batch_sizes)
+        return optperf(slopes, offsets, np.asarray(total_batch_sizes), self.lower, self.upper) * accumulation_steps
+
+    def predict(self, local_batch_sizes: ArrayLike, accumulation_steps: ArrayLike = 1) -> float | np.ndarray:
+        """Predicted step time of a split (or of each row of a ``(C, n)`` array of splits), times its micro-steps."""
+        slopes, offsets = self.pieces()
+        return step_time(slopes, offsets, local_batch_sizes) * accumulation_steps
 
     def probe(self, local_batch_sizes: Sequence[int], fraction: float = 0.125) -> tuple[int, ...]:
         """Perturb a split so that every rank runs a batch size it has not run yet, keeping the total.

@@ -17,7 +17,7 @@ network term is applied to its result, exactly.
 
 **One policy.** The adaptive policies re-plan with the library's own :func:`lightning_cannikin.core.policy.decide`:
 :class:`ClusterModel` answers the same calls as the callback's fitted speed model, so the simulated choice of total
-batch, accumulation and split is the decision a live run would make from the same models. The policy predicts a
+batch, accumulation and split is the decision a live run would make from the same models. The policy prices a
 step of ``s`` micro-steps as ``s`` micro-steps; the clock charges ``(s - 1) * c + overlap(c)``.
 
 **What the planner knows vs the clock.** The planner and the goodput choice use the linear models ``a_i*b + a0_i``
@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from lightning_cannikin.core import optperf as planner
 from lightning_cannikin.core.goodput import adascale_gain, candidate_batch_sizes
@@ -158,14 +159,18 @@ class ClusterModel:
     # --------------------------------------------------------------------------- the policy's step-time model
     identified = True  # the planner's linear models are known: nothing to probe
 
-    def optperf(self, total_batch_sizes: Sequence[int] | np.ndarray) -> np.ndarray:
-        """Predicted best micro-step time of each global batch (network term applied; ``inf`` where infeasible)."""
+    def optperf(self, total_batch_sizes: Sequence[int] | np.ndarray, accumulation_steps: ArrayLike = 1) -> np.ndarray:
+        """Predicted best step time of each global batch run ``accumulation_steps`` times (``inf`` if infeasible)."""
         totals = np.asarray(total_batch_sizes)
-        return self.overlap(planner.optperf(self.slopes, self.offsets, totals, self.lower, self.upper))
+        compute = planner.optperf(self.slopes, self.offsets, totals, self.lower, self.upper)
+        return self._step(compute, np.asarray(accumulation_steps))
 
-    def predict(self, local_batch_sizes: Sequence[int]) -> float:
-        """Predicted micro-step time of a split (network term applied)."""
-        return float(self.overlap(planner.step_time(self.slopes, self.offsets, local_batch_sizes)))
+    def predict(self, local_batch_sizes: ArrayLike, accumulation_steps: ArrayLike = 1) -> float | np.ndarray:
+        """Predicted step time of a split (or of each row of a ``(C, n)`` array), network term applied."""
+        times = self._step(
+            planner.step_time(self.slopes, self.offsets, local_batch_sizes), np.asarray(accumulation_steps)
+        )
+        return float(times) if np.ndim(times) == 0 else times
 
     def plan_split(self, total_batch_size: int) -> Plan:
         """The OptPerf split of a global batch, with its predicted micro-step time."""
