@@ -9,17 +9,52 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
 
-from lightning_cannikin.core.noise_scale import NoiseScaleEstimator, adaptdl_moments, pooled_moments
+from lightning_cannikin.core.noise_scale import NoiseScaleEstimator, pooled_moments
 
 DIM = 128
 SIGMA = 1.0
 TRUE_VAR = DIM * SIGMA**2  # tr(Sigma) = 128
 TRUE_SQR = 0.5  # |G|^2
 TRUE_NOISE_SCALE = TRUE_VAR / TRUE_SQR  # 256 samples
+
+
+def adaptdl_moments(
+    local_sqr_norms: Sequence[float], batch_size_per_group: int, global_sqr_norm: float
+) -> tuple[float, float]:
+    """AdaptDL's estimator, valid only when every group has the same size: the reference for the pooled one.
+
+    AdaptDL all-reduces the local squared norms and divides by ``count``, the number of groups, so its
+    ``local_sqr`` is the plain mean of ``Z_j``. With ``scale = B / B0`` it computes
+    ``grad_sqr = (count * Y - local_sqr) / (count - 1)`` and ``grad_var = (local_sqr - Y) * scale / (count - 1)``,
+    which estimates ``tr(Sigma) / B0``, the covariance trace of a B0-sample batch. Taking ``B0 = 1`` here makes it the
+    per-sample trace, in the same units as :func:`pooled_moments`.
+
+    Args:
+        local_sqr_norms: ``Z_j`` for each of the equally sized groups.
+        batch_size_per_group: samples in every group.
+        global_sqr_norm: ``Y``, squared norm of the mean gradient.
+
+    Returns:
+        ``(grad_sqr, grad_var_trace)`` with the trace per sample.
+
+    """
+    z = np.asarray(local_sqr_norms, dtype=np.float64).reshape(-1)
+    count = z.size
+    if count < 2:
+        raise ValueError(f"The noise scale needs at least 2 gradient groups per step, got {count}.")
+    if batch_size_per_group <= 0:
+        raise ValueError(f"`batch_size_per_group` must be positive, got {batch_size_per_group}.")
+    local_sqr = float(z.sum()) / count
+    total_sqr = float(global_sqr_norm)
+    scale = count * batch_size_per_group  # B / B0 with B0 = 1
+    grad_sqr = (count * total_sqr - local_sqr) / (count - 1)
+    grad_var = (local_sqr - total_sqr) * scale / (count - 1)
+    return grad_sqr, grad_var
 
 
 def _mean_gradient() -> np.ndarray:

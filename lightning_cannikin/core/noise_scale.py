@@ -12,8 +12,8 @@ With per-sample gradients of mean G and covariance Sigma, ``E[Z_j] = |G|^2 + tr(
     |G|^2     ~ (m * Y - sum_j (b_j / B) Z_j) / (m - 1)
     tr(Sigma) ~ (sum_j b_j Z_j - B * Y) / (m - 1)
 
-are unbiased for any split, and reduce to AdaptDL's estimator when every b_j is equal (see
-:func:`adaptdl_moments`). AdaptDL's formula applied to an uneven split is biased: it weights the noisy small groups
+are unbiased for any split, and reduce to AdaptDL's estimator when every b_j is equal (``tests/test_noise_scale.py``
+checks both against AdaptDL's own formula). AdaptDL's formula applied to an uneven split is biased: it weights the noisy small groups
 as much as the large ones.
 
 :class:`NoiseScaleEstimator` smooths both single-step estimates with a bias-corrected exponential moving average
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["NoiseScaleEstimator", "adaptdl_moments", "pooled_moments"]
+__all__ = ["NoiseScaleEstimator", "pooled_moments"]
 
 
 def _as_inputs(local_sqr_norms: Sequence[float], group_sizes: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
@@ -72,40 +72,6 @@ def pooled_moments(
     y = float(global_sqr_norm)
     grad_sqr = (m * y - float(np.dot(b / total, z))) / (m - 1)
     grad_var = (float(np.dot(b, z)) - total * y) / (m - 1)
-    return grad_sqr, grad_var
-
-
-def adaptdl_moments(
-    local_sqr_norms: Sequence[float], batch_size_per_group: int, global_sqr_norm: float
-) -> tuple[float, float]:
-    """AdaptDL's estimator, valid only when every group has the same size; kept as a reference.
-
-    AdaptDL all-reduces the local squared norms and divides by ``count``, the number of groups, so its
-    ``local_sqr`` is the plain mean of ``Z_j``. With ``scale = B / B0`` it computes
-    ``grad_sqr = (count * Y - local_sqr) / (count - 1)`` and ``grad_var = (local_sqr - Y) * scale / (count - 1)``,
-    which estimates ``tr(Sigma) / B0``, the covariance trace of a B0-sample batch. Taking ``B0 = 1`` here makes it the
-    per-sample trace, in the same units as :func:`pooled_moments`.
-
-    Args:
-        local_sqr_norms: ``Z_j`` for each of the equally sized groups.
-        batch_size_per_group: samples in every group.
-        global_sqr_norm: ``Y``, squared norm of the mean gradient.
-
-    Returns:
-        ``(grad_sqr, grad_var_trace)`` with the trace per sample.
-
-    """
-    z = np.asarray(local_sqr_norms, dtype=np.float64).reshape(-1)
-    count = z.size
-    if count < 2:
-        raise ValueError(f"The noise scale needs at least 2 gradient groups per step, got {count}.")
-    if batch_size_per_group <= 0:
-        raise ValueError(f"`batch_size_per_group` must be positive, got {batch_size_per_group}.")
-    local_sqr = float(z.sum()) / count
-    total_sqr = float(global_sqr_norm)
-    scale = count * batch_size_per_group  # B / B0 with B0 = 1
-    grad_sqr = (count * total_sqr - local_sqr) / (count - 1)
-    grad_var = (local_sqr - total_sqr) * scale / (count - 1)
     return grad_sqr, grad_var
 
 
