@@ -13,8 +13,8 @@ With per-sample gradients of mean G and covariance Sigma, ``E[Z_j] = |G|^2 + tr(
     tr(Sigma) ~ (sum_j b_j Z_j - B * Y) / (m - 1)
 
 are unbiased for any split, and reduce to AdaptDL's estimator when every b_j is equal (``tests/test_noise_scale.py``
-checks both against AdaptDL's own formula). AdaptDL's formula applied to an uneven split is biased: it weights the noisy small groups
-as much as the large ones.
+checks both against AdaptDL's own formula). AdaptDL's formula applied to an uneven split is biased: it weights the
+noisy small groups as much as the large ones.
 
 :class:`NoiseScaleEstimator` smooths both single-step estimates with a bias-corrected exponential moving average
 whose decay per update is ``decay ** (B / B0)``, so the averaging window is a fixed number of *samples* whatever the
