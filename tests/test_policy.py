@@ -7,8 +7,9 @@ import pytest
 from lightning_cannikin.core.optperf import optimal_split
 from lightning_cannikin.core.plan import BatchBounds, Plan
 from lightning_cannikin.core.policy import PolicySettings, decide
-from lightning_cannikin.core.speed_model import SpeedModel, StepRecord
+from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings, StepRecord
 
+CLEAN = SpeedModelSettings(warmup_samples=0)  # synthetic timings have no warm-up to leave out
 SLOPES = (0.001, 0.003)  # seconds per sample: rank 1 is 3x slower
 FIXED = 0.020  # seconds per step on every rank
 
@@ -21,7 +22,7 @@ def next_plan(model, current, noise_scale=None, base_batch_size=None, max_batch_
 
 
 def fitted_balancer(sizes_seen=((24, 8), (16, 16), (20, 12)), upper=None) -> SpeedModel:
-    balancer = SpeedModel(2, bounds=BatchBounds.parse((None, upper), 2))
+    balancer = SpeedModel(2, CLEAN, BatchBounds.parse((None, upper), 2))
     step = 0
     for sizes in sizes_seen:
         for _ in range(5):
@@ -116,7 +117,7 @@ def test_a_stale_split_does_not_push_the_total_batch_up():
 
 def _fitted_on(slopes, intercepts, bounds: BatchBounds, sizes_seen) -> SpeedModel:
     """A speed model fed exact linear timings (no tail), as the callback's gather would feed it."""
-    model = SpeedModel(len(slopes), bounds=bounds)
+    model = SpeedModel(len(slopes), CLEAN, bounds)
     step = 0
     for sizes in sizes_seen:
         for _ in range(3):

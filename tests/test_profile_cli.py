@@ -64,6 +64,7 @@ def _noise_history() -> list[dict]:
 
 
 def _balancer(ranks: tuple[int, ...] = (0, 1, 2), lower=1, upper=UPPER, **settings) -> SpeedModel:
+    settings.setdefault("warmup_samples", 0)  # synthetic timings: no warm-up to leave out
     balancer = SpeedModel(3, SpeedModelSettings(**settings), BatchBounds.parse((lower, upper), 3))
     balancer.add(_records(np.random.default_rng(0), ranks))
     return balancer
@@ -143,7 +144,14 @@ def test_round_trip_keeps_non_default_settings(tmp_path: Path) -> None:
     balancer = _balancer(half_life=math.inf, tail_window=5, lower=(2, 3, 4), upper=None)
     path = save_profile(tmp_path / "p.json", build_profile(balancer, []))
     raw = json.loads(path.read_text())
-    assert raw["settings"] == {"half_life": None, "tail_window": 5, "max_samples": 512}
+    assert raw["settings"] == {
+        "half_life": None,
+        "tail_window": 5,
+        "max_samples": 512,
+        "drift_tolerance": 0.25,
+        "warmup_samples": 0,
+        "probe_lever": 0.25,
+    }
     assert raw["bounds"] == {"lower": [2, 3, 4], "upper": None}
     rebuilt = load_profile(path).speed_model()
     assert rebuilt.settings.half_life == math.inf and rebuilt.tails.maxlen == 5 and rebuilt.upper is None

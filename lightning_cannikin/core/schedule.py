@@ -25,6 +25,7 @@ class ReplanSchedule:
     warmup_steps: int = 8
     every_n_steps: int | None = None
     last_replan_step: int = 0
+    settle_at: int | None = None  # a re-plan due once a new total batch has been timed at its new sizes
 
     def __post_init__(self) -> None:
         if int(self.warmup_steps) < 1:
@@ -36,4 +37,11 @@ class ReplanSchedule:
         """Whether the ranks re-plan after ``step`` steps (the same answer on every rank)."""
         warming_up = balance and not identified and step % self.warmup_steps == 0
         periodic = self.every_n_steps is not None and step - self.last_replan_step >= self.every_n_steps
-        return warming_up or periodic
+        settling = self.settle_at is not None and step >= self.settle_at
+        return warming_up or periodic or settling
+
+    def replanned(self, step: int, total_changed: bool, balance: bool) -> None:
+        """A re-plan happened after ``step`` steps. A new total puts every rank at sizes its model extrapolated to:
+        re-split once ``warmup_steps`` steps have timed them there (an even split has nothing to re-split)."""
+        self.last_replan_step = step
+        self.settle_at = step + self.warmup_steps if total_changed and balance else None

@@ -64,8 +64,13 @@ class SpeedModelSettings:
     Args:
         half_life: recency half-life of the compute-time fits, in samples, so a device that changes speed is followed.
         tail_window: steps over which the tail's median is taken.
-        drift_tolerance: relative change of a rank's median measured/predicted time that restarts its fit.
+        drift_tolerance: relative change of a rank's time at a batch size it has already run, confirmed over two
+            re-plans, that counts as a change of speed.
         max_samples: timing samples kept per rank.
+        warmup_samples: each rank's first samples after a start (or a restart) are left out of its fit: real
+            devices are slower in their first steps (allocator, caches, autotuning, input workers).
+        probe_lever: a probe moves every unmeasured rank by at least this fraction of its batch, so that its slope
+            comes from a real lever rather than a few samples extrapolated far.
 
     """
 
@@ -73,10 +78,14 @@ class SpeedModelSettings:
     tail_window: int = 64
     drift_tolerance: float = 0.25
     max_samples: int = 512
+    warmup_samples: int = 4
+    probe_lever: float = 0.25
 
     def __post_init__(self) -> None:
         if not float(self.half_life) > 0:
             raise ValueError(f"`half_life` must be positive, got {self.half_life}.")
+        if int(self.warmup_samples) < 0 or not 0 < self.probe_lever <= 1:
+            raise ValueError(f"`warmup_samples` must be >= 0 and `probe_lever` in (0, 1], got {self}.")
         if int(self.tail_window) < 1 or int(self.max_samples) < 1:
             raise ValueError(
                 f"`tail_window` and `max_samples` must be >= 1, got {self.tail_window}, {self.max_samples}."
@@ -118,6 +127,8 @@ class SpeedModel:
         self.tails: deque[float] = deque(maxlen=int(self.settings.tail_window))
         self.comm_fitter = CommTimeFitter(half_life=self.settings.half_life)
         self._models: list[LinearTimeModel] | None = None  # fitted once per batch of new samples
+        self._warm = [0] * self.world_size  # samples each rank has had since its start; the first ones are left out
+        self._held: dict[int, list[StepRecord]] = {}  # a suspected change of speed, kept apart until confirmed
 
     def _new_fitter(self) -> ComputeTimeFitter:
         return ComputeTimeFitter(half_life=self.settings.half_life, max_samples=self.settings.max_samples)
@@ -129,54 +140,98 @@ class SpeedModel:
             if record.rank >= self.world_size:
                 raise ValueError(f"A record from rank {record.rank} does not fit a world of {self.world_size}.")
             by_step.setdefault(record.step, []).append(record)
-        self.drifts = self._detect_drift(by_step)
-        self._models = None
+        kept: dict[int, list[StepRecord]] = {}
+        warming_steps = set()
         for step in sorted(by_step):
-            step_records = by_step[step]
-            for record in step_records:
-                self.fitters[record.rank].add(record.batch_size, record.compute)
-                if record.peak_memory is not None:
-                    self.memory[record.rank].add(record.batch_size, record.peak_memory)
-                    if record.memory_capacity is not None:
-                        cap = self.memory[record.rank].max_batch_size(record.memory_capacity)
-                        # never below the lower bound: a device that cannot hold its minimum is the user's call
-                        self.memory_caps[record.rank] = None if cap is None else max(cap, self.lower[record.rank])
-            if len(step_records) == self.world_size:
-                slowest = max(r.compute for r in step_records)
-                self.tails.append(max(0.0, float(np.median([r.step_time for r in step_records])) - slowest))
-                reduced = [r for r in step_records if r.allreduce is not None and r.exposed is not None]
-                if len(reduced) == self.world_size:
-                    # the last rank to finish backward waits for nobody: its times are the communication's own
-                    last = max(reduced, key=lambda r: r.compute)
-                    self.comm_fitter.add(last.allreduce, last.exposed)  # type: ignore[arg-type]
+            for record in by_step[step]:
+                if self._warm[record.rank] < self.settings.warmup_samples:
+                    self._warm[record.rank] += 1
+                    warming_steps.add(step)
+                else:
+                    kept.setdefault(record.rank, []).append(record)
+        self.drifts = self._detect_drift(kept)
+        self._models = None
+        for rank_records in kept.values():
+            for record in rank_records:
+                self._add_sample(record)
+        for step in sorted(set(by_step) - warming_steps):
+            self._add_step(by_step[step])
 
-    def _detect_drift(self, by_step: dict[int, list[StepRecord]], min_samples: int = 4) -> list[int]:
-        """Forget a rank's old samples when its new ones disagree with its model as a whole.
+    def _add_sample(self, record: StepRecord) -> None:
+        self.fitters[record.rank].add(record.batch_size, record.compute)
+        if record.peak_memory is not None:
+            self.memory[record.rank].add(record.batch_size, record.peak_memory)
+            if record.memory_capacity is not None:
+                cap = self.memory[record.rank].max_batch_size(record.memory_capacity)
+                # never below the lower bound: a device that cannot hold its minimum is the user's call
+                self.memory_caps[record.rank] = None if cap is None else max(cap, self.lower[record.rank])
 
-        A device that changes speed (another job lands on a shared GPU, thermal throttling) would otherwise be
-        followed only as fast as the recency weights let old samples fade; a consistent change of more than
-        ``drift_tolerance`` in the median ratio of measured to predicted time starts that rank's model afresh.
+    def _add_step(self, step_records: list[StepRecord]) -> None:
+        """The step's tail and all-reduce, from a step every rank reported."""
+        if len(step_records) != self.world_size:
+            return
+        slowest = max(r.compute for r in step_records)
+        self.tails.append(max(0.0, float(np.median([r.step_time for r in step_records])) - slowest))
+        reduced = [r for r in step_records if r.allreduce is not None and r.exposed is not None]
+        if len(reduced) == self.world_size:
+            # the last rank to finish backward waits for nobody: its times are the communication's own
+            last = max(reduced, key=lambda r: r.compute)
+            self.comm_fitter.add(last.allreduce, last.exposed)  # type: ignore[arg-type]
+
+    def _detect_drift(self, kept: dict[int, list[StepRecord]], min_samples: int = 4) -> list[int]:
+        """Judge a change of speed only where a plan change cannot fake one, and only once it is confirmed.
+
+        A rank's new times are compared with its model only at batch sizes inside the range it has been timed at
+        (interpolation): a new split or a new total batch that moves ranks outside it shows nothing but the error of
+        an extrapolation. A change of more than ``drift_tolerance`` counts when both halves of the window show it,
+        or when the next re-plan's samples show it again; until then the new samples are held apart and the old
+        ones kept. A confirmed change rescales the old samples by the measured ratio (the device keeps its measured
+        slope) and the held samples join them. Unconfirmed, held samples join the fit like any others.
         """
         if not self.ready:
             return []
-        models = self.models()
-        ratios: dict[int, list[float]] = {}
-        for step_records in by_step.values():
-            for r in step_records:
-                predicted = models[r.rank](r.batch_size)
-                if predicted > 0:
-                    ratios.setdefault(r.rank, []).append(r.compute / predicted)
-        drifted = [
-            rank
-            for rank, values in sorted(ratios.items())
-            # a model fitted from one batch size is a guess, not a measurement to drift from
-            if len(self.fitters[rank].distinct_batch_sizes) >= 2
-            and len(values) >= min_samples
-            and abs(float(np.median(values)) - 1.0) > self.settings.drift_tolerance
-        ]
-        for rank in drifted:
-            self.fitters[rank] = self._new_fitter()
+        tolerance = self.settings.drift_tolerance
+
+        def off(ratios: list[float]) -> float | None:
+            """The median ratio if enough samples show a change beyond the tolerance, else ``None``."""
+            if len(ratios) < min_samples:
+                return None
+            median = float(np.median(ratios))
+            return median if abs(median - 1.0) > tolerance else None
+
+        drifted = []
+        for rank, rank_records in sorted(kept.items()):
+            ratios = self._ratios_in_range(rank, rank_records)
+            held = self._held.pop(rank, None)
+            now = off(ratios)
+            if held is not None:
+                before = off(self._ratios_in_range(rank, held))
+                rank_records[:0] = held
+                if now is not None and before is not None and (now - 1.0) * (before - 1.0) > 0:
+                    self.fitters[rank].rescale(float(np.sqrt(now * before)))
+                    drifted.append(rank)
+                continue
+            if now is None:
+                continue
+            half = len(ratios) // 2
+            first, second = off(ratios[:half]), off(ratios[half:])
+            if first is not None and second is not None and (first - 1.0) * (second - 1.0) > 0:
+                self.fitters[rank].rescale(now)
+                drifted.append(rank)
+            else:
+                self._held[rank] = list(rank_records)  # suspected: keep the old model until it is confirmed
+                rank_records.clear()
         return drifted
+
+    def _ratios_in_range(self, rank: int, records: list[StepRecord]) -> list[float]:
+        """Measured over predicted time, in order, for the records inside the batch sizes the rank was timed at."""
+        sizes = self.fitters[rank].distinct_batch_sizes
+        model = self.models()[rank]
+        return [
+            r.compute / float(model(r.batch_size))
+            for r in records
+            if sizes and sizes[0] <= r.batch_size <= sizes[-1] and float(model(r.batch_size)) > 0
+        ]
 
     @property
     def upper(self) -> list[int] | None:
@@ -194,8 +249,13 @@ class SpeedModel:
 
     @property
     def identified(self) -> bool:
-        """Every rank has been timed at two or more batch sizes, so its slope is measured rather than assumed."""
-        return all(len(f.distinct_batch_sizes) >= 2 for f in self.fitters)
+        """Every rank that can move has been timed at two or more batch sizes: its slope is measured, not assumed."""
+        return all(len(self.fitters[i].distinct_batch_sizes) >= 2 for i in self._movable())
+
+    def _movable(self) -> list[int]:
+        """Ranks whose bounds leave them more than one batch size."""
+        upper = self.upper
+        return [i for i in range(self.world_size) if upper is None or upper[i] > self.lower[i]]
 
     def models(self) -> list[LinearTimeModel]:
         """The fitted compute-time model of each rank."""
@@ -243,25 +303,70 @@ class SpeedModel:
         slopes, offsets = self.pieces()
         return step_time(slopes, offsets, local_batch_sizes) * accumulation_steps
 
-    def probe(self, local_batch_sizes: Sequence[int], fraction: float = 0.125) -> tuple[int, ...]:
-        """Perturb a split so that every rank runs a batch size it has not run yet, keeping the total.
+    def probe(self, local_batch_sizes: Sequence[int]) -> tuple[int, ...]:
+        """A split of the same total that gives every unmeasured rank a second batch size with a real lever.
 
-        Ranks alternate up and down by about ``fraction`` of the smallest batch; with an odd number of ranks the last
-        one goes up and rank 1 gives twice, so every rank moves and the sum is unchanged.
+        It starts from the speed-proportional split that the times already measured imply (samples per second at
+        the batch each rank runs now), so the probe is already a good plan; every unmeasured rank is then moved at
+        least ``probe_lever`` of its batch away from where it is, within its bounds, and the sum is restored on the
+        ranks furthest above their share. A rank that cannot move within its bounds is left where it is.
         """
-        sizes = np.asarray(local_batch_sizes, dtype=int)
-        n = len(sizes)
-        if n < 2:
-            return tuple(int(b) for b in sizes)
-        signs = np.array([1 if i % 2 == 0 else -1 for i in range(n)])
-        if n % 2 == 1:
-            signs[-1], signs[1] = 1, signs[1] - 1
-        delta = max(1, int(fraction * sizes.min() + 0.5))
-        probed = sizes + signs * delta
-        upper = np.asarray(self.upper) if self.upper is not None else np.full(n, np.iinfo(np.int64).max)
-        if np.any(probed < np.asarray(self.lower)) or np.any(probed > upper):
-            return tuple(int(b) for b in sizes)  # no room to probe within the bounds: keep the plan
-        return tuple(int(b) for b in probed)
+        sizes = [int(b) for b in local_batch_sizes]
+        n, total = len(sizes), sum(sizes)
+        unmeasured = [i for i in self._movable() if len(self.fitters[i].distinct_batch_sizes) < 2]
+        if n < 2 or not unmeasured or not self.ready:
+            return tuple(sizes)
+        lower = self.lower
+        upper = self.upper or [total] * n
+        models = self.models()
+        speed = []
+        for i, b in enumerate(sizes):
+            typical = self.fitters[i].typical(b)
+            seconds = typical[0] if typical is not None else float(models[i](b))
+            speed.append(b / seconds if seconds > 0 else 1.0)
+        share = [total * v / sum(speed) for v in speed]
+        target = [min(max(round(x), lo), hi) for x, lo, hi in zip(share, lower, upper, strict=True)]
+        for i in unmeasured:
+            lever = self._lever(sizes[i])
+            if abs(target[i] - sizes[i]) < lever:
+                up = target[i] >= sizes[i]
+                for candidate in (sizes[i] + lever, sizes[i] - lever) if up else (sizes[i] - lever, sizes[i] + lever):
+                    if lower[i] <= candidate <= upper[i]:
+                        target[i] = candidate
+                        break
+        return tuple(self._restore_total(target, sizes, share, unmeasured, total))
+
+    def _lever(self, batch_size: int) -> int:
+        """The least a probe moves a rank running ``batch_size``."""
+        return max(1, round(self.settings.probe_lever * batch_size))
+
+    def _restore_total(
+        self, target: list[int], sizes: list[int], share: list[float], unmeasured: list[int], total: int
+    ) -> list[int]:
+        """Move ``target`` back to ``total`` one sample at a time, never undoing an unmeasured rank's lever."""
+        lower = self.lower
+        upper = self.upper or [total] * len(target)
+        levers = {i: self._lever(sizes[i]) for i in unmeasured}
+        while (excess := sum(target) - total) != 0:
+            step = -1 if excess > 0 else 1
+
+            def allowed(i: int, step: int = step) -> bool:
+                moved = target[i] + step
+                if not lower[i] <= moved <= upper[i]:
+                    return False
+                return (
+                    i not in levers
+                    or abs(moved - sizes[i]) >= levers[i]
+                    or abs(moved - sizes[i]) > abs(target[i] - sizes[i])
+                )
+
+            candidates = [i for i in range(len(target)) if allowed(i)]
+            if not candidates:
+                return list(sizes)  # no split of this total gives the levers: keep the plan
+            # take from the rank furthest above its share (give to the one furthest below), highest rank first
+            pick = max(candidates, key=lambda i: ((target[i] - share[i]) * -step, i))
+            target[pick] += step
+        return target
 
     def state_dict(self) -> dict:
         return {
@@ -271,11 +376,21 @@ class SpeedModel:
             "comm": self.comm_fitter.state_dict(),
             "memory": [f.state_dict() for f in self.memory],
             "memory_caps": list(self.memory_caps),
+            "warm": list(self._warm),
         }
+
+    def restarted(self) -> None:
+        """The devices restarted (a resumed run): they warm up again, so their first samples are left out anew."""
+        self._warm = [0] * self.world_size
+        self._held = {}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore fitted state; from a run with another world size only the tail is kept (devices changed)."""
         self._models = None
+        self._held = {}
+        warm = state.get("warm")
+        same = state["world_size"] == self.world_size
+        self._warm = list(warm) if same and warm is not None else [self.settings.warmup_samples] * self.world_size
         if state["world_size"] == self.world_size:
             for fitter, fitter_state in zip(self.fitters, state["fitters"], strict=True):
                 fitter.load_state_dict(fitter_state)

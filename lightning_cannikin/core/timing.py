@@ -164,6 +164,23 @@ class ComputeTimeFitter(_WindowedFitter):
         """The batch sizes present in the window, ascending."""
         return self._window.distinct_batch_sizes()
 
+    def typical(self, batch_size: int) -> tuple[float, int] | None:
+        """The recency-weighted median time at one batch size and how many samples hold it (``None``: none)."""
+        if not len(self._window):
+            return None
+        sizes, seconds = self._window.columns()
+        at = sizes == batch_size
+        if not at.any():
+            return None
+        return _weighted_median(seconds[at], self._window.weights()[at]), int(at.sum())
+
+    def rescale(self, factor: float) -> None:
+        """Multiply every sample's time by ``factor``: a device whose speed changed by that much, kept identified."""
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"`factor` must be finite and > 0, got {factor}.")
+        pairs = self._window.pairs()
+        self._window.restore([b for b, _ in pairs], [t * factor for _, t in pairs], (int, float))
+
     def fit(self) -> LinearTimeModel | None:
         """The current model, or ``None`` before the first sample."""
         if not len(self._window):

@@ -17,7 +17,8 @@ Schema version 1 (JSON object; non-finite numbers are written as ``null`` so the
     comm                 {allreduce, exposed} | null: the gradient all-reduce's seconds, and its part not hidden
                          by backward (optional: readers ignore it when absent)
     bounds               {lower: [int], upper: [int] | null}
-    settings             {half_life: float | null (null: infinite), tail_window: int, max_samples: int}
+    settings             {half_life: float | null (null: infinite), tail_window, max_samples, drift_tolerance,
+                          warmup_samples, probe_lever} (the last three optional: older profiles lack them)
     history              [{step, epoch, local_batch_sizes, total_batch_size, predicted_step_time,
                            measured_step_time, lr_factor, noise_scale}], one entry per re-plan
     noise_scale_history  [{step, noise_scale, ...}]
@@ -134,6 +135,9 @@ def build_profile(
             "half_life": half_life if math.isfinite(half_life) else None,
             "tail_window": balancer.settings.tail_window,
             "max_samples": balancer.settings.max_samples,
+            "drift_tolerance": balancer.settings.drift_tolerance,
+            "warmup_samples": balancer.settings.warmup_samples,
+            "probe_lever": balancer.settings.probe_lever,
         },
         "history": [dict(entry) for entry in history],
         "noise_scale_history": [dict(entry) for entry in noise_scale_history],
@@ -230,10 +234,15 @@ class Profile:
     def speed_model(self) -> SpeedModel:
         """A fresh :class:`SpeedModel` with the stored settings and state: same models, same splits."""
         half_life = self.settings.get("half_life")
+        defaults = SpeedModelSettings()
         settings = SpeedModelSettings(
             half_life=math.inf if half_life is None else float(half_life),
             tail_window=int(self.settings["tail_window"]),
             max_samples=int(self.settings.get("max_samples", _DEFAULT_MAX_SAMPLES)),
+            # profiles written before these settings existed were made with the defaults of their time
+            drift_tolerance=float(self.settings.get("drift_tolerance", defaults.drift_tolerance)),
+            warmup_samples=int(self.settings.get("warmup_samples", 0)),
+            probe_lever=float(self.settings.get("probe_lever", defaults.probe_lever)),
         )
         model = SpeedModel(self.world_size, settings, BatchBounds(self.lower, self.upper))
         model.load_state_dict(self.balancer_state)

@@ -273,18 +273,20 @@ class Cannikin(Callback):
         gathered = _all_gather((self._records, runtime.batches_yielded))
         from_batch = max(y for _, y in gathered) if mid_epoch else 0
         self._records = []
-        self.schedule.last_replan_step = self._step
         current = runtime.plan
         decision = None
         if trainer.is_global_zero:
             decision = self._decide([r for rank_records, _ in gathered for r in rank_records], current, mid_epoch)
         decision = trainer.strategy.broadcast(decision, src=0)
         if decision is None or current is None:
+            self.schedule.replanned(self._step, total_changed=False, balance=self.policy.balance)
             return
         plan = decision.plan
+        total_changed = plan.global_batch_size != current.global_batch_size
+        self.schedule.replanned(self._step, total_changed, self.policy.balance)
         self.lr_factor = runtime.lr_factor = decision.lr_factor
         self.gain, self._identified = decision.gain, decision.identified
-        if plan.global_batch_size != current.global_batch_size:
+        if total_changed:
             # the epoch's length changes with the total batch: Lightning must rebuild the loader to see it
             trainer.reload_dataloaders_every_n_epochs = max(trainer.reload_dataloaders_every_n_epochs, 1)
             runtime.adopt(plan)
@@ -334,6 +336,7 @@ class Cannikin(Callback):
     def _load(self, state: dict[str, Any]) -> None:
         if state.get("balancer") is not None and self._speed_model is not None:
             self._speed_model.load_state_dict(state["balancer"])
+            self._speed_model.restarted()
         if state.get("estimator") is not None and self._estimator is not None:
             self._estimator.load_state_dict(state["estimator"])
         self.progress.load_state_dict(state["progress"])

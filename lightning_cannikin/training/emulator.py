@@ -18,16 +18,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from torch import Tensor
 from typing_extensions import override
 
-
-def _as_per_rank(name: str, value: float | Sequence[float]) -> tuple[float, ...] | float:
-    if isinstance(value, (int, float)):
-        if value < 0:
-            raise ValueError(f"`{name}` must be >= 0, got {value}.")
-        return float(value)
-    values = tuple(float(v) for v in value)
-    if not values or any(v < 0 for v in values):
-        raise ValueError(f"`{name}` must be non-negative milliseconds, one per rank, got {list(values)}.")
-    return values
+from lightning_cannikin.simulation.emulated_devices import EmulatedDevices
 
 
 class EmulatedCluster(Callback):
@@ -39,6 +30,15 @@ class EmulatedCluster(Callback):
         fixed_ms: milliseconds per step on each rank, independent of the batch (kernel launches, optimizer, ...).
         speed_changes: from a training step (counted from 0 in this fit, every batch) on, new ``per_sample_ms``:
             e.g. ``{200: [1.0, 3.0]}`` makes rank 1 three times slower at step 200 (drift, a shared GPU).
+        jitter_ms: standard deviation of per-step noise (real devices are jittery).
+        warmup_steps: the first steps are slower, step 0 by ``warmup_factor``, decaying to normal (real devices
+            warm up: allocator, caches, autotuning).
+        warmup_factor: how much slower step 0 is.
+        saturation_batch: below this local batch the step costs as much as at it (a GPU is not busy at small batches).
+        seed: seed of the jitter.
+
+    The cost model is :class:`~lightning_cannikin.simulation.emulated_devices.EmulatedDevices`; every option but the
+    first is off by default.
 
     Example::
 
@@ -52,31 +52,34 @@ class EmulatedCluster(Callback):
         per_sample_ms: float | Sequence[float],
         fixed_ms: float | Sequence[float] = 0.0,
         speed_changes: dict[int, float | Sequence[float]] | None = None,
+        jitter_ms: float = 0.0,
+        warmup_steps: int = 0,
+        warmup_factor: float = 1.0,
+        saturation_batch: float | Sequence[float] = 0.0,
+        seed: int = 0,
     ) -> None:
-        self.per_sample_ms = _as_per_rank("per_sample_ms", per_sample_ms)
-        self.fixed_ms = _as_per_rank("fixed_ms", fixed_ms)
-        self.speed_changes = {
-            int(step): _as_per_rank("speed_changes", value) for step, value in (speed_changes or {}).items()
-        }
+        self.devices = EmulatedDevices(
+            per_sample_ms, fixed_ms, speed_changes or {}, jitter_ms, warmup_steps, warmup_factor, saturation_batch, seed
+        )
         self._batch_size = 0
         self._step = 0
 
+    @property
+    def per_sample_ms(self) -> tuple[float, ...] | float:
+        return self.devices.per_sample_ms
+
+    @property
+    def fixed_ms(self) -> tuple[float, ...] | float:
+        return self.devices.fixed_ms
+
     def delay_ms(self, rank: int, batch_size: int, step: int = 0) -> float:
         """The emulated extra time of ``rank`` for a local batch of ``batch_size`` samples at training step ``step``."""
-        per_sample = self.per_sample_ms
-        for change_step in sorted(self.speed_changes):
-            if change_step <= step:
-                per_sample = self.speed_changes[change_step]
-        per_sample = per_sample if isinstance(per_sample, float) else per_sample[rank]
-        fixed = self.fixed_ms if isinstance(self.fixed_ms, float) else self.fixed_ms[rank]
-        return fixed + per_sample * batch_size
+        return self.devices.delay_ms(rank, batch_size, step)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # raised identically on every rank, so no rank is left waiting in a collective
-        values = [("per_sample_ms", self.per_sample_ms), ("fixed_ms", self.fixed_ms)]
-        values += [("speed_changes", value) for value in self.speed_changes.values()]
-        for name, value in values:
+        for name, value in self.devices.per_rank_values():
             if isinstance(value, tuple) and len(value) != trainer.world_size:
                 raise ValueError(
                     f"`{name}` has {len(value)} entries but the world size is {trainer.world_size}."

@@ -1,0 +1,100 @@
+"""The cost model of emulated devices: what a heterogeneous device adds to a step, with what real devices do to it.
+
+Device ``r`` holding ``b`` samples at step ``s`` costs ``fixed_ms[r] + per_sample_ms[r] * max(b, saturation[r])``
+milliseconds, times a warm-up factor over the first steps, plus per-step jitter. The options model what real GPUs
+do and the clean linear emulator does not: noise (``jitter_ms``), slower first steps (allocator, caches,
+autotuning, input workers: ``warmup_steps`` and ``warmup_factor``), and a step time that is flat below a saturation
+batch (a GPU is not busy at small batches: ``saturation_batch``). Every option is off by default.
+
+:class:`~lightning_cannikin.EmulatedCluster` sleeps for these costs inside training steps; tests replay them without
+Lightning. Pure Python and numpy: imports neither torch nor Lightning.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["EmulatedDevices"]
+
+
+def _per_rank(name: str, value: float | Sequence[float]) -> tuple[float, ...] | float:
+    if isinstance(value, (int, float)):
+        if not (value >= 0 and math.isfinite(value)):
+            raise ValueError(f"`{name}` must be finite and >= 0, got {value}.")
+        return float(value)
+    values = tuple(float(v) for v in value)
+    if not values or any(not (v >= 0 and math.isfinite(v)) for v in values):
+        raise ValueError(f"`{name}` must be non-negative and finite, one per rank, got {list(values)}.")
+    return values
+
+
+def _of(value: tuple[float, ...] | float, rank: int) -> float:
+    return value if isinstance(value, float) else value[rank]
+
+
+@dataclass(frozen=True)
+class EmulatedDevices:
+    """Per-rank emulated step costs.
+
+    Args:
+        per_sample_ms: milliseconds per sample on each rank (one value per rank, or one for all).
+        fixed_ms: milliseconds per step on each rank, whatever the batch.
+        speed_changes: from a step on, new ``per_sample_ms`` (e.g. ``{200: [1.0, 3.0]}``: rank 1 three times slower).
+        jitter_ms: standard deviation of a Gaussian noise added to each step (the total never goes below zero).
+        warmup_steps: the first steps are slower: step ``s < warmup_steps`` costs ``1 + (warmup_factor - 1) *
+            (1 - s / warmup_steps)`` times its cost, decaying to normal.
+        warmup_factor: how much slower step 0 is (>= 1).
+        saturation_batch: below this local batch the step costs as much as at it (one value per rank, or one for
+            all; 0: linear down to one sample).
+        seed: seed of the jitter; each (rank, step) draws its own, so runs are reproducible.
+
+    """
+
+    per_sample_ms: tuple[float, ...] | float
+    fixed_ms: tuple[float, ...] | float = 0.0
+    speed_changes: Mapping[int, tuple[float, ...] | float] = field(default_factory=dict)
+    jitter_ms: float = 0.0
+    warmup_steps: int = 0
+    warmup_factor: float = 1.0
+    saturation_batch: tuple[float, ...] | float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "per_sample_ms", _per_rank("per_sample_ms", self.per_sample_ms))
+        object.__setattr__(self, "fixed_ms", _per_rank("fixed_ms", self.fixed_ms))
+        object.__setattr__(self, "saturation_batch", _per_rank("saturation_batch", self.saturation_batch))
+        changes = {int(step): _per_rank("speed_changes", value) for step, value in dict(self.speed_changes).items()}
+        object.__setattr__(self, "speed_changes", changes)
+        _per_rank("jitter_ms", self.jitter_ms)
+        if int(self.warmup_steps) < 0:
+            raise ValueError(f"`warmup_steps` must be >= 0, got {self.warmup_steps}.")
+        if not self.warmup_factor >= 1.0:
+            raise ValueError(f"`warmup_factor` must be >= 1, got {self.warmup_factor}.")
+
+    def per_rank_values(self) -> list[tuple[str, tuple[float, ...] | float]]:
+        """Every option that may hold one value per rank, by name (to check against the world size)."""
+        values = [("per_sample_ms", self.per_sample_ms), ("fixed_ms", self.fixed_ms)]
+        values += [("saturation_batch", self.saturation_batch)]
+        return values + [("speed_changes", value) for value in self.speed_changes.values()]
+
+    def clean_ms(self, rank: int, batch_size: int, step: int = 0) -> float:
+        """The cost without jitter or warm-up: what a perfect model of the device would predict."""
+        per_sample = self.per_sample_ms
+        for change_step in sorted(self.speed_changes):
+            if change_step <= step:
+                per_sample = self.speed_changes[change_step]
+        samples = max(float(batch_size), _of(self.saturation_batch, rank))
+        return _of(self.fixed_ms, rank) + _of(per_sample, rank) * samples
+
+    def delay_ms(self, rank: int, batch_size: int, step: int = 0) -> float:
+        """The emulated extra time of ``rank`` for a local batch of ``batch_size`` samples at training step ``step``."""
+        cost = self.clean_ms(rank, batch_size, step)
+        if step < self.warmup_steps:
+            cost *= 1.0 + (self.warmup_factor - 1.0) * (1.0 - step / self.warmup_steps)
+        if self.jitter_ms > 0:
+            cost += float(np.random.default_rng([self.seed, rank, step]).normal(0.0, self.jitter_ms))
+        return max(cost, 0.0)

@@ -1,0 +1,117 @@
+"""The callback's re-plan protocol replayed without Lightning: emulated devices, the speed model and ``decide``.
+
+Each step every rank's compute is what the emulated devices cost (jitter and warm-up included); the records reach
+the speed model at each re-plan, on the cadence the callback uses (``ReplanSchedule``), and ``decide`` picks the next
+plan. It is the same sequence of calls as ``Cannikin._replan`` / ``_decide``, so the balancing behaviour under noise,
+warm-up and plan changes can be tested in milliseconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lightning_cannikin.core.optperf import optimal_split
+from lightning_cannikin.core.plan import BatchBounds, Plan, even_split
+from lightning_cannikin.core.policy import Decision, PolicySettings, decide
+from lightning_cannikin.core.schedule import ReplanSchedule
+from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings, StepRecord
+from lightning_cannikin.simulation.emulated_devices import EmulatedDevices
+
+TAIL_S = 0.002  # what a step costs beyond the slowest rank's compute (all-reduce tail, optimizer)
+
+
+@dataclass
+class Replay:
+    """A replayed run: the plans in force step by step and the decisions taken."""
+
+    devices: EmulatedDevices
+    world_size: int
+    plans: list[Plan] = field(default_factory=list)  # the plan of every step
+    decisions: list[tuple[int, Decision]] = field(default_factory=list)  # (step after which it was taken, decision)
+    drifts: list[tuple[int, list[int]]] = field(default_factory=list)
+    model: SpeedModel | None = None
+
+    def clean_step_time(self, plan: Plan, step: int = 0) -> float:
+        """The plan's step time on the devices without jitter or warm-up (seconds)."""
+        return max(self.devices.clean_ms(r, b, step) for r, b in enumerate(plan.local_batch_sizes)) / 1000 + TAIL_S
+
+    def optimum(self, total: int, step: int = 0) -> float:
+        """The best step time any split of ``total`` has on the clean devices (brute-force-exact OptPerf)."""
+        n = self.world_size
+        slopes, offsets = _clean_pieces(self.devices, n, step)
+        return optimal_split(slopes, offsets, total).step_time / 1000 + TAIL_S
+
+    def regret(self, step: int) -> float:
+        """How much slower the plan in force at ``step`` is than the optimum for its total (0.05: 5% slower)."""
+        plan = self.plans[step]
+        return self.clean_step_time(plan, step) / self.optimum(plan.global_batch_size, step) - 1.0
+
+
+def _clean_pieces(devices: EmulatedDevices, n: int, step: int) -> tuple[np.ndarray, np.ndarray]:
+    # devices may saturate: the clean cost is max(fixed + a * sat, fixed + a * b), two affine pieces
+    slopes = np.array([[0.0, devices.clean_ms(r, 2, step) - devices.clean_ms(r, 1, step)] for r in range(n)])
+    flat = np.array([devices.clean_ms(r, 1, step) for r in range(n)])
+    linear = np.array([devices.clean_ms(r, 10**6, step) - 10**6 * slopes[r, 1] for r in range(n)])
+    return slopes, np.stack([flat, linear], axis=1)
+
+
+def replay(
+    devices: EmulatedDevices,
+    world_size: int,
+    total: int,
+    steps: int,
+    epoch_steps: int | None = None,
+    warmup_steps: int = 8,
+    replan_every_n_steps: int | None = None,
+    totals: dict[int, int] | None = None,
+    bounds: BatchBounds | None = None,
+    settings: SpeedModelSettings | None = None,
+) -> Replay:
+    """Run ``steps`` steps from an even split of ``total``.
+
+    Args:
+        devices: the emulated devices.
+        world_size: ranks.
+        total: the starting global batch.
+        steps: steps to run.
+        epoch_steps: re-plan at every multiple of it too (an epoch end).
+        warmup_steps: the callback's warm-up re-plan cadence.
+        replan_every_n_steps: the callback's periodic re-plan cadence.
+        totals: ``{step: total}``: from that step's epoch-end re-plan on, force this total (what goodput would pick),
+            to test that a change of total is handled as one and not as a speed change.
+        bounds: local batch bounds.
+        settings: the speed model's settings.
+
+    """
+    out = Replay(devices, world_size)
+    model = SpeedModel(world_size, settings, bounds)
+    out.model = model
+    schedule = ReplanSchedule(warmup_steps, replan_every_n_steps)
+    plan = Plan(even_split(total, world_size))
+    identified = False
+    pending: list[StepRecord] = []
+    for step in range(steps):
+        out.plans.append(plan)
+        compute = [devices.delay_ms(r, b, step) / 1000 for r, b in enumerate(plan.local_batch_sizes)]
+        pending += [
+            StepRecord(step, r, b, compute[r], max(compute) + TAIL_S) for r, b in enumerate(plan.local_batch_sizes)
+        ]
+        done = step + 1
+        epoch_end = epoch_steps is not None and done % epoch_steps == 0
+        if not (epoch_end or schedule.due(done, identified, True)):
+            continue
+        model.add(pending)
+        pending = []
+        if model.drifts:
+            out.drifts.append((done, list(model.drifts)))
+        current = plan
+        forced = (totals or {}).get(done) if epoch_end else None
+        if forced is not None:
+            current = Plan(even_split(forced, world_size))  # the total goodput chose; decide splits it
+        decision = decide(model, current, PolicySettings(), None, total, adapt_total=epoch_end)
+        out.decisions.append((done, decision))
+        schedule.replanned(done, decision.plan.global_batch_size != plan.global_batch_size, True)
+        plan, identified = decision.plan, decision.identified
+    return out
