@@ -183,10 +183,10 @@ class SpeedModel:
 
         A rank's new times are compared with its model only at batch sizes inside the range it has been timed at
         (interpolation): a new split or a new total batch that moves ranks outside it shows nothing but the error of
-        an extrapolation. A change of more than ``drift_tolerance`` counts when both halves of the window show it,
-        or when the next re-plan's samples show it again; until then the new samples are held apart and the old
-        ones kept. A confirmed change rescales the old samples by the measured ratio (the device keeps its measured
-        slope) and the held samples join them. Unconfirmed, held samples join the fit like any others.
+        an extrapolation. A change of more than ``drift_tolerance`` counts when the next re-plan's samples show it
+        again, in the same direction; until then the new samples are held apart and the old ones kept. A confirmed
+        change rescales the old samples by the measured ratio (the device keeps its measured slope) and the held
+        samples join them. Unconfirmed, held samples join the fit like any others.
         """
         if not self.ready:
             return []
@@ -211,14 +211,7 @@ class SpeedModel:
                     self.fitters[rank].rescale(float(np.sqrt(now * before)))
                     drifted.append(rank)
                 continue
-            if now is None:
-                continue
-            half = len(ratios) // 2
-            first, second = off(ratios[:half]), off(ratios[half:])
-            if first is not None and second is not None and (first - 1.0) * (second - 1.0) > 0:
-                self.fitters[rank].rescale(now)
-                drifted.append(rank)
-            else:
+            if now is not None:
                 self._held[rank] = list(rank_records)  # suspected: keep the old model until it is confirmed
                 rank_records.clear()
         return drifted
@@ -328,12 +321,15 @@ class SpeedModel:
         target = [min(max(round(x), lo), hi) for x, lo, hi in zip(share, lower, upper, strict=True)]
         for i in unmeasured:
             lever = self._lever(sizes[i])
-            if abs(target[i] - sizes[i]) < lever:
-                up = target[i] >= sizes[i]
-                for candidate in (sizes[i] + lever, sizes[i] - lever) if up else (sizes[i] - lever, sizes[i] + lever):
-                    if lower[i] <= candidate <= upper[i]:
-                        target[i] = candidate
-                        break
+            if abs(target[i] - sizes[i]) >= lever:
+                continue
+            # too close to where it is: move it a full lever, the way that keeps the total nearest to unchanged
+            excess = sum(target) - total
+            up = excess < 0 or (excess == 0 and target[i] >= sizes[i])
+            for candidate in (sizes[i] + lever, sizes[i] - lever) if up else (sizes[i] - lever, sizes[i] + lever):
+                if lower[i] <= candidate <= upper[i]:
+                    target[i] = candidate
+                    break
         return tuple(self._restore_total(target, sizes, share, unmeasured, total))
 
     def _lever(self, batch_size: int) -> int:
