@@ -10,6 +10,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_cannikin import Cannikin, CannikinStrategy, EmulatedCluster
+from lightning_cannikin.core.optperf import optimal_split
+from lightning_cannikin.simulation.emulated_devices import EmulatedDevices
 from tests.models import IndexedRegression, RecordingRegressor, quiet_trainer
 
 
@@ -36,12 +38,12 @@ class DumpCannikin(Callback):
         )
 
 
-def balance(tmp_path, per_sample_ms, batch_size=32, num_samples=640, epochs=3, cannikin=None, fixed_ms=5.0):
+def balance(tmp_path, per_sample_ms, batch_size=32, num_samples=640, epochs=3, cannikin=None, fixed_ms=5.0, **emulated):
     torch.manual_seed(0)
     dataset = IndexedRegression(num_samples)
     model = RecordingRegressor(dataset, batch_size=batch_size, record_dir=str(tmp_path))
     out = tmp_path / "cannikin.json"
-    callbacks = [EmulatedCluster(per_sample_ms, fixed_ms), DumpCannikin(out)]
+    callbacks = [EmulatedCluster(per_sample_ms, fixed_ms, **emulated), DumpCannikin(out)]
     if cannikin is not None:
         callbacks.append(cannikin)
     trainer = quiet_trainer(CannikinStrategy(start_method="fork"), len(per_sample_ms), callbacks, max_epochs=epochs)
@@ -80,3 +82,19 @@ def test_fixed_split_is_never_replanned(tmp_path):
     assert {len(s) for s in records[0]["steps"]} == {12}
     assert {len(s) for s in records[1]["steps"]} == {4}
     assert not any(isinstance(cb, Cannikin) for cb in trainer.callbacks), "a fixed split needs no planner"
+
+
+def test_jittery_devices_that_warm_up_are_balanced_without_false_speed_changes(tmp_path):
+    # unequal fixed costs: per-sample 0.5/1/2 ms, fixed 10/20/30 ms; the optimum of 96 is about [66, 23, 7]
+    per_sample, fixed = [0.5, 1.0, 2.0], [10.0, 20.0, 30.0]
+    emulated = {"jitter_ms": 2.0, "warmup_steps": 4, "warmup_factor": 3.0}
+    result = balance(tmp_path, per_sample, num_samples=960, epochs=4, fixed_ms=fixed, **emulated)
+    devices = EmulatedDevices(per_sample, fixed)
+
+    def cost(sizes):
+        return max(devices.clean_ms(rank, b) for rank, b in enumerate(sizes))
+
+    slopes = [[a] for a in per_sample]
+    best = optimal_split(slopes, [[f] for f in fixed], 96).step_time
+    assert cost(result["plan"]) <= 1.08 * best, result
+    assert len(result["history"]) >= 5 and all(h["speed_changes"] == [] for h in result["history"]), result

@@ -39,12 +39,18 @@ def test_metrics_reach_a_csv_logger_and_the_profile_round_trips(tmp_path, capsys
         "cannikin/predicted_step_time",
         "cannikin/noise_scale",
         "cannikin/efficiency",
+        "cannikin/prediction_error",
     }
     assert expected <= logged, expected - logged
     # the profile written at the last re-plan rebuilds the same models and plans the same split
     profile = load_profile(log_dir / PROFILE_FILENAME)
     balancer = profile.speed_model()
     assert profile.world_size == 2 and len(profile.history) >= 3
+    measured = [h for h in profile.history if h["measured_step_time"] is not None]
+    assert measured and all(
+        h["prediction_error"] == abs(h["predicted_step_time"] - h["measured_step_time"]) / h["measured_step_time"]
+        for h in measured
+    )
     split = balancer.plan_split(32)
     assert split.local_batch_sizes[0] > split.local_batch_sizes[1], "rank 0 is 3x faster: it gets more"
     assert cli_main(["plan", str(log_dir / PROFILE_FILENAME), "--batch-size", "32", "--json"]) == 0

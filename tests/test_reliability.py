@@ -160,6 +160,9 @@ def test_a_device_that_slows_down_is_rebalanced_within_two_replans(tmp_path):
     assert len(after) >= 2
     assert abs(after[1]["local_batch_sizes"][0] - 24) <= 0.15 * 24, after[:3]
     assert abs(history[-1]["local_batch_sizes"][0] - 24) <= 0.15 * 24, history[-1]
+    # the change is recorded as one, on the slowed rank only, and nothing before it was taken for one
+    changes = [(h["step"], h["speed_changes"]) for h in history if h["speed_changes"]]
+    assert changes and all(ranks == [1] and step > change_step for step, ranks in changes), changes
 
 
 def test_plans_never_exceed_the_bounds(tmp_path):

@@ -46,10 +46,32 @@ class PlanHistory:
         self._since_last.extend(records)
         if self.entries and self.entries[-1]["measured_step_time"] is None:
             latest = self.entries[-1]
-            latest["measured_step_time"] = median_step_time(self._since_last, latest["local_batch_sizes"])
+            measured = median_step_time(self._since_last, latest["local_batch_sizes"])
+            latest["measured_step_time"] = measured
+            predicted = latest["predicted_step_time"]
+            if measured and predicted is not None:
+                # how far the model was off at the split it chose, usually at sizes no rank had run yet
+                latest["prediction_error"] = abs(predicted - measured) / measured
 
-    def append(self, step: int, epoch: int, plan: Plan, lr_factor: float, noise_scale: float | None) -> None:
-        """A plan adopted at ``step``; its measurement starts afresh."""
+    @property
+    def prediction_error(self) -> float | None:
+        """The latest plan's relative prediction error, once it has been measured."""
+        for entry in reversed(self.entries):
+            if entry.get("prediction_error") is not None:
+                return float(entry["prediction_error"])
+        return None
+
+    def append(
+        self,
+        step: int,
+        epoch: int,
+        plan: Plan,
+        lr_factor: float,
+        noise_scale: float | None,
+        speed_changes: list[int] | None = None,
+    ) -> None:
+        """A plan adopted at ``step`` (``speed_changes``: the ranks found to have changed speed); its measurement
+        starts afresh."""
         self._since_last = []
         self.entries.append(
             {
@@ -59,7 +81,9 @@ class PlanHistory:
                 "total_batch_size": plan.total_batch_size,
                 "predicted_step_time": plan.predicted_step_time,
                 "measured_step_time": None,
+                "prediction_error": None,
                 "lr_factor": lr_factor,
                 "noise_scale": noise_scale,
+                "speed_changes": list(speed_changes or []),
             }
         )

@@ -29,7 +29,7 @@ from lightning_cannikin.core.schedule import ReplanSchedule
 from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings, StepRecord
 from lightning_cannikin.tools.run_profile import PROFILE_FILENAME, build_profile, save_profile
 from lightning_cannikin.training.grad_stats import GradientNormObserver
-from lightning_cannikin.training.metrics import log_noise_scale, log_step
+from lightning_cannikin.training.metrics import log_noise_scale, log_prediction_error, log_step
 from lightning_cannikin.training.runtime import RuntimeState
 
 
@@ -219,6 +219,8 @@ class Cannikin(Callback):
             self._records.append(record)
             if (self._step + 1) % trainer.log_every_n_steps == 0:
                 log_step(pl_module, record, self.plan, self.lr_factor)  # only where it reaches a logger: it costs
+                if trainer.is_global_zero and (error := self._history.prediction_error) is not None:
+                    log_prediction_error(pl_module, error)
         if runtime.timer.reduced:
             self._after_optimizer_step(trainer, pl_module)
         self._step += 1
@@ -292,7 +294,8 @@ class Cannikin(Callback):
             runtime.adopt(plan)
         else:
             runtime.adopt(plan, from_batch=from_batch)
-        self._history.append(self._step, trainer.current_epoch, plan, decision.lr_factor, self.noise_scale)
+        changed = self._speed_model.drifts if trainer.is_global_zero and self._speed_model is not None else []
+        self._history.append(self._step, trainer.current_epoch, plan, decision.lr_factor, self.noise_scale, changed)
         if trainer.is_global_zero and self._log_dir and self._speed_model is not None:
             base = self._estimator.base_batch_size if self._estimator is not None else None
             profile = build_profile(self._speed_model, self.history, base_batch_size=base)

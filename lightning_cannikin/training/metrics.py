@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 from lightning_cannikin.core.plan import Plan
 from lightning_cannikin.core.speed_model import StepRecord
 
-__all__ = ["log_noise_scale", "log_step"]
+__all__ = ["log_noise_scale", "log_prediction_error", "log_step"]
 
 _PROGRESS_BAR = ("cannikin/total_batch_size", "cannikin/local_batch_size")
 
@@ -31,6 +31,11 @@ def log_step(pl_module: pl.LightningModule, record: StepRecord, plan: Plan | Non
         pl_module.log(
             name, value, on_step=True, on_epoch=False, prog_bar=name in _PROGRESS_BAR, batch_size=record.batch_size
         )
+
+
+def log_prediction_error(pl_module: pl.LightningModule, error: float) -> None:
+    """Rank zero's relative error of the latest plan's predicted step time, once measured."""
+    pl_module.log("cannikin/prediction_error", float(error), on_step=True, on_epoch=False, rank_zero_only=True)
 
 
 def log_noise_scale(pl_module: pl.LightningModule, noise_scale: float, efficiency: float) -> None:
