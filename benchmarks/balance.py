@@ -1,9 +1,14 @@
 """Throughput of Cannikin's balanced split against Lightning DDP's even split, side by side.
 
-Three emulated devices (per_sample_ms = 0.5, 1.0, 2.0; fixed_ms = 20), fixed total batch 96, scikit-learn digits.
-Runs alternate DDP / Cannikin, repeated; the figure is the ratio of steady-state samples/s (epochs after the
-planner's second re-plan), with medians over repeats. A homogeneous control (all devices equal) checks that
-Cannikin costs nothing where there is nothing to balance.
+Three emulated devices, fixed total batch 96, scikit-learn digits. Runs alternate DDP / Cannikin, repeated; the
+figure is the ratio of steady-state samples/s (epochs after the planner's second re-plan), with medians over
+repeats, beside the ideal ratio the emulated delays allow (even split over the exact OptPerf split, the real
+compute left out). Scenarios:
+
+- ``heterogeneous``: per_sample_ms 0.5, 1.0, 2.0 and fixed_ms 20 on every device;
+- ``homogeneous``: all devices equal: a control, Cannikin must cost nothing where there is nothing to balance;
+- ``unequal_intercepts``: per_sample_ms 0.5, 1.0, 2.0 and fixed_ms 10, 20, 30 (a speed-proportional split is wrong);
+- ``jittery``: the heterogeneous devices with 3 ms of per-step jitter and first steps up to 3x slower.
 
     python benchmarks/balance.py [--repeats 3] [--epochs 5]
 """
@@ -17,14 +22,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import numpy as np
+
 from benchmarks.harness import median, run
+from lightning_cannikin.core.optperf import optimal_split, step_time
+from lightning_cannikin.core.plan import even_split
 
 
-def ideal_ratio(per_sample_ms: list[float], fixed_ms: float, total: int) -> float:
-    """Even-split step time over the continuous optimum, from the emulated delays alone."""
-    even = fixed_ms + max(per_sample_ms) * total / len(per_sample_ms)
-    best = fixed_ms + total / sum(1.0 / a for a in per_sample_ms)
-    return even / best
+def ideal_ratio(per_sample_ms: list[float], fixed_ms: float | list[float], total: int) -> float:
+    """Even-split step time over the best integer split's, from the emulated delays alone."""
+    n = len(per_sample_ms)
+    fixed = fixed_ms if isinstance(fixed_ms, list) else [float(fixed_ms)] * n
+    slopes, offsets = np.array(per_sample_ms)[:, None], np.array(fixed)[:, None]
+    return step_time(slopes, offsets, even_split(total, n)) / optimal_split(slopes, offsets, total).step_time
 
 
 def steady_throughput(result: dict, skip_epochs: int) -> float:
@@ -42,12 +52,19 @@ def prediction_error(result: dict) -> float | None:
     return errors[-1] if errors else None
 
 
-def scenario(name: str, per_sample_ms: list[float], args: argparse.Namespace) -> dict:
+def scenario(
+    name: str,
+    per_sample_ms: list[float],
+    args: argparse.Namespace,
+    fixed_ms: float | list[float] | None = None,
+    emulated: dict | None = None,
+) -> dict:
     batch = args.total_batch // len(per_sample_ms)
+    fixed = args.fixed_ms if fixed_ms is None else fixed_ms
     runs: dict[str, list[dict]] = {"ddp": [], "cannikin": []}
     for repeat in range(args.repeats):
         for strategy in ("ddp", "cannikin"):
-            result = run(f"{strategy}_fork", per_sample_ms, args.fixed_ms, batch, args.epochs, seed=repeat)
+            result = run(f"{strategy}_fork", per_sample_ms, fixed, batch, args.epochs, seed=repeat, emulated=emulated)
             result["throughput"] = steady_throughput(result, args.skip_epochs)
             runs[strategy].append(result)
             print(f"  {name} repeat {repeat} {strategy:8s} {result['throughput']:8.1f} samples/s", flush=True)
@@ -55,13 +72,14 @@ def scenario(name: str, per_sample_ms: list[float], args: argparse.Namespace) ->
     errors = [e for e in (prediction_error(r) for r in runs["cannikin"]) if e is not None]
     return {
         "per_sample_ms": per_sample_ms,
-        "fixed_ms": args.fixed_ms,
+        "fixed_ms": fixed,
+        "emulated": emulated or {},
         "total_batch_size": args.total_batch,
         "ddp_samples_per_s": median([r["throughput"] for r in runs["ddp"]]),
         "cannikin_samples_per_s": median([r["throughput"] for r in runs["cannikin"]]),
         "ratio_median": median(ratios),
         "ratios": ratios,
-        "ideal_ratio": ideal_ratio(per_sample_ms, args.fixed_ms, args.total_batch),
+        "ideal_ratio": ideal_ratio(per_sample_ms, fixed, args.total_batch),
         "prediction_error_median": median(errors) if errors else None,
         "final_splits": [r["history"][-1]["local_batch_sizes"] for r in runs["cannikin"] if r["history"]],
     }
@@ -79,6 +97,10 @@ def main(argv: list[str] | None = None) -> dict:
     report = {
         "heterogeneous": scenario("heterogeneous", [0.5, 1.0, 2.0], args),
         "homogeneous": scenario("homogeneous", [1.0, 1.0, 1.0], args),
+        "unequal_intercepts": scenario("unequal_intercepts", [0.5, 1.0, 2.0], args, fixed_ms=[10.0, 20.0, 30.0]),
+        "jittery": scenario(
+            "jittery", [0.5, 1.0, 2.0], args, emulated={"jitter_ms": 3.0, "warmup_steps": 4, "warmup_factor": 3.0}
+        ),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))

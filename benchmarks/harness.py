@@ -117,7 +117,7 @@ class EpochClock(Callback):
 def run(
     strategy: str,
     per_sample_ms: list[float],
-    fixed_ms: float,
+    fixed_ms: float | list[float],
     batch_size: int,
     epochs: int,
     data: str = "digits",
@@ -127,8 +127,9 @@ def run(
     target_accuracy: float | None = None,
     train_samples: int | None = None,
     eval_every_samples: int | None = None,
+    emulated: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Train once; returns rank zero's measurements."""
+    """Train once; returns rank zero's measurements. ``emulated``: more ``EmulatedCluster`` options (jitter, ...)."""
     torch.set_num_threads(1)
     pl.seed_everything(seed, verbose=False)
     train, test, shape = load_dataset(data, seed=seed)
@@ -144,7 +145,7 @@ def run(
             devices=len(per_sample_ms),
             max_epochs=epochs,
             callbacks=[
-                EmulatedCluster(per_sample_ms, fixed_ms),
+                EmulatedCluster(per_sample_ms, fixed_ms, seed=seed, **(emulated or {})),
                 EpochClock(out, test, target_accuracy, batch_size * len(per_sample_ms), eval_every_samples),
                 *(callbacks or []),
             ],
