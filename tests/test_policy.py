@@ -192,3 +192,29 @@ def test_the_simulator_and_the_callback_decide_alike(phi: float, max_batch: int)
     if phi > 1e5 and max_batch > base:
         assert projected.plan.total_batch_size > base, "all noise: the decision must grow the batch"
     assert math.isfinite(live.lr_factor)
+
+
+def test_optperf_sees_the_communication_floor_of_an_allreduce_bound_job():
+    # 50 ms all-reduce that starts when the first bucket is ready, half-way through compute; slopes 1 and 3 ms/sample
+    slopes, allreduce, share, optimizer = (0.001, 0.003), 0.050, 0.5, 0.001
+    model = SpeedModel(2, CLEAN)
+    step = 0
+    for sizes in [(16, 16), (24, 8)] * 3:
+        for _ in range(5):
+            compute = [a * b for a, b in zip(slopes, sizes, strict=True)]
+            last = max(compute)
+            done = share * last + allreduce  # the all-reduce ends here: after backward when it is the bottleneck
+            exposed = max(done, last) - last
+            step_time = last + exposed + optimizer
+            model.add(StepRecord(step, r, b, compute[r], step_time, allreduce, exposed) for r, b in enumerate(sizes))
+            step += 1
+    truth = share * 0.024 + allreduce + optimizer  # (24, 8): both ranks compute 24 ms, the all-reduce binds
+    assert model.predict((24, 8)) == pytest.approx(truth, rel=0.02)
+    compute_only = SpeedModel(2, CLEAN)
+    compute_only.fitters, compute_only.tails = model.fitters, model.tails
+    # a small total is all-reduce bound: OptPerf(8) cannot beat the all-reduce, which compute + tail alone misses
+    floor = float(model.optperf([8])[0])
+    assert floor >= allreduce + optimizer
+    assert float(compute_only.optperf([8])[0]) < 0.85 * floor
+    # at a large total the job is compute-bound: the split is the compute-only one
+    assert model.plan_split(400).local_batch_sizes == compute_only.plan_split(400).local_batch_sizes

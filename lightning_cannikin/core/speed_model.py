@@ -125,6 +125,8 @@ class SpeedModel:
         self.memory_caps: list[int | None] = [None] * self.world_size
         self.fitters = [self._new_fitter() for _ in range(self.world_size)]
         self.tails: deque[float] = deque(maxlen=int(self.settings.tail_window))
+        # the fraction of the last rank's compute done when its first gradient bucket was ready
+        self.first_bucket_shares: deque[float] = deque(maxlen=int(self.settings.tail_window))
         self.comm_fitter = CommTimeFitter(half_life=self.settings.half_life)
         self._models: list[LinearTimeModel] | None = None  # fitted once per batch of new samples
         self._warm = [0] * self.world_size  # samples each rank has had since its start; the first ones are left out
@@ -177,6 +179,9 @@ class SpeedModel:
             # the last rank to finish backward waits for nobody: its times are the communication's own
             last = max(reduced, key=lambda r: r.compute)
             self.comm_fitter.add(last.allreduce, last.exposed)  # type: ignore[arg-type]
+            if last.compute > 0:
+                before_first_bucket = last.compute - (last.allreduce - last.exposed)  # type: ignore[operator]
+                self.first_bucket_shares.append(min(max(before_first_bucket / last.compute, 0.0), 1.0))
 
     def _detect_drift(self, kept: dict[int, list[StepRecord]], min_samples: int = 4) -> list[int]:
         """Judge a change of speed only where a plan change cannot fake one, and only once it is confirmed.
@@ -267,8 +272,21 @@ class SpeedModel:
         return float(np.median(self.tails)) if self.tails else 0.0
 
     def pieces(self) -> tuple[np.ndarray, np.ndarray]:
-        """Planner inputs: per-rank slopes and offsets of ``g_i(b) = a_i b + a0_i + tail``."""
-        return step_time_pieces(self.models(), None, overhead=self.tail())
+        """Planner inputs: the per-rank pieces of the two-regime step model, once the all-reduce is measured.
+
+        Compute-bound, rank ``i`` costs ``t_i(b) + tail``. Communication-bound, the all-reduce can start only when
+        every rank's first bucket is ready, after a share ``s`` of its compute, and lasts ``c``: ``s t_i(b) + c +
+        (tail - exposed)``. Where the all-reduce hides behind backward the second piece never binds, and the split
+        is the compute-only one; where it does not, OptPerf(B) for other totals sees the communication floor.
+        """
+        comm, tail = self.comm(), self.tail()
+        if comm is None or not self.first_bucket_shares:
+            return step_time_pieces(self.models(), None, overhead=tail)
+        share = float(np.median(self.first_bucket_shares))
+        # the two-regime form with the measured share: forward_fraction = share and no further backward fraction
+        return step_time_pieces(
+            self.models(), comm, backward_fraction=0.0, forward_fraction=share, overhead=max(0.0, tail - comm.exposed)
+        )
 
     @property
     def bounds(self) -> BatchBounds:
@@ -369,6 +387,7 @@ class SpeedModel:
             "world_size": self.world_size,
             "fitters": [f.state_dict() for f in self.fitters],
             "tails": list(self.tails),
+            "first_bucket_shares": list(self.first_bucket_shares),
             "comm": self.comm_fitter.state_dict(),
             "memory": [f.state_dict() for f in self.memory],
             "memory_caps": list(self.memory_caps),
@@ -395,5 +414,7 @@ class SpeedModel:
             self.memory_caps = list(state.get("memory_caps", self.memory_caps))
         self.tails.clear()
         self.tails.extend(state["tails"])
+        self.first_bucket_shares.clear()
+        self.first_bucket_shares.extend(state.get("first_bucket_shares", []))
         if "comm" in state:
             self.comm_fitter.load_state_dict(state["comm"])

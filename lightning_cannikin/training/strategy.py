@@ -86,6 +86,16 @@ class CannikinStrategy(DDPStrategy):
         return self._runtime.plan
 
     @property
+    def step_sizes(self) -> tuple[int, ...] | None:
+        """Every rank's sample count in the training step in progress (``None`` outside training steps)."""
+        return self._runtime.step_sizes
+
+    @property
+    def lr_factor(self) -> float:
+        """The multiplier applied to the learning rate for each optimizer step (set by the Cannikin callback)."""
+        return self._runtime.lr_factor
+
+    @property
     def fixed_split(self) -> bool:
         """Whether the user fixed the split with ``local_batch_sizes`` (the planner must leave it alone)."""
         return self._runtime.fixed_split
