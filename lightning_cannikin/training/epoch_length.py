@@ -1,0 +1,46 @@
+"""Telling Lightning's fit loop that the running epoch has a new number of global batches.
+
+Lightning reads the training loader's length once, when it builds the loader, into four places: the fit loop's
+``max_batches`` (``trainer.num_training_batches``: where the epoch ends), the data fetcher's ``length`` (which flags
+the last batch, so a partial accumulation window still steps and epoch-interval schedulers run), the combined
+loader's limits, and the validation cadence ``val_check_batch``. A total batch changed mid-epoch changes the epoch's
+length, and so does resuming an epoch whose total changed before the checkpoint. Left stale, a longer epoch would be
+cut short (samples dropped) and a shorter one would end without its last-batch bookkeeping (no epoch-end validation).
+
+These are Lightning internals (checked on 2.6): ``tests/test_mid_epoch_total.py`` fails if they move.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
+
+__all__ = ["epoch_resizable", "sync_epoch_length"]
+
+
+def epoch_resizable(trainer: pl.Trainer) -> bool:
+    """Whether the running epoch's length may follow the loader: the whole loader is trained on (no
+    ``limit_train_batches``) through Lightning's own fetcher (not a ``dataloader_iter`` training step)."""
+    limit = trainer.limit_train_batches
+    fetcher = trainer.fit_loop._data_fetcher
+    return isinstance(limit, float) and limit == 1.0 and isinstance(fetcher, _PrefetchDataFetcher)
+
+
+def sync_epoch_length(trainer: pl.Trainer, batches: int) -> bool:
+    """Make the fit loop end the running epoch after ``batches`` global batches; whether anything changed."""
+    loop = trainer.fit_loop
+    if not epoch_resizable(trainer) or loop.max_batches == batches:
+        return False
+    loop.max_batches = batches
+    combined = loop._combined_loader
+    if combined is not None:
+        combined.limits = [batches] * len(combined.flattened)
+    fetcher = loop._data_fetcher
+    if fetcher is not None and fetcher.length is not None:
+        fetcher.length = batches
+        fetcher.done = fetcher.fetched >= batches
+    timed = getattr(trainer, "_val_check_time_interval", None) is not None
+    if isinstance(trainer.val_check_interval, float) and trainer.val_check_batch is not None and not timed:
+        # Lightning's own rule for a fractional interval; an integer interval is the user's batch count and stays
+        trainer.val_check_batch = max(1, int(batches * trainer.val_check_interval))
+    return True
