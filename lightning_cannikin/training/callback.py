@@ -253,7 +253,9 @@ class Cannikin(Callback):
         assert self._speed_model is not None and self._estimator is not None
         self._speed_model.add(records)
         if self._speed_model.drifts:
-            rank_zero_info(f"Cannikin: ranks {self._speed_model.drifts} changed speed; their timing starts afresh.")
+            rank_zero_info(
+                f"Cannikin: ranks {self._speed_model.drifts} changed speed; their models follow the measured change."
+            )
         self._history.observe(records)
         if current is None or not self._speed_model.ready:
             return None
