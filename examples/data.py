@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics.classification import MulticlassAccuracy
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 
@@ -100,10 +101,10 @@ class ImageClassifier(pl.LightningModule):
 
 
 @torch.no_grad()
-def accuracy(model: nn.Module, dataset: TensorDataset, batch_size: int = 1024) -> float:
+def accuracy(model: nn.Module, dataset: TensorDataset, batch_size: int = 1024, num_classes: int = 10) -> float:
     """Top-1 accuracy of ``model`` on all of ``dataset`` (one process, no sampler padding)."""
     model.eval()
-    correct = 0
+    metric = MulticlassAccuracy(num_classes, average="micro")
     for x, y in DataLoader(dataset, batch_size=batch_size):
-        correct += (model(x).argmax(dim=1) == y).sum().item()
-    return correct / len(dataset)
+        metric.update(model(x), y)
+    return float(metric.compute())
