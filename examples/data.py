@@ -104,7 +104,8 @@ class ImageClassifier(pl.LightningModule):
 def accuracy(model: nn.Module, dataset: TensorDataset, batch_size: int = 1024, num_classes: int = 10) -> float:
     """Top-1 accuracy of ``model`` on all of ``dataset`` (one process, no sampler padding)."""
     model.eval()
-    metric = MulticlassAccuracy(num_classes, average="micro")
+    # one process evaluates the whole set: no sync with the other ranks (which are not evaluating, and would hang)
+    metric = MulticlassAccuracy(num_classes, average="micro", sync_on_compute=False)
     for x, y in DataLoader(dataset, batch_size=batch_size):
         metric.update(model(x), y)
     return float(metric.compute())
