@@ -15,9 +15,7 @@ def test_the_demo_runs_cannikin_and_ddp_and_prints_both_times_and_the_ratio(capf
     assert set(times) == {"cannikin", "ddp"}, out[-3000:]
     ratio = re.search(r"ratio ([\d.]+)x the training time of DDP", out)
     assert ratio is not None, out[-3000:]
-    assert (
-        float(ratio.group(1)) == round(times["cannikin"] / times["ddp"], 2)
-        or abs(float(ratio.group(1)) - times["cannikin"] / times["ddp"]) < 0.02
-    )
+    # the printed ratio is the one of the two times (printed to 0.1 s); no claim on its value: speed is not tested
+    assert abs(float(ratio.group(1)) - times["cannikin"] / times["ddp"]) < 0.05, out[-3000:]
     final = re.search(r"final local batch sizes \[(\d+), (\d+), (\d+)\]", out)
     assert final is not None and int(final.group(1)) > int(final.group(2)) > int(final.group(3)), out[-3000:]
