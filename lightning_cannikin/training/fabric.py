@@ -153,7 +153,7 @@ class CannikinFabricStrategy(DDPStrategy):
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, (self._records, self.runtime.batches_yielded))
         self._records = []
-        self.schedule.last_replan_step = self._step
+        self.schedule.replanned(self._step, total_changed=False, balance=True)  # the total never changes here
         decision = None
         if self.global_rank == 0:
             self.speed_model.add([record for records, _ in gathered for record in records])
