@@ -272,16 +272,20 @@ def markdown(report: dict) -> str:
         "",
         "Step time of T4 jobs on 6-16 nodes (up to 64 GPUs), held out: the network model was fitted on 1-4 nodes",
         "(up to 16 GPUs). `clock`: measured compute + fitted network (what the simulator charges); `planner`: the",
-        "project's linear compute fit + fitted network (what the planner predicts).",
+        "project's linear compute fit + fitted network (what the planner predicts); `library`: the linear compute fit",
+        "in the library's two-regime step model `max(t + e c, s t + c)` (share `s` and exposed fraction `e` fitted on",
+        "the same 1-4-node runs; the library measures both live).",
         "",
-        "| job | network | held-out rows | clock median | clock p90 | planner median | planner p90 |",
-        "|---|---|---|---|---|---|---|",
+        "| job | network | held-out rows | clock median | clock p90 | planner median | planner p90 | library median |"
+        " library p90 | s, e |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in v["network"]:
         lines.append(
             f"| {r['job']} | {r['scaling']} | {r['heldout_rows']} | {r['heldout_median_err'] * 100:.1f}% |"
             f" {r['heldout_p90_err'] * 100:.1f}% | {r['heldout_planner_median_err'] * 100:.1f}% |"
-            f" {r['heldout_planner_p90_err'] * 100:.1f}% |"
+            f" {r['heldout_planner_p90_err'] * 100:.1f}% | {r['heldout_library_median_err'] * 100:.1f}% |"
+            f" {r['heldout_library_p90_err'] * 100:.1f}% | {r['library_share']:.2f}, {r['library_exposed']:.2f} |"
         )
     lines += [
         "",

@@ -20,6 +20,7 @@ import torch
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics.classification import MulticlassAccuracy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -31,13 +32,19 @@ IMAGE_SHAPES: dict[str, tuple[int, ...]] = {"digits": (1, 8, 8), "fashion-mnist"
 
 
 class DigitsClassifier(ImageClassifier):
-    """The example CNN plus a validation step (loss and accuracy, averaged over ranks at epoch end)."""
+    """The example CNN plus a validation step: the loss, averaged over ranks at epoch end, and the accuracy as a
+    torchmetrics metric, which counts the correct predictions of every rank (exact, whatever each rank's share)."""
+
+    def __init__(self, image_shape: tuple[int, ...] = (1, 8, 8), lr: float = 0.05, num_classes: int = 10) -> None:
+        super().__init__(image_shape, lr, num_classes)
+        self.val_acc = MulticlassAccuracy(num_classes, average="micro")
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         x, y = batch
         logits = self(x)
         self.log("val_loss", nn.functional.cross_entropy(logits, y), sync_dist=True)
-        self.log("val_acc", (logits.argmax(dim=1) == y).float().mean(), sync_dist=True, prog_bar=True)
+        self.val_acc.update(logits, y)
+        self.log("val_acc", self.val_acc, prog_bar=True)
 
 
 class ImageDataModule(pl.LightningDataModule):

@@ -1,17 +1,59 @@
 """lightning-cannikin: heterogeneity-aware data-parallel training for PyTorch Lightning.
 
 Importing the package registers ``strategy="cannikin"`` (and ``cannikin_spawn``, ``cannikin_fork``,
-``cannikin_notebook``) in Lightning's strategy registry.
+``cannikin_notebook``) in Lightning's strategy registry. The package itself is lazy: its public names are imported on
+first use, and the registration waits until Lightning is imported, so the maths, the simulator and the ``cannikin``
+command (``lightning_cannikin.tools.cli``) never pay for importing torch or Lightning. See :mod:`._registration`.
 """
 
-from lightning.pytorch.strategies import StrategyRegistry
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from lightning_cannikin.__about__ import __version__
-from lightning_cannikin.core.plan import Plan
-from lightning_cannikin.training.callback import Cannikin
-from lightning_cannikin.training.emulator import EmulatedCluster
-from lightning_cannikin.training.strategy import CannikinStrategy
+from lightning_cannikin._registration import register_when_lightning_is_imported
 
-CannikinStrategy.register_strategies(StrategyRegistry)
+if TYPE_CHECKING:  # the names below, for type checkers and IDEs; at run time `__getattr__` imports them on first use
+    from lightning_cannikin.core.plan import Plan
+    from lightning_cannikin.training.callback import Cannikin
+    from lightning_cannikin.training.emulator import EmulatedCluster
+    from lightning_cannikin.training.fabric import CannikinFabricStrategy
+    from lightning_cannikin.training.sampler import UnevenDistributedSampler
+    from lightning_cannikin.training.strategy import CannikinStrategy
 
-__all__ = ["Cannikin", "CannikinStrategy", "EmulatedCluster", "Plan", "__version__"]
+# public name -> the module that defines it
+_LAZY = {
+    "Plan": "lightning_cannikin.core.plan",
+    "Cannikin": "lightning_cannikin.training.callback",
+    "CannikinStrategy": "lightning_cannikin.training.strategy",
+    "CannikinFabricStrategy": "lightning_cannikin.training.fabric",
+    "EmulatedCluster": "lightning_cannikin.training.emulator",
+    "UnevenDistributedSampler": "lightning_cannikin.training.sampler",
+}
+
+__all__ = [
+    "Cannikin",
+    "CannikinFabricStrategy",
+    "CannikinStrategy",
+    "EmulatedCluster",
+    "Plan",
+    "UnevenDistributedSampler",
+    "__version__",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # imported once; later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+register_when_lightning_is_imported()

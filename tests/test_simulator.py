@@ -369,3 +369,18 @@ def test_sia_mix_balances_toward_a100() -> None:
     split = result.results["cannikin"].split_by_type(cluster)
     assert split["A100"] > split["T4"]
     assert result.results["cannikin"].time_to_target < result.results["adaptdl"].time_to_target
+
+
+def test_the_library_step_model_is_validated_on_held_out_multi_node_runs() -> None:
+    from lightning_cannikin.core.optperf import step_time
+    from lightning_cannikin.core.timing import CommModel, LinearTimeModel, step_time_pieces
+    from lightning_cannikin.simulation.validation import library_step_time, network_holdout
+
+    # the validated formula is the library's own pieces, evaluated for one device
+    for a, a0, b, c, share, exposed in [(0.002, 0.01, 64, 0.05, 0.3, 0.2), (0.001, 0.0, 8, 0.2, 0.5, 0.9)]:
+        pieces = step_time_pieces([LinearTimeModel(a, a0)], CommModel(c, exposed * c), 0.0, share)
+        assert step_time(*pieces, [b]) == pytest.approx(float(library_step_time(a * b + a0, c, share, exposed)))
+    rows = {r["job"]: r for r in network_holdout(SHIPPED, scalings=("linear",))}
+    for job in ("cifar10", "imagenet", "bert", "ncf"):
+        assert rows[job]["heldout_library_median_err"] < 0.10, rows[job]
+        assert 0.0 <= rows[job]["library_share"] <= 1.0 and 0.0 <= rows[job]["library_exposed"] <= 1.0

@@ -15,6 +15,7 @@ from numpy.typing import ArrayLike
 from lightning_cannikin.core.memory import MemoryFitter
 from lightning_cannikin.core.optperf import optimal_split, optperf, step_time
 from lightning_cannikin.core.plan import BatchBounds, Plan
+from lightning_cannikin.core.probe import probe_split
 from lightning_cannikin.core.timing import (
     CommModel,
     CommTimeFitter,
@@ -317,70 +318,20 @@ class SpeedModel:
     def probe(self, local_batch_sizes: Sequence[int]) -> tuple[int, ...]:
         """A split of the same total that gives every unmeasured rank a second batch size with a real lever.
 
-        It starts from the speed-proportional split that the times already measured imply (samples per second at
-        the batch each rank runs now), so the probe is already a good plan; every unmeasured rank is then moved at
-        least ``probe_lever`` of its batch away from where it is, within its bounds, and the sum is restored on the
-        ranks furthest above their share. A rank that cannot move within its bounds is left where it is.
+        See :func:`~lightning_cannikin.core.probe.probe_split`: it starts from the speed-proportional split the
+        times already measured imply (samples per second at the batch each rank runs now).
         """
         sizes = [int(b) for b in local_batch_sizes]
-        n, total = len(sizes), sum(sizes)
         unmeasured = [i for i in self._movable() if len(self.fitters[i].distinct_batch_sizes) < 2]
-        if n < 2 or not unmeasured or not self.ready:
+        if len(sizes) < 2 or not unmeasured or not self.ready:
             return tuple(sizes)
-        lower = self.lower
-        upper = self.upper or [total] * n
         models = self.models()
-        speed = []
+        speeds = []
         for i, b in enumerate(sizes):
             typical = self.fitters[i].typical(b)
             seconds = typical[0] if typical is not None else float(models[i](b))
-            speed.append(b / seconds if seconds > 0 else 1.0)
-        share = [total * v / sum(speed) for v in speed]
-        target = [min(max(round(x), lo), hi) for x, lo, hi in zip(share, lower, upper, strict=True)]
-        for i in unmeasured:
-            lever = self._lever(sizes[i])
-            if abs(target[i] - sizes[i]) >= lever:
-                continue
-            # too close to where it is: move it a full lever, the way that keeps the total nearest to unchanged
-            excess = sum(target) - total
-            up = excess < 0 or (excess == 0 and target[i] >= sizes[i])
-            for candidate in (sizes[i] + lever, sizes[i] - lever) if up else (sizes[i] - lever, sizes[i] + lever):
-                if lower[i] <= candidate <= upper[i]:
-                    target[i] = candidate
-                    break
-        return tuple(self._restore_total(target, sizes, share, unmeasured, total))
-
-    def _lever(self, batch_size: int) -> int:
-        """The least a probe moves a rank running ``batch_size``."""
-        return max(1, round(self.settings.probe_lever * batch_size))
-
-    def _restore_total(
-        self, target: list[int], sizes: list[int], share: list[float], unmeasured: list[int], total: int
-    ) -> list[int]:
-        """Move ``target`` back to ``total`` one sample at a time, never undoing an unmeasured rank's lever."""
-        lower = self.lower
-        upper = self.upper or [total] * len(target)
-        levers = {i: self._lever(sizes[i]) for i in unmeasured}
-        while (excess := sum(target) - total) != 0:
-            step = -1 if excess > 0 else 1
-
-            def allowed(i: int, step: int = step) -> bool:
-                moved = target[i] + step
-                if not lower[i] <= moved <= upper[i]:
-                    return False
-                return (
-                    i not in levers
-                    or abs(moved - sizes[i]) >= levers[i]
-                    or abs(moved - sizes[i]) > abs(target[i] - sizes[i])
-                )
-
-            candidates = [i for i in range(len(target)) if allowed(i)]
-            if not candidates:
-                return list(sizes)  # no split of this total gives the levers: keep the plan
-            # take from the rank furthest above its share (give to the one furthest below), highest rank first
-            pick = max(candidates, key=lambda i: ((target[i] - share[i]) * -step, i))
-            target[pick] += step
-        return target
+            speeds.append(b / seconds if seconds > 0 else 1.0)
+        return probe_split(sizes, speeds, unmeasured, self.lower, self.upper, self.settings.probe_lever)
 
     def state_dict(self) -> dict:
         return {

@@ -6,7 +6,8 @@ Three checks, each against the profiles:
    errors, and leave-one-out errors (fit on all batch sizes but one, predict that one).
 2. **Step time on many GPUs** (:func:`network_holdout`): the network model is fitted on T4 placements of 2 to 16 GPUs
    on 1 to 4 nodes, then predicts the held-out ``scalability.csv`` runs (6 to 16 nodes, up to 64 GPUs), once with the
-   measured compute time (the simulator's clock) and once with the linear model (what the planner believes).
+   measured compute time (the simulator's clock) and once with the linear model (what the planner believes); and
+   the library's own two-regime step model (:func:`library_step_time`), fitted on the same runs, predicts them too.
 3. **Statistical progress** (:func:`progress_holdout`): for every validation run at total batch M > B0, the
    steps needed to reach its final progress as the simulator counts them, compared with the run's measured count;
    in-sample (the run's own statistics are in the model) and leave-one-run-out.
@@ -35,6 +36,8 @@ from lightning_cannikin.simulation.models import (
 __all__ = [
     "TOLERANCE",
     "failures",
+    "fit_library_model",
+    "library_step_time",
     "network_holdout",
     "predicted_iterations",
     "progress_holdout",
@@ -106,6 +109,33 @@ def single_gpu_fits(store: ProfileStore, jobs: Iterable[str] = JOBS, leave_one_o
     return rows
 
 
+def library_step_time(compute: np.ndarray, network: np.ndarray, share: float, exposed: float) -> np.ndarray:
+    """The library's two-regime step model (``core.timing.step_time_pieces``) for one device.
+
+    Compute-bound, the step ends when backward ends plus the exposed part of the all-reduce (``exposed x c``);
+    all-reduce bound, the all-reduce starts when the first bucket is ready, after ``share`` of the compute, and
+    lasts ``c``: ``max(t + exposed * c, share * t + c)``.
+    """
+    t, c = np.asarray(compute, dtype=np.float64), np.asarray(network, dtype=np.float64)
+    return np.maximum(t + exposed * c, share * t + c)
+
+
+def fit_library_model(compute: np.ndarray, network: np.ndarray, step_time: np.ndarray) -> tuple[float, float]:
+    """``(share, exposed)`` in [0, 1] of :func:`library_step_time`, least squares on log time over a fine grid.
+
+    The library measures both live (the share of compute done when the first bucket is ready, and the all-reduce's
+    exposed part); offline profiles only have whole step times, so they are fitted here with the network time given.
+    """
+    grid = np.linspace(0.0, 1.0, 101)
+    share, exposed = np.meshgrid(grid, grid, indexing="ij")
+    t = np.asarray(compute, dtype=np.float64)[None, None, :]
+    c = np.asarray(network, dtype=np.float64)[None, None, :]
+    predicted = np.maximum(t + exposed[..., None] * c, share[..., None] * t + c)
+    cost = ((np.log(predicted) - np.log(np.asarray(step_time))[None, None, :]) ** 2).sum(axis=-1)
+    i, j = np.unravel_index(int(np.argmin(cost)), cost.shape)
+    return float(share[i, j]), float(exposed[i, j])
+
+
 def network_holdout(
     store: ProfileStore, jobs: Iterable[str] = JOBS, scalings: Iterable[str] = ("linear", "log")
 ) -> list[dict]:
@@ -131,6 +161,13 @@ def network_holdout(
             fit_err = errors(train, train["compute"])
             clock = errors(test, test["compute"])
             plan = errors(test, t4.predicted(test["local_bsz"]))
+            # the library's own two-regime model, with the same network time, fitted on the same runs
+            train_net = net.time(train["replicas"], train["nodes"] > 1)
+            share, exposed = fit_library_model(train["compute"], train_net, train["step_time"])
+            test_net = net.time(test["replicas"], test["nodes"] > 1)
+            library = _relative(
+                library_step_time(t4.predicted(test["local_bsz"]), test_net, share, exposed), test["step_time"]
+            )
             rows.append(
                 {
                     "job": job,
@@ -150,6 +187,10 @@ def network_holdout(
                     "heldout_p90_err": float(np.percentile(clock, 90)),
                     "heldout_planner_median_err": float(np.median(plan)),
                     "heldout_planner_p90_err": float(np.percentile(plan, 90)),
+                    "library_share": share,
+                    "library_exposed": exposed,
+                    "heldout_library_median_err": float(np.median(library)),
+                    "heldout_library_p90_err": float(np.percentile(library, 90)),
                 }
             )
     return rows

@@ -10,6 +10,7 @@ Exit codes: 0 success, 2 bad input (unknown command or option, unreadable profil
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -223,6 +224,8 @@ def _report(argv: list[str]) -> int:
     args = _parse(report_parser(), argv)
     if isinstance(args, int):
         return args
+    if importlib.util.find_spec("matplotlib") is None:
+        return _error("report", 'needs matplotlib: pip install "lightning-cannikin[plots]"')
     profile = _load("report", args.profile)
     if isinstance(profile, int):
         return profile

@@ -32,6 +32,7 @@ from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings, 
 from lightning_cannikin.tools.run_profile import PROFILE_FILENAME, build_profile, save_profile
 from lightning_cannikin.training.epoch_length import epoch_resizable, sync_epoch_length
 from lightning_cannikin.training.grad_stats import GradientNormObserver
+from lightning_cannikin.training.log_dir import run_log_dir
 from lightning_cannikin.training.metrics import log_noise_scale, log_prediction_error, log_step
 from lightning_cannikin.training.runtime import RuntimeState
 
@@ -68,7 +69,8 @@ class Cannikin(Callback):
         track_noise_scale: measure the gradient noise scale (one extra all-reduce of ``world_size`` floats per
             optimizer step). ``None``: only when it can change something, i.e. with ``max_batch_size`` or with
             ``lr_scaling="adascale"`` and a ``base_batch_size``.
-        save_profile: at each re-plan, rank zero writes ``cannikin_profile.json`` into the trainer's log dir, for
+        save_profile: at each re-plan, rank zero writes ``cannikin_profile.json`` into the first logger's folder for
+            this run (``version_N`` of TensorBoard and CSV, ``save_dir/name/version`` of W&B and MLflow), for
             ``cannikin plan`` and ``cannikin report``. Nothing is written without a logger.
 
     Example::
@@ -211,8 +213,8 @@ class Cannikin(Callback):
         self._adam = bool(trainer.optimizers) and is_adam_family(type(trainer.optimizers[0]).__name__)
         if self._observer is not None and self._adam:
             self._observer.optimizer = trainer.optimizers[0]
-        # `trainer.log_dir` broadcasts from rank zero: ask on every rank here, never from rank zero alone later
-        self._log_dir = trainer.log_dir if self.save_profile and trainer.loggers else None
+        # the logger's folder for this run (W&B and MLflow included); rank zero writes the profile, and alone asks
+        self._log_dir = run_log_dir(trainer) if self.save_profile and trainer.is_global_zero else None
         if self._restored is not None:
             self._load(self._restored)  # rank zero's factor and gain, the same on every rank
             self._restored = None
@@ -326,7 +328,9 @@ class Cannikin(Callback):
         assert self._speed_model is not None and self._estimator is not None
         self._speed_model.add(records)
         if self._speed_model.drifts:
-            rank_zero_info(f"Cannikin: ranks {self._speed_model.drifts} changed speed; their timing starts afresh.")
+            rank_zero_info(
+                f"Cannikin: ranks {self._speed_model.drifts} changed speed; their models follow the measured change."
+            )
         self._history.observe(records)
         if current is None or not self._speed_model.ready:
             return None

@@ -45,6 +45,7 @@ class UnevenDataLoader(DataLoader):
     def __init__(self, dataset: Dataset, batch_sampler: UnevenBatchSampler, **kwargs: Any) -> None:
         super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
         self.pending_steps: deque[tuple[int, tuple[int, ...]]] = deque()
+        self.iterated = False  # a batch has been drawn from this loader
         self._position = 0
         self._restore: dict | None = None
 
@@ -59,6 +60,7 @@ class UnevenDataLoader(DataLoader):
         return self._iterate()
 
     def _iterate(self) -> Iterator[Any]:
+        self.iterated = True
         sampler = self.uneven_sampler
         start = self._resume_position()
         if start == 0:
@@ -138,11 +140,21 @@ def rebuild_uneven(dataloader: DataLoader, plan: Plan, rank: int, seed: int | No
     """A copy of ``dataloader`` whose batches follow ``plan`` on this ``rank``.
 
     Raises:
-        ValueError: for iterable-style datasets, custom samplers, or a plan whose total exceeds the dataset.
+        ValueError: for DataLoader subclasses, iterable-style datasets, custom samplers, or a plan whose total exceeds
+            the dataset.
 
     """
+    if type(dataloader) not in (DataLoader, UnevenDataLoader):
+        raise ValueError(
+            f"The training DataLoader is a subclass ({type(dataloader).__name__}). Cannikin rebuilds the training"
+            " loader around its own batch sampler, which would drop what the subclass adds. Use a plain"
+            " `torch.utils.data.DataLoader` (move the subclass's logic into the Dataset, `collate_fn` or"
+            " `worker_init_fn`: all are kept), or use `strategy='ddp'`."
+        )
     dataset = dataloader.dataset
     if isinstance(dataset, IterableDataset):
+        # a stream has no sample index to split, and ranks reading their own shards cannot be given uneven shares of
+        # each global batch, nor be kept at the same number of batches, without a coordinator
         raise ValueError(
             "Cannikin needs a map-style training dataset (with `__len__` and `__getitem__`) to split each global batch"
             f" across ranks; got an IterableDataset ({type(dataset).__name__}). Use `strategy='ddp'` for it."

@@ -2,14 +2,16 @@
 
 Every rank builds the same seeded permutation each epoch and walks it one global batch at a time, laid out by
 :func:`lightning_cannikin.core.layout.epoch_layout`; every rank therefore knows every other rank's batch sizes, which
-the strategy uses to weight the gradient all-reduce exactly.
+the strategy uses to weight the gradient all-reduce exactly. :class:`UnevenDistributedSampler` is the same sampler for
+a plain ``torch.distributed`` loop (no Lightning needed; see ``examples/torch_distributed.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence, Sized
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from lightning_cannikin.core.layout import GlobalBatch, epoch_layout
@@ -133,3 +135,86 @@ class UnevenBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         return len(self.layout())
+
+
+class UnevenDistributedSampler(UnevenBatchSampler):
+    """Uneven local batches for any ``torch.distributed`` training loop: a DataLoader's ``batch_sampler``.
+
+    Every rank draws the same seeded permutation each epoch and takes ``local_batch_sizes[rank]`` consecutive indices
+    of each global batch. Every rank yields the same number of batches (so no rank waits forever in an all-reduce) and
+    every sample is drawn exactly once per epoch: the last, partial global batch is split in proportion to the sizes
+    (folded into the previous one when it has fewer samples than ranks) unless ``drop_last``.
+
+    Every rank's loss is a mean over its own batch, so averaging gradients over ranks, as DDP does, over-weights the
+    small batches. Multiply each rank's gradient by :meth:`weight` (its share of the step's samples) and *sum* over the
+    ranks, e.g. with :func:`~lightning_cannikin.training.comm_hook.weighted_allreduce_hook` as the DDP comm hook, and
+    the update is the exact mean gradient over the global batch.
+
+    Args:
+        dataset: the map-style dataset, or its length.
+        local_batch_sizes: samples per step of each rank, in global rank order (at least one each).
+        rank: this process's global rank; default: ``torch.distributed``'s, which then also checks the world size.
+        shuffle: a fresh seeded permutation each epoch (call :meth:`set_epoch`); otherwise the dataset's order.
+        seed: the permutation's seed, equal on every rank.
+        drop_last: drop the last, partial global batch.
+
+    Example::
+
+        sampler = UnevenDistributedSampler(dataset, local_batch_sizes=[48, 16])
+        loader = DataLoader(dataset, batch_sampler=sampler)
+        ddp.register_comm_hook(state := WeightedAllReduceState(), weighted_allreduce_hook)
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)
+            for step, (x, y) in enumerate(loader):
+                state.weight = sampler.weight(step)
+                loss_fn(ddp(x), y).backward()  # the mean loss over this rank's batch
+                optimizer.step()
+                optimizer.zero_grad()
+
+    """
+
+    def __init__(
+        self,
+        dataset: Sized | int,
+        local_batch_sizes: Sequence[int],
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        plan = Plan(tuple(local_batch_sizes))
+        if rank is None:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise ValueError("Pass `rank=`: torch.distributed is not initialized, so the rank is unknown.")
+            rank = dist.get_rank()
+            if dist.get_world_size() != plan.world_size:
+                raise ValueError(
+                    f"`local_batch_sizes` has {plan.world_size} entries but the world size is"
+                    f" {dist.get_world_size()}. Give one size per rank."
+                )
+        num_samples = dataset if isinstance(dataset, int) else len(dataset)
+        if plan.global_batch_size > num_samples:
+            raise ValueError(
+                f"The global batch of {plan.global_batch_size} (`local_batch_sizes`={list(plan.local_batch_sizes)}) is"
+                f" larger than the dataset ({num_samples} samples). Lower `local_batch_sizes`."
+            )
+        super().__init__(num_samples, rank, plan, shuffle=shuffle, seed=seed, drop_last=drop_last)
+
+    @property
+    def local_batch_sizes(self) -> tuple[int, ...]:
+        """The sizes in force from the epoch's first batch."""
+        return self.schedule[0].local_batch_sizes
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch's permutation (call it with the same epoch on every rank before iterating)."""
+        self.sampler.set_epoch(epoch)
+
+    def set_local_batch_sizes(self, local_batch_sizes: Sequence[int]) -> None:
+        """A new split for the epochs to come (call it between epochs, with the same sizes on every rank)."""
+        self.set_plan(Plan(tuple(local_batch_sizes)), from_batch=0)
+
+    def weight(self, batch_index: int) -> float:
+        """This rank's share of the samples of global batch ``batch_index``: its gradient's weight in a summing
+        all-reduce."""
+        sizes = self.sizes_at(batch_index)
+        return sizes[self.rank] / sum(sizes)

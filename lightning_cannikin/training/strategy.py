@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.strategy import _StrategyRegistry
-from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -20,6 +20,20 @@ from lightning_cannikin.training.callback import Cannikin
 from lightning_cannikin.training.comm_hook import WeightedAllReduceState, weighted_allreduce_hook
 from lightning_cannikin.training.loader import UnevenDataLoader, loader_batch_size, rebuild_uneven
 from lightning_cannikin.training.runtime import RuntimeState
+
+NO_DISTRIBUTED_SAMPLER_ERROR = (
+    "`Trainer(use_distributed_sampler=False)` cannot be combined with CannikinStrategy: Cannikin must own the training"
+    " sampler to split each global batch across the ranks (every rank reads the same dataset and takes its own slice"
+    " of one shared permutation). Remove `use_distributed_sampler=False`; for datasets sharded by rank ahead of time,"
+    " use `strategy='ddp'`."
+)
+MULTIPLE_LOADERS_ERROR = (
+    "CannikinStrategy balances one training DataLoader, and this fit has several (a dict, list or CombinedLoader of"
+    " loaders). Its weighted all-reduce gives the exact mean gradient only if every loader's batch is split in the"
+    " same proportions, which integer batch sizes rarely allow. Combine the data sets into one map-style Dataset"
+    " (`torch.utils.data.StackDataset` gives one sample of each per item, `ConcatDataset` mixes them) behind one"
+    " DataLoader, or use `strategy='ddp'`."
+)
 
 
 def validate_local_batch_sizes(local_batch_sizes: Sequence[int] | None) -> tuple[int, ...] | None:
@@ -136,6 +150,9 @@ class CannikinStrategy(DDPStrategy):
         # `strategy="cannikin"` alone still balances the cluster: add the callback unless the user passed one or
         # fixed the split
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        if fitting and not getattr(trainer._accelerator_connector, "use_distributed_sampler", True):
+            raise ValueError(NO_DISTRIBUTED_SAMPLER_ERROR)  # on every rank alike, before the process group exists
         wanted = trainer is not None and not self.fixed_split
         if wanted and not any(isinstance(cb, Cannikin) for cb in trainer.callbacks):
             trainer.callbacks.append(Cannikin())
@@ -162,6 +179,10 @@ class CannikinStrategy(DDPStrategy):
             raise ValueError(
                 f"CannikinStrategy needs a torch DataLoader for training, got {type(dataloader).__name__}."
             )
+        if self._train_loader is not None and not self._train_loader.iterated:
+            # Lightning processes every training loader of a fit before it draws a batch from any: a loader built
+            # earlier in this fit and never iterated means that this one is a second loader of the same fit
+            raise ValueError(MULTIPLE_LOADERS_ERROR)
         accumulation = trainer.accumulate_grad_batches
         if self._fixed_sizes is not None:
             plan = Plan(self._fixed_sizes, accumulation)

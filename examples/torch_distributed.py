@@ -1,0 +1,101 @@
+"""Uneven local batches in a plain ``torch.distributed`` loop: no Lightning, the exact mean gradient.
+
+    python examples/torch_distributed.py                      # starts 2 CPU processes itself (gloo)
+    torchrun --nproc_per_node 2 examples/torch_distributed.py # or any launcher that sets RANK and WORLD_SIZE
+
+Rank r trains on ``--local-batch-sizes[r]`` samples per step (a fast device gets more), drawn by
+``UnevenDistributedSampler`` from one permutation that every rank shares: every rank runs the same number of steps
+and every sample is used once per epoch. The weighted all-reduce hook multiplies each rank's gradient by its share of
+the step's samples (``sampler.weight(step)``) and sums, so the update is the exact mean gradient over the global batch,
+where DDP's plain average would over-weight the small batches.
+
+``import lightning_cannikin`` here imports neither Lightning nor anything but torch: the package is lazy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from lightning_cannikin import UnevenDistributedSampler
+from lightning_cannikin.training.comm_hook import WeightedAllReduceState, weighted_allreduce_hook
+
+
+def make_dataset(num_samples: int = 1000, dim: int = 8, seed: int = 0) -> TensorDataset:
+    """``(x, y, index)`` of a seeded linear regression problem (the index lets a test audit the samples)."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_samples, dim, generator=generator)
+    y = x @ torch.randn(dim, 1, generator=generator) + 0.1 * torch.randn(num_samples, 1, generator=generator)
+    return TensorDataset(x, y, torch.arange(num_samples))
+
+
+def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    torch.manual_seed(0)
+    dataset = make_dataset(args.num_samples)
+    model = DistributedDataParallel(nn.Linear(dataset.tensors[0].shape[1], 1))
+    state = WeightedAllReduceState()
+    model.register_comm_hook(state, weighted_allreduce_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+
+    sampler = UnevenDistributedSampler(dataset, args.local_batch_sizes, shuffle=True, seed=args.seed)
+    loader = DataLoader(dataset, batch_sampler=sampler)
+    steps: list[dict] = []
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        for step, (x, y, index) in enumerate(loader):
+            state.weight = sampler.weight(step)  # this rank's share of the step's samples
+            params = [p.detach().flatten().tolist() for p in model.parameters()]
+            loss = nn.functional.mse_loss(model(x), y)  # the mean over this rank's samples
+            loss.backward()  # the hook: sum over ranks of weight * gradient = the mean over the global batch
+            grads = [p.grad.flatten().tolist() for p in model.parameters()]
+            optimizer.step()
+            optimizer.zero_grad()
+            steps.append({"epoch": epoch, "indices": index.tolist(), "params": params, "grads": grads})
+    if args.record:
+        Path(args.record, f"rank{rank}.json").write_text(json.dumps(steps))
+    samples = sum(len(s["indices"]) for s in steps)
+    print(f"rank {rank}: {len(steps)} steps, {samples} samples, local batch {args.local_batch_sizes[rank]}", flush=True)
+    dist.destroy_process_group()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--local-batch-sizes", type=int, nargs="+", default=[48, 16], help="one per rank")
+    parser.add_argument("--num-samples", type=int, default=1000)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--record", metavar="DIR", help="write each rank's indices, parameters and gradients here")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    if "RANK" in os.environ:  # started by torchrun or another launcher
+        train(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
+        return
+    with socket.socket() as sock:  # a free port on the loopback address for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    world_size = len(args.local_batch_sizes)
+    mp.spawn(train, args=(world_size, args), nprocs=world_size, join=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Register ``strategy="cannikin"`` in Lightning's registry without importing Lightning before the user does.
+
+Lightning's ``StrategyRegistry`` is filled at import time and never looks for plugins, so ``import lightning_cannikin``
+must register the names. Importing Lightning for that would cost seconds in every process that only wants the maths,
+the simulator or the ``cannikin`` command. So:
+
+* if Lightning is already imported, the names are registered at once;
+* otherwise an import hook waits for ``lightning.pytorch`` to finish importing (all of Lightning is loaded by then,
+  whichever of its modules the user imported) and registers the names right after it, before the user's
+  ``import`` statement returns.
+
+The registry stores a small factory rather than the class, so registering imports nothing of this package: the
+factory imports :class:`~lightning_cannikin.training.strategy.CannikinStrategy` when Lightning builds the strategy
+from its name. (A registry entry only has to be callable with its stored init parameters.)
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+__all__ = ["REGISTRY_NAMES", "register_when_lightning_is_imported"]
+
+# registry name -> launcher start method
+REGISTRY_NAMES: dict[str, str] = {
+    "cannikin": "popen",
+    "cannikin_spawn": "spawn",
+    "cannikin_fork": "fork",
+    "cannikin_notebook": "fork",
+}
+
+_LIGHTNING = "lightning.pytorch"
+
+
+def build_cannikin_strategy(**init_params: Any) -> Any:
+    """What the registry calls to build a :class:`~lightning_cannikin.CannikinStrategy` from its name."""
+    from lightning_cannikin.training.strategy import CannikinStrategy
+
+    return CannikinStrategy(**init_params)
+
+
+def register(registry: Any) -> None:
+    """Add the names to ``registry`` (a second call, or a name registered otherwise, is left alone)."""
+    for name, start_method in REGISTRY_NAMES.items():
+        if name in registry:
+            continue
+        registry.register(
+            name,
+            build_cannikin_strategy,
+            description=f"Cannikin heterogeneity-aware DDP with `start_method` '{start_method}'",
+            start_method=start_method,
+        )
+
+
+def _register_in_lightning() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    register(StrategyRegistry)
+
+
+def _fully_imported(name: str) -> bool:
+    module = sys.modules.get(name)
+    return module is not None and not getattr(getattr(module, "__spec__", None), "_initializing", False)
+
+
+class _LoaderThenCall(importlib.abc.Loader):
+    """Runs the real loader, puts it back on the module, then calls ``after``."""
+
+    def __init__(self, loader: importlib.abc.Loader, after: Callable[[], None]) -> None:
+        self._loader = loader
+        self._after = after
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        try:
+            self._loader.exec_module(module)
+        finally:
+            module.__loader__ = self._loader
+            if module.__spec__ is not None:
+                module.__spec__.loader = self._loader
+        self._after()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+class _AfterImportFinder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: wraps the loader the other finders return for one module name, once."""
+
+    def __init__(self, name: str, after: Callable[[], None]) -> None:
+        self.name = name
+        self.after = after
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # once, and never while looking up the real spec below
+        for finder in sys.meta_path:
+            find_spec = getattr(finder, "find_spec", None)
+            spec = find_spec(fullname, path, target) if find_spec is not None else None
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _LoaderThenCall(spec.loader, self.after)
+                return spec
+        return None
+
+
+def register_when_lightning_is_imported() -> None:
+    """Register now if Lightning is imported, else as soon as it is (idempotent)."""
+    if _fully_imported(_LIGHTNING):
+        _register_in_lightning()
+        return
+    if not any(isinstance(finder, _AfterImportFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImportFinder(_LIGHTNING, _register_in_lightning))

@@ -1,0 +1,98 @@
+"""A Lightning Fabric loop with ``CannikinFabricStrategy``: 2 CPU ranks (fork, gloo), an emulated 1x:3x cluster.
+
+One fit checks it all: every rank runs the same number of steps, every sample comes once per epoch, every step's
+gradient is the exact mean over the global batch (recomputed here in one process), and the split moves towards the
+faster rank.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_cannikin import CannikinFabricStrategy
+from tests.models import IndexedRegression
+
+NUM_SAMPLES = 200
+EPOCHS = 3
+PER_SAMPLE_S = (0.001, 0.003)  # rank 1 is 3x slower
+
+
+def _train(fabric: L.Fabric, strategy: CannikinFabricStrategy, out: Path) -> None:
+    torch.manual_seed(0)
+    dataset = IndexedRegression(NUM_SAMPLES)
+    model = nn.Linear(dataset.x.shape[1], 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = fabric.setup(model, optimizer)
+    loader = strategy.uneven_dataloader(DataLoader(dataset, batch_size=12, shuffle=True))
+    loader = fabric.setup_dataloaders(loader, use_distributed_sampler=False)
+    steps = []
+    for epoch in range(EPOCHS):
+        for x, y, index in loader:
+            params = [p.detach().flatten().tolist() for p in model.parameters()]
+            with strategy.step() as sizes:
+                loss = nn.functional.mse_loss(model(x), y)
+                time.sleep(0.002 + PER_SAMPLE_S[fabric.global_rank] * len(index))  # the emulated device
+                fabric.backward(loss)
+            grads = [p.grad.flatten().tolist() for p in model.parameters()]
+            optimizer.step()
+            optimizer.zero_grad()
+            steps.append(
+                {"epoch": epoch, "indices": index.tolist(), "sizes": list(sizes), "params": params, "grads": grads}
+            )
+    record = {"steps": steps, "plan": list(strategy.plan.local_batch_sizes), "hook_calls": strategy.runtime.hook.calls}
+    (out / f"rank{fabric.global_rank}.json").write_text(json.dumps(record))
+
+
+def _mean_gradient(dataset: IndexedRegression, indices: list[int], params: list[list[float]]) -> torch.Tensor:
+    layer = nn.Linear(dataset.x.shape[1], 1)
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor(params[0]).view_as(layer.weight))
+        layer.bias.copy_(torch.tensor(params[1]).view_as(layer.bias))
+    nn.functional.mse_loss(layer(dataset.x[indices]), dataset.y[indices]).backward()
+    return torch.cat([layer.weight.grad.flatten(), layer.bias.grad.flatten()])
+
+
+def test_a_fabric_loop_gets_uneven_batches_the_exact_mean_gradient_and_a_balanced_split(tmp_path):
+    strategy = CannikinFabricStrategy(start_method="fork", warmup_steps=4)
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch(_train, strategy, tmp_path)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    steps0, steps1 = ranks[0]["steps"], ranks[1]["steps"]
+    assert len(steps0) == len(steps1) > 0, "every rank runs the same number of steps"
+    assert ranks[0]["hook_calls"] >= len(steps0), "the weighted all-reduce ran on CPU"
+    for epoch in range(EPOCHS):
+        seen = sorted(i for steps in (steps0, steps1) for s in steps if s["epoch"] == epoch for i in s["indices"])
+        assert seen == list(range(NUM_SAMPLES)), f"epoch {epoch}: every sample exactly once"
+    dataset = IndexedRegression(NUM_SAMPLES)
+    uneven = worst = 0
+    for step0, step1 in zip(steps0, steps1, strict=True):
+        assert step0["sizes"] == step1["sizes"] == [len(step0["indices"]), len(step1["indices"])]
+        uneven += step0["sizes"][0] != step0["sizes"][1]
+        reference = _mean_gradient(dataset, step0["indices"] + step1["indices"], step0["params"])
+        for step in (step0, step1):
+            reduced = torch.tensor([g for grad in step["grads"] for g in grad])
+            worst = max(worst, float((reduced - reference).abs().max()))
+    assert uneven > len(steps0) // 2, "most steps ran an uneven split"
+    assert worst < 1e-5, worst
+    plan = ranks[0]["plan"]
+    assert ranks[1]["plan"] == plan and sum(plan) == 24
+    assert plan[0] >= 15, f"rank 0 is 3x faster (optimum about 17-18 of 24): {plan}"
+
+
+def test_the_fabric_example_balances_its_emulated_cluster(capfd):
+    from examples.fabric_loop import main
+
+    main(["--epochs", "2", "--per-sample-ms", "1", "3"])
+    out = capfd.readouterr().out
+    final = re.search(r"final local batch sizes \[(\d+), (\d+)\]", out)
+    assert final is not None, out[-2000:]
+    assert int(final.group(1)) + int(final.group(2)) == 64 and int(final.group(1)) > 40, out[-2000:]
+    assert float(re.search(r"test_accuracy=([\d.]+)", out).group(1)) > 0.3, out[-2000:]

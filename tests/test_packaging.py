@@ -1,0 +1,177 @@
+"""What a user installs: every import declared, ``py.typed``, and the CLI's pure commands free of torch and Lightning.
+
+The wheel itself (built, installed into a fresh environment and run from another directory) is checked by
+``.ci/wheel_check``, which ``.ci/run`` calls.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "lightning_cannikin"
+HEAVY = ("torch", "lightning", "lightning_fabric", "pytorch_lightning", "matplotlib")
+
+
+def _requirement_names(requirements: list[str]) -> set[str]:
+    return {re.split(r"[\s\[<>=!~;]", r, maxsplit=1)[0].lower().replace("_", "-") for r in requirements}
+
+
+def _pyproject() -> dict:
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _imports(paths: list[Path]) -> dict[str, bool]:
+    """Third-party top-level module -> whether some file imports it at module level (not inside a function or an
+    ``if TYPE_CHECKING:`` block)."""
+    found: dict[str, bool] = {}
+    for path in paths:
+        tree = ast.parse(path.read_text())
+        lazy: set[int] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.If)):
+                lazy.update(id(child) for child in ast.walk(node) if child is not node)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top in sys.stdlib_module_names or top in ("lightning_cannikin", "examples", "tests", "__future__"):
+                    continue
+                found[top] = found.get(top, False) or id(node) not in lazy
+    return found
+
+
+def _distribution(module: str) -> str:
+    dists = importlib.metadata.packages_distributions().get(module)
+    assert dists, f"{module} is imported but no installed distribution provides it"
+    return dists[0].lower().replace("_", "-")
+
+
+def test_every_import_of_the_package_is_declared():
+    project = _pyproject()["project"]
+    required = _requirement_names(project["dependencies"])
+    plots = _requirement_names(project["optional-dependencies"]["plots"])
+    imports = _imports(sorted(PACKAGE.rglob("*.py")))
+    undeclared = {m: _distribution(m) for m in imports if _distribution(m) not in required | plots}
+    assert not undeclared, f"imported but not declared in pyproject.toml: {undeclared}"
+    # an optional dependency may only be imported lazily, so that the package works without it
+    eager_optional = [m for m, eager in imports.items() if eager and _distribution(m) in plots - required]
+    assert not eager_optional, f"optional dependencies imported at module level: {eager_optional}"
+
+
+def test_every_declared_dependency_is_used():
+    project = _pyproject()["project"]
+    files = sorted(PACKAGE.rglob("*.py")) + sorted((ROOT / "examples").glob("*.py"))
+    used = {_distribution(m) for m in _imports(files)}
+    unused = _requirement_names(project["dependencies"]) - used
+    assert not unused, f"declared but never imported by the package or its examples: {unused}"
+
+
+def test_the_wheel_marks_the_package_typed():
+    assert (PACKAGE / "py.typed").is_file()
+    package_data = _pyproject()["tool"]["setuptools"]["package-data"]["lightning_cannikin"]
+    assert "py.typed" in package_data and any(entry.startswith("data/") for entry in package_data)
+
+
+def _imported_modules(args: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """Run ``python -X importtime ARGS`` and read back every module the interpreter imported."""
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", *args], capture_output=True, text=True, timeout=120, cwd=cwd, check=False
+    )
+    modules = {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    modules.discard("package")  # the header line
+    return done, modules
+
+
+def _profile(tmp_path: Path) -> Path:
+    from lightning_cannikin.core.plan import BatchBounds
+    from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings, StepRecord
+    from lightning_cannikin.tools.run_profile import build_profile, save_profile
+
+    rng = np.random.default_rng(0)
+    model = SpeedModel(2, SpeedModelSettings(), BatchBounds.parse(None, 2))
+    records = []
+    for step, split in enumerate([(16, 16)] * 6 + [(20, 12)] * 6):
+        compute = [a * b + 0.005 + rng.normal(0.0, 1e-5) for a, b in zip((0.001, 0.003), split, strict=True)]
+        records += [StepRecord(step, r, split[r], compute[r], max(compute) + 0.002) for r in (0, 1)]
+    model.add(records)
+    return save_profile(tmp_path / "cannikin_profile.json", build_profile(model, []))
+
+
+def test_the_cli_commands_import_neither_torch_nor_lightning(tmp_path):
+    cli = ["-m", "lightning_cannikin.tools.cli"]
+    done, modules = _imported_modules([*cli, "simulate", "--help"], tmp_path)
+    assert done.returncode == 0 and "usage: cannikin simulate" in done.stdout, done.stderr[-2000:]
+    # the measurement works: the simulator and its maths were imported, and nothing heavy
+    assert {"lightning_cannikin.simulation.engine", "lightning_cannikin.core.policy", "numpy"} <= modules
+    assert not {m for m in modules if m.split(".")[0] in HEAVY}, sorted(m for m in modules if "torch" in m)[:5]
+
+    done, modules = _imported_modules([*cli, "plan", str(_profile(tmp_path)), "-b", "32", "--json"], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["optimal"]["local_batch_sizes"][0] > 16, "rank 0 is 3x faster: it gets more"
+    assert "lightning_cannikin.tools.run_profile" in modules
+    assert not {m for m in modules if m.split(".")[0] in HEAVY}
+
+
+def test_import_is_lazy_and_registers_the_strategy_once_lightning_is_imported(tmp_path):
+    # one process (Lightning costs ~15 s to import): the package first, Lightning afterwards
+    code = """
+import json, sys
+heavy = lambda: sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "lightning"))
+report = {}
+import lightning_cannikin.tools.cli
+report["after_cli"] = heavy()
+import lightning_cannikin
+from lightning_cannikin import Plan
+report["after_package"] = heavy()
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import StrategyRegistry
+report["registered"] = sorted(n for n in StrategyRegistry if n.startswith("cannikin"))
+trainer = pl.Trainer(strategy="cannikin_fork", devices=2, accelerator="cpu", logger=False)
+report["strategy"] = type(trainer.strategy).__module__ + "." + type(trainer.strategy).__qualname__
+report["start_method"] = trainer.strategy._start_method
+report["loader_restored"] = type(pl.__spec__.loader).__module__
+# and with Lightning imported first: registered at import
+import importlib
+for name in report["registered"]:
+    StrategyRegistry.remove(name)
+importlib.reload(lightning_cannikin)
+report["registered_again"] = sorted(n for n in StrategyRegistry if n.startswith("cannikin"))
+print(json.dumps(report))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["after_cli"] == [] and report["after_package"] == [], report
+    assert report["registered"] == ["cannikin", "cannikin_fork", "cannikin_notebook", "cannikin_spawn"]
+    assert report["strategy"] == "lightning_cannikin.training.strategy.CannikinStrategy"
+    assert report["start_method"] == "fork"
+    assert report["loader_restored"] != "lightning_cannikin._registration", "the import hook must put the loader back"
+    assert report["registered_again"] == report["registered"]
+
+
+def test_every_public_name_resolves():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_cannikin
+
+    assert isinstance(StrategyRegistry.get("cannikin"), lightning_cannikin.CannikinStrategy)
+    for name in lightning_cannikin.__all__:
+        assert getattr(lightning_cannikin, name) is not None, name
+    with pytest.raises(AttributeError, match="no attribute 'missing'"):
+        _ = lightning_cannikin.missing
