@@ -16,7 +16,6 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
@@ -30,7 +29,7 @@ from lightning_cannikin.core.policy import Decision, PolicySettings, decide, lea
 from lightning_cannikin.core.schedule import ReplanSchedule
 from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings, StepRecord
 from lightning_cannikin.tools.run_profile import PROFILE_FILENAME, build_profile, save_profile
-from lightning_cannikin.training.epoch_length import epoch_resizable, sync_epoch_length
+from lightning_cannikin.training.fit_loop import adopt_plan, all_gather, epoch_resizable, sync_epoch_length
 from lightning_cannikin.training.grad_stats import GradientNormObserver
 from lightning_cannikin.training.log_dir import run_log_dir
 from lightning_cannikin.training.metrics import log_noise_scale, log_prediction_error, log_step
@@ -52,15 +51,14 @@ class Cannikin(Callback):
             combined with ``max_batch_size``).
         replan_every_n_steps: also re-plan the split mid-epoch every this many training steps (``None``: at epoch
             ends only).
-        adapt_every_n_steps: with ``max_batch_size``, also reconsider the total batch mid-epoch every this many
-            training steps (``None``: at epoch ends only). The noise-scale average spans about a thousand base-batch
-            steps, so checking much more often buys nothing; the default suits epochs of a few hundred steps or more.
-            A mid-epoch change keeps every sample once per epoch (the epoch ends when its samples run out) and keeps
-            the accumulation in force; it is skipped under ``limit_train_batches``.
-        accumulate: reach goodput-optimal totals beyond what the ranks' upper bounds hold in one micro-step with
-            gradient accumulation (the same number of micro-steps on every rank), changed at epoch ends by setting
-            the Trainer's ``accumulate_grad_batches`` as Lightning's ``GradientAccumulationScheduler`` does. Ignored
-            under manual optimization.
+        adapt_every_n_steps: with ``max_batch_size``, also reconsider the total batch mid-epoch once the noise scale
+            is usable, then every this many training steps (``None``: at epoch ends only). The noise-scale average
+            spans about a thousand base-batch steps, so much more often buys nothing. A mid-epoch change keeps the
+            accumulation, and every sample once (the epoch ends when its samples do); not under
+            ``limit_train_batches``.
+        accumulate: reach totals beyond what the upper bounds hold in one micro-step with gradient accumulation (the
+            same micro-steps on every rank), changed at epoch ends. Off under manual optimization or when the Trainer
+            has its own ``accumulate_grad_batches``.
         warmup_steps: while some device's speed is not yet measured at two batch sizes, re-plan every this many
             steps: the first re-plan probes a second batch size on every rank, the next one balances.
         half_life: recency half-life of the timing fits, in steps.
@@ -99,15 +97,11 @@ class Cannikin(Callback):
         if base_batch_size is not None and base_batch_size < 1:
             raise ValueError(f"`base_batch_size` must be a positive integer or None, got {base_batch_size}.")
         BatchBounds.check(local_batch_bounds)
-        if adapt_every_n_steps is not None and (isinstance(adapt_every_n_steps, bool) or adapt_every_n_steps < 1):
-            raise ValueError(f"`adapt_every_n_steps` must be a positive integer or None, got {adapt_every_n_steps}.")
         self.policy = PolicySettings(max_batch_size, balance, adapt_margin, lr_scaling, accumulate=accumulate)
-        self.adapt_every_n_steps = adapt_every_n_steps
-        self._last_adapt_step = 0
         self._length_checked: int | None = None
         self._user_accumulation: int | None = None
         self._trainer: pl.Trainer | None = None
-        self.schedule = ReplanSchedule(warmup_steps, replan_every_n_steps)
+        self.schedule = ReplanSchedule(warmup_steps, replan_every_n_steps, adapt_every_n_steps)
         self.speed_settings = SpeedModelSettings(half_life=half_life)
         self.local_batch_bounds = local_batch_bounds
         self.base_batch_size = base_batch_size
@@ -196,14 +190,8 @@ class Cannikin(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         plan = self.plan
-        cap = self.policy.max_batch_size
-        if plan is not None and cap is not None and plan.total_batch_size > cap:
-            # every rank sees the same plan and raises here, before any collective of the fit
-            raise ValueError(
-                f"`max_batch_size`={cap} is smaller than the initial total batch of {plan.total_batch_size}"
-                f" ({list(plan.local_batch_sizes)} per rank x {plan.accumulation_steps} accumulation step(s)). Raise"
-                " `max_batch_size`, or lower the DataLoader `batch_size` (or `accumulate_grad_batches`)."
-            )
+        if plan is not None:
+            self.policy.check_initial(plan)  # every rank sees the same plan: all raise, before any collective
         if self.policy.accumulate and (not pl_module.automatic_optimization or self._user_accumulation != 1):
             # Lightning accumulates under automatic optimization only; a user's own accumulation is kept as given
             self.policy = replace(self.policy, accumulate=False)
@@ -233,12 +221,9 @@ class Cannikin(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         assert self._runtime is not None
-        sampler = self._runtime.sampler
-        if sampler is not None and self._length_checked != trainer.current_epoch:
-            # an epoch's layout is settled at its first batch (a resumed one is restored then), after Lightning read
-            # the loader's length
-            self._length_checked = trainer.current_epoch
-            sync_epoch_length(trainer, len(sampler))
+        if self._runtime.sampler is not None and self._length_checked != trainer.current_epoch:
+            self._length_checked = trainer.current_epoch  # a resumed epoch's layout is restored at its first batch
+            sync_epoch_length(trainer, len(self._runtime.sampler))
         self._runtime.timer.start()
 
     @override
@@ -271,17 +256,15 @@ class Cannikin(Callback):
                 log_step(pl_module, record, self.plan, self.lr_factor)  # only where it reaches a logger: it costs
                 if trainer.is_global_zero and (error := self._history.prediction_error) is not None:
                     log_prediction_error(pl_module, error)
-        if not runtime.timer.reduced:
-            self._step += 1
-            return  # mid-window: every micro-batch of an accumulation window must run under the same layout
-        self._after_optimizer_step(trainer, pl_module)
+        reduced = runtime.timer.reduced  # no re-plan mid-window: a window's micro-batches share one layout
+        if reduced:
+            self._after_optimizer_step(trainer, pl_module)
         self._step += 1
-        if runtime.fixed_split:
+        if not reduced or runtime.fixed_split:
             return
         adapt = (
-            self.adapt_every_n_steps is not None
-            and self.policy.max_batch_size is not None
-            and self._step - self._last_adapt_step >= self.adapt_every_n_steps
+            self.policy.max_batch_size is not None
+            and self.schedule.adapt_due(self._step, self._adapt_ready)
             and epoch_resizable(trainer)
         )
         if adapt or self.schedule.due(self._step, self._identified, self.policy.balance):
@@ -302,13 +285,8 @@ class Cannikin(Callback):
         # every step, identical on every rank, with no collective of its own
         updated = self._observer.fold_into(self._estimator, self._runtime.accumulation_window)
         if updated and self.plan is not None:
-            self.lr_factor, self.gain = learning_rate_scale(
-                self.policy.lr_scaling,
-                self.plan.total_batch_size,
-                self._estimator.base_batch_size,
-                self._usable_noise_scale(),
-                self._adam,
-            )
+            base, total, phi = self._estimator.base_batch_size, self.plan.total_batch_size, self._usable_noise_scale()
+            self.lr_factor, self.gain = learning_rate_scale(self.policy.lr_scaling, total, base, phi, self._adam)
             self._runtime.lr_factor = self.lr_factor
         phi = self._estimator.noise_scale
         if updated and phi is not None and np.isfinite(phi) and (self._step + 1) % trainer.log_every_n_steps == 0:
@@ -316,13 +294,18 @@ class Cannikin(Callback):
             total = self.plan.total_batch_size if self.plan is not None else base
             log_noise_scale(pl_module, phi, float(efficiency(phi, total, base)))
 
+    @property
+    def _adapt_ready(self) -> bool:
+        """The noise scale can be acted on, and the speeds are measured (or the split is even)."""
+        return self._usable_noise_scale() is not None and (self._identified or not self.policy.balance)
+
     def _usable_noise_scale(self) -> float | None:
         """The noise scale once enough steps have been averaged to act on it (``None`` before)."""
         assert self._estimator is not None
         return self._estimator.noise_scale if self._estimator.num_updates >= self.min_noise_updates else None
 
     def _decide(
-        self, records: list[StepRecord], current: Plan | None, mid_epoch: bool, adapt_total: bool
+        self, records: list[StepRecord], current: Plan | None, mid_epoch: bool, adapt_total: bool | None = None
     ) -> Decision | None:
         """Rank zero: fold in every rank's records and decide (``None`` while some rank has no timing yet)."""
         assert self._speed_model is not None and self._estimator is not None
@@ -343,7 +326,7 @@ class Cannikin(Callback):
             policy,
             self._usable_noise_scale(),
             self._estimator.base_batch_size,
-            adapt_total=adapt_total,
+            adapt_total=not mid_epoch if adapt_total is None else adapt_total,
             adam=self._adam,
         )
 
@@ -351,7 +334,7 @@ class Cannikin(Callback):
         """Gather, decide on rank zero, broadcast, adopt. Every rank must call this at the same step."""
         runtime = self._runtime
         assert runtime is not None
-        gathered = _all_gather((self._records, runtime.batches_yielded))
+        gathered = all_gather((self._records, runtime.batches_yielded))
         from_batch = max(y for _, y in gathered) if mid_epoch else 0
         self._records = []
         current = runtime.plan
@@ -364,23 +347,13 @@ class Cannikin(Callback):
             self.schedule.replanned(self._step, total_changed=False, balance=self.policy.balance)
             return
         if adapt_total:
-            self._last_adapt_step = self._step
+            self.schedule.adapted_at(self._step, self._adapt_ready)
         plan = decision.plan
         total_changed = plan.total_batch_size != current.total_batch_size
         self.schedule.replanned(self._step, total_changed, self.policy.balance)
         self.lr_factor = runtime.lr_factor = decision.lr_factor
         self.gain, self._identified = decision.gain, decision.identified
-        if total_changed and not mid_epoch:
-            # the next epoch's length changes with the total batch: Lightning must rebuild the loader to see it
-            trainer.reload_dataloaders_every_n_epochs = max(trainer.reload_dataloaders_every_n_epochs, 1)
-            trainer.accumulate_grad_batches = plan.accumulation_steps
-            runtime.adopt(plan)
-        else:
-            # mid-epoch, a new total lands on the next batch not yet handed out; the epoch ends when its samples do
-            runtime.adopt(plan, from_batch=from_batch)
-            if total_changed and runtime.sampler is not None:
-                trainer.reload_dataloaders_every_n_epochs = max(trainer.reload_dataloaders_every_n_epochs, 1)
-                sync_epoch_length(trainer, len(runtime.sampler))
+        adopt_plan(trainer, runtime, plan, mid_epoch, from_batch)
         changed = self._speed_model.drifts if trainer.is_global_zero and self._speed_model is not None else []
         self._history.append(self._step, trainer.current_epoch, plan, decision.lr_factor, self.noise_scale, changed)
         if trainer.is_global_zero and self._log_dir and self._speed_model is not None:
@@ -405,7 +378,8 @@ class Cannikin(Callback):
             "history": self.history,
             "step": self._step,
             "identified": self._identified,
-            "last_adapt_step": self._last_adapt_step,
+            "last_adapt_step": self.schedule.last_adapt_step,
+            "adapted": self.schedule.adapted,
             "noise_in_flight": self._observer.state_dict() if self._observer is not None else None,
         }
 
@@ -438,17 +412,9 @@ class Cannikin(Callback):
         self.gain = state["gain"]
         self._history.entries = list(state["history"])
         self._step = self.schedule.last_replan_step = state["step"]
-        self._last_adapt_step = int(state.get("last_adapt_step", self._step))
+        self.schedule.last_adapt_step = int(state.get("last_adapt_step", self._step))
+        self.schedule.adapted = bool(state.get("adapted", True))
         if state.get("noise_in_flight") is not None and self._observer is not None:
             self._observer.load_state_dict(state["noise_in_flight"])
         same_devices = state.get("balancer") is not None and state["balancer"]["world_size"] == self._world_size
         self._identified = bool(state.get("identified", False)) and same_devices
-
-
-def _all_gather(obj: Any) -> list[Any]:
-    """One object per rank (a single-process run returns ``[obj]``)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return [obj]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
-    return gathered
