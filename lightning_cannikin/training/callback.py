@@ -133,7 +133,7 @@ class Cannikin(Callback):
 
     @property
     def noise_scale(self) -> float | None:
-        """The gradient noise scale ``tr(Sigma) / |G|^2`` in samples (rank zero; ``None`` until measured)."""
+        """The gradient noise scale ``tr(Sigma) / |G|^2`` in samples (equal on every rank; ``None`` until measured)."""
         return self._estimator.noise_scale if self._estimator is not None else None
 
     @property
