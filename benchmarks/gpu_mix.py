@@ -10,8 +10,9 @@ locally), all scaled by one common factor. At small batches their fixed part dom
 Task: WordNet glosses -> the 45 lexicographer classes (117,659 texts from Debian's ``wordnet-base``), a bag of hashed
 words (``EmbeddingBag``-style mean of 16-d embeddings, 263k parameters), SGD with momentum and a cosine decay run on
 Cannikin's ``progress``. It was chosen by measuring the noise scale with the library's own estimator on single-process
-runs at B0 = 96 (``python benchmarks/gpu_mix.py --survey``): Fashion-MNIST (an MLP) stayed below B0 for its first
-third and below 2 x B0 for 60% of a run to its plateau; these glosses start near 4 x B0 and end above 10 x B0.
+runs at B0 = 96 (``python benchmarks/gpu_mix.py [wordnet|fashion-mnist]``, a cosine over 2 epochs there, over 4 and 6
+in the first survey): Fashion-MNIST (an MLP) stayed below B0 for its first 30% and below 2 x B0 for about 70% of a run
+to its plateau; these glosses start near 4 x B0 (375 at 24k samples) and pass 10 x B0 as the LR decays.
 """
 
 from __future__ import annotations
@@ -108,15 +109,29 @@ def gpu_costs(scale: float) -> tuple[list[float], list[float], dict]:
     return per_sample, fixed, {"job": JOB, "gpus": list(GPUS), "sources": sources, "scale": scale}
 
 
-def survey(epochs: int = 2, base_batch: int = 96, groups: int = 4) -> list[tuple[int, float, float]]:
-    """Single-process noise-scale path of the task at B0 (``groups`` equal groups per step, the library's estimator)."""
+def survey(
+    task: str = "wordnet", epochs: int = 2, base_batch: int = 96, groups: int = 4
+) -> list[tuple[int, float, float]]:
+    """Single-process noise-scale path of a task at B0 (``groups`` equal groups per step, the library's estimator),
+    SGD with momentum and a cosine over ``epochs``: ``"wordnet"`` (this scenario's) or ``"fashion-mnist"`` (an MLP
+    784-256-128-10 at lr 0.1, the candidate it was compared with)."""
     from lightning_cannikin.core.noise_scale import NoiseScaleEstimator
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    train, test = load_wordnet()
-    model = GlossClassifier()
-    optimizer = torch.optim.SGD(model.parameters(), lr=model.lr, momentum=0.9)
+    if task == "wordnet":
+        train, test = load_wordnet()
+        model, lr = GlossClassifier(), 1.5
+    else:
+        from examples.data import load_dataset
+
+        train, test, _ = load_dataset("fashion-mnist")
+        model = nn.Sequential(
+            nn.Flatten(), nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 10)
+        )
+        lr = 0.1
+    horizon = epochs * len(train) / base_batch
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     estimator, steps, path = NoiseScaleEstimator(base_batch), len(train) // base_batch, []
     for step in range(epochs * steps):
         if step % steps == 0:
@@ -136,7 +151,7 @@ def survey(epochs: int = 2, base_batch: int = 96, groups: int = 4) -> list[tuple
             p.grad.copy_(mean[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
         for group in optimizer.param_groups:
-            group["lr"] = model.lr * 0.5 * (1 + math.cos(math.pi * min(step / model.horizon, 1.0)))
+            group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * min(step / horizon, 1.0)))
         optimizer.step()
         if (step + 1) % 250 == 0:
             with torch.no_grad():
@@ -147,4 +162,4 @@ def survey(epochs: int = 2, base_batch: int = 96, groups: int = 4) -> list[tuple
 
 
 if __name__ == "__main__":
-    survey()
+    survey(sys.argv[1] if len(sys.argv) > 1 else "wordnet")

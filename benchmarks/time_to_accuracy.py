@@ -111,7 +111,7 @@ def configure(name: str, max_batch_size: int) -> tuple[str, list]:
     return "cannikin_fork", [Cannikin(max_batch_size=max_batch_size, balance=balance, lr_scaling="adascale")]
 
 
-def plot(runs: dict[str, list[dict]], path: Path) -> None:
+def plot(runs: dict[str, list[dict]], path: Path, base_batch: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -122,7 +122,9 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
     for name, results in runs.items():
         curve, colour = results[0]["curve"], colours[name]
         times = [p["time"] for p in curve]
-        axes[0].step(times, [p["total_batch_size"] for p in curve], where="post", color=colour, label=name)
+        # every run starts at B0; the curve's points are its evaluations (the first after 5,000 samples)
+        totals = [p["total_batch_size"] for p in curve]
+        axes[0].step([0.0, *times], [base_batch, *totals], where="post", color=colour, label=name)
         lrs = [p["lr_factor"] * p.get("scheduled_lr", 1.0) for p in curve]
         axes[1].step(times, lrs, where="post", color=colour, label=name)
         measured = [(p["time"], p["noise_scale"]) for p in curve if p.get("noise_scale") is not None]
@@ -131,7 +133,7 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
         axes[3].plot(times, [p["accuracy"] for p in curve], marker="o", color=colour, label=name)
     axes[0].set_ylabel("total batch size")
     axes[1].set_ylabel("LR (schedule x factor)" if "scheduled_lr" in curve[0] else "LR factor")
-    axes[2].axhline(curve[0]["total_batch_size"] if curve else 0, color="grey", linestyle=":", label="B0")
+    axes[2].axhline(base_batch, color="grey", linestyle=":", label="B0")
     axes[2].set_ylabel("noise scale (samples)")
     axes[2].legend()
     axes[3].set_ylabel("test accuracy")
@@ -303,7 +305,7 @@ def main(argv: list[str] | None = None) -> dict:
     subset = args.train_samples or "all"
     title = f"# Time to {target:.0%} test accuracy ({args.scenario}: {options['data']}, {subset} training samples)"
     out.with_suffix(".md").write_text(f"{title}\n\n{table}\n")
-    plot(runs, out.with_suffix(".png"))
+    plot(runs, out.with_suffix(".png"), base_batch)
     print(table)
     print(f"saved {out.with_suffix('.json')}, .md, .png")
     return report
