@@ -38,8 +38,9 @@ def test_unequal_fixed_costs_with_jitter_and_warmup(seed):
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_the_readme_demo_is_balanced_in_its_first_epoch(seed):
-    # examples/emulated_cluster.py: 1x:2x:4x at 5 ms per step, 32 per device, 15 steps an epoch (digits)
-    devices = EmulatedDevices([0.5, 1.0, 2.0], 5.0, jitter_ms=2.0, seed=seed, **WARMUP)
+    # examples/emulated_cluster.py: 1x:2x:4x (1, 2, 4 ms per sample), 10 ms per step, 32 per device, 15 steps an
+    # epoch (digits)
+    devices = EmulatedDevices([1.0, 2.0, 4.0], 10.0, jitter_ms=2.0, seed=seed, **WARMUP)
     run = replay(devices, 3, 96, 60, epoch_steps=15)
     first_epoch_end = next(d for step, d in run.decisions if step == 15)
     assert run.clean_step_time(first_epoch_end.plan) <= 1.05 * run.optimum(96), run.decisions
