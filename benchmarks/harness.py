@@ -11,6 +11,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +42,10 @@ class EpochClock(Callback):
         target_accuracy: float | None = None,
         total_batch: int = 0,
         eval_every_samples: int | None = None,
+        num_classes: int = 10,
     ) -> None:
         self.out = out
+        self.num_classes = num_classes
         self.eval_every_samples = eval_every_samples
         self.next_eval = eval_every_samples or 0
         self.total_batch = total_batch
@@ -77,7 +80,7 @@ class EpochClock(Callback):
         reached = False
         if trainer.is_global_zero:
             paused = time.perf_counter()
-            value = accuracy(pl_module, self.test_set)
+            value = accuracy(pl_module, self.test_set, num_classes=self.num_classes)
             pl_module.train()
             plan = getattr(trainer.strategy, "plan", None)
             cannikin = next((cb for cb in trainer.callbacks if isinstance(cb, Cannikin)), None)
@@ -88,6 +91,7 @@ class EpochClock(Callback):
                     "accuracy": value,
                     "total_batch_size": plan.total_batch_size if plan else self.total_batch,
                     "lr_factor": getattr(trainer.strategy, "lr_factor", 1.0),
+                    "scheduled_lr": trainer.optimizers[0].param_groups[0]["lr"],
                     "samples": sum(self.epoch_samples),
                     "noise_scale": cannikin.noise_scale if cannikin is not None else None,
                 }
@@ -107,7 +111,7 @@ class EpochClock(Callback):
             ],
             "epoch_samples": self.epoch_samples,
             "history": cannikin.history if cannikin is not None else [],
-            "test_accuracy": accuracy(pl_module, self.test_set),
+            "test_accuracy": accuracy(pl_module, self.test_set, num_classes=self.num_classes),
             "wall_time": time.perf_counter() - self.started - self.eval_time,
             "curve": self.curve,
         }
@@ -128,11 +132,16 @@ def run(
     train_samples: int | None = None,
     eval_every_samples: int | None = None,
     emulated: dict[str, Any] | None = None,
+    task: tuple[Any, Any, Callable[[], pl.LightningModule], int] | None = None,
 ) -> dict[str, Any]:
-    """Train once; returns rank zero's measurements. ``emulated``: more ``EmulatedCluster`` options (jitter, ...)."""
+    """Train once; returns rank zero's measurements. ``emulated``: more ``EmulatedCluster`` options (jitter, ...).
+    ``task``: ``(train set, test set, module factory, number of classes)`` instead of ``data`` and the CNN."""
     torch.set_num_threads(1)
     pl.seed_everything(seed, verbose=False)
-    train, test, shape = load_dataset(data, seed=seed)
+    if task is None:
+        train, test, shape = load_dataset(data, seed=seed)
+        task = (train, test, lambda: ImageClassifier(shape, lr=lr), 10)
+    train, test, make_module, num_classes = task
     if train_samples is not None and train_samples < len(train):
         train = torch.utils.data.Subset(
             train, torch.randperm(len(train), generator=torch.Generator().manual_seed(0))[:train_samples].tolist()
@@ -146,7 +155,9 @@ def run(
             max_epochs=epochs,
             callbacks=[
                 EmulatedCluster(per_sample_ms, fixed_ms, seed=seed, **(emulated or {})),
-                EpochClock(out, test, target_accuracy, batch_size * len(per_sample_ms), eval_every_samples),
+                EpochClock(
+                    out, test, target_accuracy, batch_size * len(per_sample_ms), eval_every_samples, num_classes
+                ),
                 *(callbacks or []),
             ],
             logger=False,
@@ -154,7 +165,7 @@ def run(
             enable_progress_bar=False,
             enable_model_summary=False,
         )
-        trainer.fit(ImageClassifier(shape, lr=lr), DataLoader(train, batch_size=batch_size, shuffle=True))
+        trainer.fit(make_module(), DataLoader(train, batch_size=batch_size, shuffle=True))
         return json.loads(out.read_text())
 
 

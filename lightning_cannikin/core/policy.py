@@ -89,6 +89,16 @@ class PolicySettings:
             raise ValueError(f"`adapt_margin` must be >= 0, got {self.margin}.")
         object.__setattr__(self, "lr_scaling", validate_rule(self.lr_scaling))
 
+    def check_initial(self, plan: Plan) -> None:
+        """Refuse a first plan whose total already exceeds ``max_batch_size`` (it would train on, silently)."""
+        cap = self.max_batch_size
+        if cap is not None and plan.total_batch_size > cap:
+            raise ValueError(
+                f"`max_batch_size`={cap} is smaller than the initial total batch of {plan.total_batch_size}"
+                f" ({list(plan.local_batch_sizes)} per rank x {plan.accumulation_steps} accumulation step(s)). Raise"
+                " `max_batch_size`, or lower the DataLoader `batch_size` (or `accumulate_grad_batches`)."
+            )
+
 
 @dataclass(frozen=True)
 class Decision:

@@ -1,4 +1,5 @@
-"""When to re-plan mid-epoch: every few steps while some device's speed is unmeasured, and on a fixed cadence.
+"""When to re-plan mid-epoch: every few steps while some device's speed is unmeasured, on a fixed cadence, and when to
+reconsider the total batch mid-epoch.
 
 Pure Python: imports neither torch nor Lightning.
 """
@@ -19,12 +20,17 @@ class ReplanSchedule:
             the first re-plan probes a second batch size on every rank, the next one balances. Not used when the
             split is even (an even split probes nothing, so it would re-plan forever for no change).
         every_n_steps: also re-plan every this many steps (``None``: never on a cadence).
+        adapt_every_n_steps: reconsider the total batch mid-epoch every this many steps, and once as soon as the
+            statistics allow it (``None``: at epoch ends only).
 
     """
 
     warmup_steps: int = 8
     every_n_steps: int | None = None
+    adapt_every_n_steps: int | None = None
     last_replan_step: int = 0
+    last_adapt_step: int = 0
+    adapted: bool = False  # a total batch was chosen with statistics that allow it
     settle_at: int | None = None  # a re-plan due once a new total batch has been timed at its new sizes
 
     def __post_init__(self) -> None:
@@ -32,6 +38,21 @@ class ReplanSchedule:
             raise ValueError(f"`warmup_steps` must be >= 1, got {self.warmup_steps}.")
         if self.every_n_steps is not None and int(self.every_n_steps) < 1:
             raise ValueError(f"`replan_every_n_steps` must be a positive integer or None, got {self.every_n_steps}.")
+        every = self.adapt_every_n_steps
+        if every is not None and (isinstance(every, bool) or int(every) < 1):
+            raise ValueError(f"`adapt_every_n_steps` must be a positive integer or None, got {every}.")
+
+    def adapt_due(self, step: int, ready: bool) -> bool:
+        """Whether to reconsider the total batch mid-epoch after ``step`` steps; ``ready``: the noise scale can be acted
+        on and the speeds are measured (the same answer on every rank)."""
+        if self.adapt_every_n_steps is None:
+            return False
+        return (ready and not self.adapted) or step - self.last_adapt_step >= self.adapt_every_n_steps
+
+    def adapted_at(self, step: int, ready: bool) -> None:
+        """The total batch was reconsidered after ``step`` steps (at an epoch end too)."""
+        self.last_adapt_step = step
+        self.adapted = self.adapted or ready
 
     def due(self, step: int, identified: bool, balance: bool) -> bool:
         """Whether the ranks re-plan after ``step`` steps (the same answer on every rank)."""

@@ -9,12 +9,13 @@ its :class:`~lightning_cannikin.training.runtime.RuntimeState`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
-import torch.distributed as dist
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
@@ -28,6 +29,7 @@ from lightning_cannikin.core.policy import Decision, PolicySettings, decide, lea
 from lightning_cannikin.core.schedule import ReplanSchedule
 from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings, StepRecord
 from lightning_cannikin.tools.run_profile import PROFILE_FILENAME, build_profile, save_profile
+from lightning_cannikin.training.fit_loop import adopt_plan, all_gather, epoch_resizable, sync_epoch_length
 from lightning_cannikin.training.grad_stats import GradientNormObserver
 from lightning_cannikin.training.log_dir import run_log_dir
 from lightning_cannikin.training.metrics import log_noise_scale, log_prediction_error, log_step
@@ -48,7 +50,15 @@ class Cannikin(Callback):
         balance: split unevenly by measured speed; ``False`` keeps an even split (an AdaptDL-like baseline when
             combined with ``max_batch_size``).
         replan_every_n_steps: also re-plan the split mid-epoch every this many training steps (``None``: at epoch
-            ends only). The total batch changes only at epoch ends.
+            ends only).
+        adapt_every_n_steps: with ``max_batch_size``, also reconsider the total batch mid-epoch once the noise scale
+            is usable, then every this many training steps (``None``: at epoch ends only). The noise-scale average
+            spans about a thousand base-batch steps, so much more often buys nothing. A mid-epoch change keeps the
+            accumulation, and every sample once (the epoch ends when its samples do); not under
+            ``limit_train_batches``.
+        accumulate: reach totals beyond what the upper bounds hold in one micro-step with gradient accumulation (the
+            same micro-steps on every rank), changed at epoch ends. Off under manual optimization or when the Trainer
+            has its own ``accumulate_grad_batches``.
         warmup_steps: while some device's speed is not yet measured at two batch sizes, re-plan every this many
             steps: the first re-plan probes a second batch size on every rank, the next one balances.
         half_life: recency half-life of the timing fits, in steps.
@@ -75,6 +85,8 @@ class Cannikin(Callback):
         base_batch_size: int | None = None,
         balance: bool = True,
         replan_every_n_steps: int | None = None,
+        adapt_every_n_steps: int | None = 200,
+        accumulate: bool = True,
         warmup_steps: int = 8,
         half_life: float = 50.0,
         adapt_margin: float = 0.05,
@@ -85,8 +97,11 @@ class Cannikin(Callback):
         if base_batch_size is not None and base_batch_size < 1:
             raise ValueError(f"`base_batch_size` must be a positive integer or None, got {base_batch_size}.")
         BatchBounds.check(local_batch_bounds)
-        self.policy = PolicySettings(max_batch_size, balance, adapt_margin, lr_scaling)
-        self.schedule = ReplanSchedule(warmup_steps, replan_every_n_steps)
+        self.policy = PolicySettings(max_batch_size, balance, adapt_margin, lr_scaling, accumulate=accumulate)
+        self._length_checked: int | None = None
+        self._user_accumulation: int | None = None
+        self._trainer: pl.Trainer | None = None
+        self.schedule = ReplanSchedule(warmup_steps, replan_every_n_steps, adapt_every_n_steps)
         self.speed_settings = SpeedModelSettings(half_life=half_life)
         self.local_batch_bounds = local_batch_bounds
         self.base_batch_size = base_batch_size
@@ -118,7 +133,7 @@ class Cannikin(Callback):
 
     @property
     def noise_scale(self) -> float | None:
-        """The gradient noise scale ``tr(Sigma) / |G|^2`` in samples (rank zero; ``None`` until measured)."""
+        """The gradient noise scale ``tr(Sigma) / |G|^2`` in samples (equal on every rank; ``None`` until measured)."""
         return self._estimator.noise_scale if self._estimator is not None else None
 
     @property
@@ -156,6 +171,9 @@ class Cannikin(Callback):
                 f" {type(trainer.strategy).__name__}."
             )
         self._runtime, self._world_size = runtime, trainer.world_size
+        self._trainer = trainer
+        if self._user_accumulation is None:  # before any change of ours (a resume restores ours afterwards)
+            self._user_accumulation = trainer.accumulate_grad_batches
         if self._speed_model is None:
             bounds = BatchBounds.parse(self.local_batch_bounds, trainer.world_size)
             self._speed_model = SpeedModel(trainer.world_size, self.speed_settings, bounds)
@@ -172,6 +190,11 @@ class Cannikin(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         plan = self.plan
+        if plan is not None:
+            self.policy.check_initial(plan)  # every rank sees the same plan: all raise, before any collective
+        if self.policy.accumulate and (not pl_module.automatic_optimization or self._user_accumulation != 1):
+            # Lightning accumulates under automatic optimization only; a user's own accumulation is kept as given
+            self.policy = replace(self.policy, accumulate=False)
         base = self.base_batch_size or (plan.total_batch_size if plan is not None else 1)
         if self._estimator is None:
             self._estimator = NoiseScaleEstimator(base)
@@ -198,6 +221,9 @@ class Cannikin(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         assert self._runtime is not None
+        if self._runtime.sampler is not None and self._length_checked != trainer.current_epoch:
+            self._length_checked = trainer.current_epoch  # a resumed epoch's layout is restored at its first batch
+            sync_epoch_length(trainer, len(self._runtime.sampler))
         self._runtime.timer.start()
 
     @override
@@ -207,6 +233,13 @@ class Cannikin(Callback):
         if self._observer is not None and not self._runtime.timer.reduced:
             # an accumulation micro-step (no reduction): its gradient is a noise group of its own
             self._observer.after_micro_step(pl_module.parameters(), self._runtime.hook.micro_weight)
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        # a step counts at the gain it is taken with, before the scheduler that may read progress steps after it
+        self.progress.add(self.gain)
 
     @override
     def on_train_batch_end(
@@ -223,34 +256,57 @@ class Cannikin(Callback):
                 log_step(pl_module, record, self.plan, self.lr_factor)  # only where it reaches a logger: it costs
                 if trainer.is_global_zero and (error := self._history.prediction_error) is not None:
                     log_prediction_error(pl_module, error)
-        if runtime.timer.reduced:
+        reduced = runtime.timer.reduced  # no re-plan mid-window: a window's micro-batches share one layout
+        if reduced:
             self._after_optimizer_step(trainer, pl_module)
         self._step += 1
-        if not runtime.fixed_split and self.schedule.due(self._step, self._identified, self.policy.balance):
-            self._replan(trainer, mid_epoch=True)
+        if not reduced or runtime.fixed_split:
+            return
+        adapt = (
+            self.policy.max_batch_size is not None
+            and self.schedule.adapt_due(self._step, self._adapt_ready)
+            and epoch_resizable(trainer)
+        )
+        if adapt or self.schedule.due(self._step, self._identified, self.policy.balance):
+            self._replan(trainer, mid_epoch=True, adapt_total=adapt)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._runtime is not None
         if not self._runtime.fixed_split:
-            self._replan(trainer, mid_epoch=False)
+            self._replan(trainer, mid_epoch=False, adapt_total=True)
 
     def _after_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Progress, and on rank zero the noise-scale statistics of the step's gradients."""
+        """The step's noise statistics, and from them the LR factor and gain of the next step."""
         assert self._runtime is not None and self._estimator is not None
-        # the gain comes from rank zero's last decision, so progress (and schedules driven by it) agree on all ranks
-        self.progress.add(self.gain)
         if self._observer is None:
             return
-        estimator = self._estimator if trainer.is_global_zero else None
-        updated = self._observer.fold_into(estimator, self._runtime.accumulation_window)
+        # every rank folds the same exchanged numbers into its own estimator: the factor follows the noise scale at
+        # every step, identical on every rank, with no collective of its own
+        updated = self._observer.fold_into(self._estimator, self._runtime.accumulation_window)
+        if updated and self.plan is not None:
+            base, total, phi = self._estimator.base_batch_size, self.plan.total_batch_size, self._usable_noise_scale()
+            self.lr_factor, self.gain = learning_rate_scale(self.policy.lr_scaling, total, base, phi, self._adam)
+            self._runtime.lr_factor = self.lr_factor
         phi = self._estimator.noise_scale
         if updated and phi is not None and np.isfinite(phi) and (self._step + 1) % trainer.log_every_n_steps == 0:
             base = self._estimator.base_batch_size
             total = self.plan.total_batch_size if self.plan is not None else base
             log_noise_scale(pl_module, phi, float(efficiency(phi, total, base)))
 
-    def _decide(self, records: list[StepRecord], current: Plan | None, mid_epoch: bool) -> Decision | None:
+    @property
+    def _adapt_ready(self) -> bool:
+        """The noise scale can be acted on, and the speeds are measured (or the split is even)."""
+        return self._usable_noise_scale() is not None and (self._identified or not self.policy.balance)
+
+    def _usable_noise_scale(self) -> float | None:
+        """The noise scale once enough steps have been averaged to act on it (``None`` before)."""
+        assert self._estimator is not None
+        return self._estimator.noise_scale if self._estimator.num_updates >= self.min_noise_updates else None
+
+    def _decide(
+        self, records: list[StepRecord], current: Plan | None, mid_epoch: bool, adapt_total: bool | None = None
+    ) -> Decision | None:
         """Rank zero: fold in every rank's records and decide (``None`` while some rank has no timing yet)."""
         assert self._speed_model is not None and self._estimator is not None
         self._speed_model.add(records)
@@ -261,43 +317,43 @@ class Cannikin(Callback):
         self._history.observe(records)
         if current is None or not self._speed_model.ready:
             return None
-        enough = self._estimator.num_updates >= self.min_noise_updates
+        # Lightning's accumulation changes at epoch ends only (as its GradientAccumulationScheduler does it): a
+        # mid-epoch window must not straddle two values
+        policy = replace(self.policy, accumulate=False) if mid_epoch else self.policy
         return decide(
             self._speed_model,
             current,
-            self.policy,
-            self._estimator.noise_scale if enough else None,
+            policy,
+            self._usable_noise_scale(),
             self._estimator.base_batch_size,
-            adapt_total=not mid_epoch,  # mid-epoch, the epoch's length must not change
+            adapt_total=not mid_epoch if adapt_total is None else adapt_total,
             adam=self._adam,
         )
 
-    def _replan(self, trainer: pl.Trainer, mid_epoch: bool) -> None:
+    def _replan(self, trainer: pl.Trainer, mid_epoch: bool, adapt_total: bool) -> None:
         """Gather, decide on rank zero, broadcast, adopt. Every rank must call this at the same step."""
         runtime = self._runtime
         assert runtime is not None
-        gathered = _all_gather((self._records, runtime.batches_yielded))
+        gathered = all_gather((self._records, runtime.batches_yielded))
         from_batch = max(y for _, y in gathered) if mid_epoch else 0
         self._records = []
         current = runtime.plan
         decision = None
         if trainer.is_global_zero:
-            decision = self._decide([r for rank_records, _ in gathered for r in rank_records], current, mid_epoch)
+            records = [r for rank_records, _ in gathered for r in rank_records]
+            decision = self._decide(records, current, mid_epoch, adapt_total)
         decision = trainer.strategy.broadcast(decision, src=0)
         if decision is None or current is None:
             self.schedule.replanned(self._step, total_changed=False, balance=self.policy.balance)
             return
+        if adapt_total:
+            self.schedule.adapted_at(self._step, self._adapt_ready)
         plan = decision.plan
-        total_changed = plan.global_batch_size != current.global_batch_size
+        total_changed = plan.total_batch_size != current.total_batch_size
         self.schedule.replanned(self._step, total_changed, self.policy.balance)
         self.lr_factor = runtime.lr_factor = decision.lr_factor
         self.gain, self._identified = decision.gain, decision.identified
-        if total_changed:
-            # the epoch's length changes with the total batch: Lightning must rebuild the loader to see it
-            trainer.reload_dataloaders_every_n_epochs = max(trainer.reload_dataloaders_every_n_epochs, 1)
-            runtime.adopt(plan)
-        else:
-            runtime.adopt(plan, from_batch=from_batch)
+        adopt_plan(trainer, runtime, plan, mid_epoch, from_batch)
         changed = self._speed_model.drifts if trainer.is_global_zero and self._speed_model is not None else []
         self._history.append(self._step, trainer.current_epoch, plan, decision.lr_factor, self.noise_scale, changed)
         if trainer.is_global_zero and self._log_dir and self._speed_model is not None:
@@ -322,6 +378,9 @@ class Cannikin(Callback):
             "history": self.history,
             "step": self._step,
             "identified": self._identified,
+            "last_adapt_step": self.schedule.last_adapt_step,
+            "adapted": self.schedule.adapted,
+            "noise_in_flight": self._observer.state_dict() if self._observer is not None else None,
         }
 
     @override
@@ -339,6 +398,8 @@ class Cannikin(Callback):
                 f" keeping the global batch of {plan.global_batch_size}, split evenly until the new devices are timed."
             )
         self._runtime.adopt(plan)
+        if self._trainer is not None and self._user_accumulation == 1:
+            self._trainer.accumulate_grad_batches = plan.accumulation_steps  # what this callback had set
 
     def _load(self, state: dict[str, Any]) -> None:
         if state.get("balancer") is not None and self._speed_model is not None:
@@ -351,14 +412,9 @@ class Cannikin(Callback):
         self.gain = state["gain"]
         self._history.entries = list(state["history"])
         self._step = self.schedule.last_replan_step = state["step"]
+        self.schedule.last_adapt_step = int(state.get("last_adapt_step", self._step))
+        self.schedule.adapted = bool(state.get("adapted", True))
+        if state.get("noise_in_flight") is not None and self._observer is not None:
+            self._observer.load_state_dict(state["noise_in_flight"])
         same_devices = state.get("balancer") is not None and state["balancer"]["world_size"] == self._world_size
         self._identified = bool(state.get("identified", False)) and same_devices
-
-
-def _all_gather(obj: Any) -> list[Any]:
-    """One object per rank (a single-process run returns ``[obj]``)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return [obj]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
-    return gathered

@@ -5,6 +5,11 @@ from the reduced bucket. With gradient accumulation every micro-batch is a group
 difference of the accumulated gradients before and after it, rescaled by its weight in the sum. When the step's last
 bucket is launched, the groups' norms are exchanged with one all-reduce of ``world_size x micro-batches`` floats,
 issued asynchronously next to the gradient's own, so the statistics add no synchronisation point.
+
+Every rank folds the statistics into its own estimator, so the learning-rate factor can follow the noise scale at
+every step with no collective of its own. For the ranks to agree *bitwise* (heterogeneous GPUs may round a squared
+norm differently), every input comes through the exchange: ``Z_j`` in their slots, and ``Y`` as rank zero measured it,
+sent one step late in one extra slot. A step's statistics are therefore folded in at the next step.
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ class GradientNormObserver:
         self.world_size = world_size
         self.optimizer: torch.optim.Optimizer | None = None
         self._groups: dict[int, dict] | None = None
+        # rank zero's Y of the last step, sent with the next exchange; the last step's exchanged Z and group sizes
+        self._last_global: float | None = None
+        self.pending: tuple[list[float], list[int]] | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -66,8 +74,10 @@ class GradientNormObserver:
         self._local = sqr if self._local is None else self._local + sqr
         if bucket.is_last():
             groups = [*self._micro, self._local]
-            exchange = torch.zeros(self.world_size * len(groups), dtype=torch.float64, device=sqr.device)
+            exchange = torch.zeros(self.world_size * len(groups) + 1, dtype=torch.float64, device=sqr.device)
             exchange[self.rank * len(groups) : (self.rank + 1) * len(groups)] = torch.stack(groups).double()
+            if self.rank == 0:  # x + 0 + ... + 0 is exact: every rank receives rank zero's very bits
+                exchange[-1] = math.nan if self._last_global is None else self._last_global
             self._exchange = exchange
             self._work = dist.all_reduce(exchange, group=state.process_group, async_op=True)
 
@@ -75,26 +85,27 @@ class GradientNormObserver:
         sqr = self._bucket_squared(reduced, bucket, 1.0, subtract_previous=False)
         self._global = sqr if self._global is None else self._global + sqr
 
-    def collect(self) -> tuple[list[float], float] | None:
-        """``(Z per group, Y)`` of the optimizer step just finished, or ``None`` if no gradient was reduced in it.
+    def collect(self) -> tuple[list[float], float, float] | None:
+        """``(Z per group, this rank's Y, rank zero's Y of the step before)`` of the optimizer step just finished,
+        or ``None`` if no gradient was reduced in it (``nan`` marks a Y not known).
 
         Groups are ordered rank-major: rank 0's micro-batches, then rank 1's, and so on.
         """
         if self._work is None or self._exchange is None or self._global is None:
             return None
         self._work.wait()
-        local = self._exchange.tolist()
+        *local, previous_global = self._exchange.tolist()
         global_sqr = float(self._global)
         self._reset()
-        if not all(math.isfinite(z) for z in local) or not math.isfinite(global_sqr):
-            return None  # an overflowing step (e.g. fp16) tells nothing about the noise
-        return local, global_sqr
+        self._last_global = global_sqr
+        return local, global_sqr, previous_global
 
-    def fold_into(self, estimator: NoiseScaleEstimator | None, window: Sequence[Sequence[int]]) -> bool:
-        """Collect the step's norms (every rank must call it) and fold them into ``estimator`` (rank zero's).
+    def fold_into(self, estimator: NoiseScaleEstimator, window: Sequence[Sequence[int]]) -> bool:
+        """Collect the step's norms and fold the *previous* step's into ``estimator``; every rank calls it and every
+        rank's estimator receives the same numbers.
 
         Args:
-            estimator: where the statistics go; ``None`` on ranks that only take part in the exchange.
+            estimator: where the statistics go (every rank has one).
             window: every rank's sample count in each micro-batch of the step's accumulation window.
 
         Returns:
@@ -102,12 +113,26 @@ class GradientNormObserver:
 
         """
         statistics = self.collect()
-        if estimator is None or statistics is None or not window:
+        if statistics is None:
+            self.pending = None
             return False
-        local, global_sqr = statistics
-        # groups are rank-major, as they were exchanged: rank 0's micro-batches first
-        sizes = [micro[rank] for rank in range(self.world_size) for micro in window]
-        return estimator.update(local, sizes, global_sqr)
+        local, _, previous_global = statistics
+        ready, self.pending = self.pending, None
+        if window:
+            # groups are rank-major, as they were exchanged: rank 0's micro-batches first
+            self.pending = (local, [micro[rank] for rank in range(self.world_size) for micro in window])
+        if ready is None or not math.isfinite(previous_global) or not all(math.isfinite(z) for z in ready[0]):
+            return False  # nothing to pair, or an overflowing step (e.g. fp16): it tells nothing about the noise
+        return estimator.update(ready[0], ready[1], previous_global)
+
+    def state_dict(self) -> dict:
+        """The statistics in flight (the last step's, whose Y comes with the next exchange), for exact resumes."""
+        return {"pending": self.pending, "last_global": self._last_global}
+
+    def load_state_dict(self, state: dict) -> None:
+        pending = state.get("pending")
+        self.pending = None if pending is None else (list(pending[0]), [int(b) for b in pending[1]])
+        self._last_global = state.get("last_global")
 
     def _bucket_squared(
         self, flat: torch.Tensor, bucket: dist.GradBucket, weight: float, subtract_previous: bool
