@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # the names below, for type checkers and IDEs; at run time `_
     from lightning_cannikin.training.emulator import EmulatedCluster
     from lightning_cannikin.training.fabric import CannikinFabricStrategy
     from lightning_cannikin.training.sampler import UnevenDistributedSampler
+    from lightning_cannikin.training.schedules import progress_lr_lambda
     from lightning_cannikin.training.strategy import CannikinStrategy
 
 # public name -> the module that defines it
@@ -30,6 +31,7 @@ _LAZY = {
     "CannikinFabricStrategy": "lightning_cannikin.training.fabric",
     "EmulatedCluster": "lightning_cannikin.training.emulator",
     "UnevenDistributedSampler": "lightning_cannikin.training.sampler",
+    "progress_lr_lambda": "lightning_cannikin.training.schedules",
 }
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
     "Plan",
     "UnevenDistributedSampler",
     "__version__",
+    "progress_lr_lambda",
 ]
 
 
