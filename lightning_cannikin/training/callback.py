@@ -64,9 +64,10 @@ class Cannikin(Callback):
         half_life: recency half-life of the timing fits, in steps.
         adapt_margin: relative goodput gain required to change the total batch (hysteresis).
         min_noise_updates: optimizer steps of noise statistics required before the total batch may change.
-        track_noise_scale: measure the gradient noise scale (one extra all-reduce of ``world_size`` floats per
-            optimizer step). ``None``: only when it can change something, i.e. with ``max_batch_size`` or with
-            ``lr_scaling="adascale"`` and a ``base_batch_size``.
+        track_noise_scale: measure the gradient noise scale (squared norms around the all-reduce; they ride on the
+            re-plan's gather, or on one of their own every 64 optimizer steps, never a collective per step). ``None``:
+            only when it can change something, i.e. with ``max_batch_size`` or with ``lr_scaling="adascale"`` and a
+            ``base_batch_size``.
         save_profile: at each re-plan, rank zero writes ``cannikin_profile.json`` into the first logger's folder for
             this run (``version_N`` of TensorBoard and CSV, ``save_dir/name/version`` of W&B and MLflow), for
             ``cannikin plan`` and ``cannikin report``. Nothing is written without a logger.
