@@ -77,7 +77,7 @@ class CudaEventClock:
     """
 
     def __init__(self, event_factory: Callable[[], Any] | None = None) -> None:
-        self._factory = event_factory or (lambda: torch.cuda.Event(enable_timing=True))
+        self._factory = event_factory or _timing_event
         self._pool: list[Any] = []
 
     def mark(self, marks: list[Any], point: int) -> None:
@@ -230,6 +230,10 @@ class StepTimer:
 
 
 _NO_MARKS = (None,) * _POINTS
+
+
+def _timing_event() -> torch.cuda.Event:
+    return torch.cuda.Event(enable_timing=True)
 
 
 def step_timer_for(device: torch.device) -> StepTimer:
