@@ -172,6 +172,35 @@ def cpu_per_sample(result: dict[str, Any], skip_epochs: int) -> float:
     return sum(cpu[skip_epochs] for cpu in result["cpu"]) / sum(result["samples"][skip_epochs:])
 
 
+def markdown(report: dict[str, Any], variants: tuple[str, ...]) -> str:
+    """A short table of the report, for ``benchmarks/results/overhead.md``."""
+    setup = report["setup"]
+    lines = [
+        "# Per-step cost at zero emulated delay (`python benchmarks/overhead.py`)",
+        "",
+        f"{setup['world_size']} CPU ranks (gloo, fork), fixed total batch {setup['total_batch_size']},"
+        f" {setup['model']}; {setup['repeats']} interleaved repeats of {setup['epochs']} epochs"
+        f" ({setup['samples_per_epoch']} samples each), the first {setup['skip_epochs']} left out; medians.",
+        "",
+        "| variant | samples/s | / DDP (median of repeats) | per repeat | CPU time per sample / DDP |",
+        "|---|---:|---:|---|---:|",
+        f"| ddp | {report['samples_per_s_median']['ddp']:.0f} | 1.000 | | 1.000 |",
+    ]
+    for variant in variants[1:]:
+        r = report[f"{variant}_vs_ddp"]
+        per_repeat = ", ".join(f"{x:.2f}" for x in r["ratios"])
+        lines.append(
+            f"| {variant} | {report['samples_per_s_median'][variant]:.0f} | {r['median']:.3f} | {per_repeat}"
+            f" | {r['cpu_per_sample_median']:.3f} |"
+        )
+    lines += [
+        "",
+        f"DDP's own repeats spread over {100 * report['ddp_spread']:.0f}% of its median: the machine is shared.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=7)
@@ -235,6 +264,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report["ddp_spread"] = (max(ddp) - min(ddp)) / statistics.median(ddp)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
+    args.out.with_suffix(".md").write_text(markdown(report, variants))
     for variant in variants[1:]:
         r = report[f"{variant}_vs_ddp"]
         repeats = ", ".join(f"{x:.2f}" for x in r["ratios"])
