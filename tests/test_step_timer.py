@@ -214,3 +214,10 @@ def test_the_clock_follows_the_device_and_replaces_the_hook_observer():
     old = runtime.timer
     runtime.use_timer(cuda)
     assert runtime.timer is cuda and cuda in runtime.hook.observers and old not in runtime.hook.observers
+
+
+def test_buckets_outside_a_timed_step_are_not_marked():
+    timer, device = cuda_timer()
+    timer.before_reduce(None, None)  # a fit without the callback: nobody starts steps
+    timer.after_reduce(None, None, None)
+    assert not timer.reduced and device.created == 0

@@ -153,13 +153,16 @@ class StepTimer:
         return self._reduced
 
     def before_reduce(self, state: WeightedAllReduceState, bucket: dist.GradBucket) -> None:
+        if not self._in_step:
+            return  # nobody times this fit (no callback started a step)
         if not self._reduced:
             self._reduced = True
             self.clock.mark(self._marks, FIRST_BUCKET)
         self.clock.mark(self._marks, LAST_BUCKET)
 
     def after_reduce(self, state: WeightedAllReduceState, bucket: dist.GradBucket, reduced: torch.Tensor) -> None:
-        self.clock.mark(self._marks, REDUCED)
+        if self._in_step:
+            self.clock.mark(self._marks, REDUCED)
 
     def finish(self, step: int, rank: int, batch_size: int | None) -> None:
         """The step ends: its record is read now if its marks are readable, else later (see :meth:`records`)."""
