@@ -64,9 +64,10 @@ class Cannikin(Callback):
         half_life: recency half-life of the timing fits, in steps.
         adapt_margin: relative goodput gain required to change the total batch (hysteresis).
         min_noise_updates: optimizer steps of noise statistics required before the total batch may change.
-        track_noise_scale: measure the gradient noise scale (one extra all-reduce of ``world_size`` floats per
-            optimizer step). ``None``: only when it can change something, i.e. with ``max_batch_size`` or with
-            ``lr_scaling="adascale"`` and a ``base_batch_size``.
+        track_noise_scale: measure the gradient noise scale (squared norms around the all-reduce; they ride on the
+            re-plan's gather, or on one of their own every 64 optimizer steps, never a collective per step). ``None``:
+            only when it can change something, i.e. with ``max_batch_size`` or with ``lr_scaling="adascale"`` and a
+            ``base_batch_size``.
         save_profile: at each re-plan, rank zero writes ``cannikin_profile.json`` into the first logger's folder for
             this run (``version_N`` of TensorBoard and CSV, ``save_dir/name/version`` of W&B and MLflow), for
             ``cannikin plan`` and ``cannikin report``. Nothing is written without a logger.
@@ -120,7 +121,6 @@ class Cannikin(Callback):
         self._runtime: RuntimeState | None = None
         self._world_size = 1
         self._restored: dict[str, Any] | None = None
-        self._records: list[StepRecord] = []
         self._step = 0
         self._adam = False
         self._log_dir: str | None = None
@@ -183,11 +183,6 @@ class Cannikin(Callback):
             runtime.hook.observers.append(self._observer)
 
     @override
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        assert self._runtime is not None
-        self._runtime.timer.attach(pl_module)
-
-    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         plan = self.plan
         if plan is not None:
@@ -210,11 +205,6 @@ class Cannikin(Callback):
             self.lr_factor, self.gain = learning_rate_scale(self.policy.lr_scaling, plan.total_batch_size, base, None)
         assert self._runtime is not None
         self._runtime.lr_factor = self.lr_factor
-
-    @override
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._runtime is not None:
-            self._runtime.timer.detach()
 
     @override
     def on_train_batch_start(
@@ -249,13 +239,11 @@ class Cannikin(Callback):
         assert runtime is not None
         sizes = runtime.step_sizes
         rank = trainer.global_rank
-        record = runtime.timer.finish(self._step, rank, None if sizes is None else sizes[rank], pl_module.device)
-        if record is not None:
-            self._records.append(record)
-            if (self._step + 1) % trainer.log_every_n_steps == 0:
-                log_step(pl_module, record, self.plan, self.lr_factor)  # only where it reaches a logger: it costs
-                if trainer.is_global_zero and (error := self._history.prediction_error) is not None:
-                    log_prediction_error(pl_module, error)
+        runtime.timer.finish(self._step, rank, None if sizes is None else sizes[rank])
+        if (self._step + 1) % trainer.log_every_n_steps == 0 and (record := runtime.timer.latest) is not None:
+            log_step(pl_module, record, self.plan, self.lr_factor)  # only where it reaches a logger: it costs
+            if trainer.is_global_zero and (error := self._history.prediction_error) is not None:
+                log_prediction_error(pl_module, error)
         reduced = runtime.timer.reduced  # no re-plan mid-window: a window's micro-batches share one layout
         if reduced:
             self._after_optimizer_step(trainer, pl_module)
@@ -334,9 +322,9 @@ class Cannikin(Callback):
         """Gather, decide on rank zero, broadcast, adopt. Every rank must call this at the same step."""
         runtime = self._runtime
         assert runtime is not None
-        gathered = all_gather((self._records, runtime.batches_yielded))
+        # the step records are read now: on CUDA the last ones wait for the device (the gather synchronises anyway)
+        gathered = all_gather((runtime.timer.records(wait=True), runtime.batches_yielded))
         from_batch = max(y for _, y in gathered) if mid_epoch else 0
-        self._records = []
         current = runtime.plan
         decision = None
         if trainer.is_global_zero:

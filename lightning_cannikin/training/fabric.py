@@ -24,10 +24,11 @@ from typing_extensions import override
 from lightning_cannikin.core.plan import BatchBounds, Plan, even_split
 from lightning_cannikin.core.policy import PolicySettings, decide
 from lightning_cannikin.core.schedule import ReplanSchedule
-from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings, StepRecord
+from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings
 from lightning_cannikin.training.comm_hook import weighted_allreduce_hook
 from lightning_cannikin.training.loader import UnevenDataLoader, loader_batch_size, rebuild_uneven
 from lightning_cannikin.training.runtime import RuntimeState
+from lightning_cannikin.training.step_timer import step_timer_for
 
 __all__ = ["CannikinFabricStrategy"]
 
@@ -79,7 +80,6 @@ class CannikinFabricStrategy(DDPStrategy):
         self.runtime = RuntimeState(fixed_split=self._fixed is not None)
         self.speed_model: SpeedModel | None = None
         self._loader: UnevenDataLoader | None = None
-        self._records: list[StepRecord] = []
         self._step = 0
         self._identified = False
 
@@ -93,7 +93,10 @@ class CannikinFabricStrategy(DDPStrategy):
         ddp = super().setup_module(module)
         # Fabric's DDP takes no comm hook; the weighted all-reduce is what makes uneven batches exact
         ddp.register_comm_hook(self.runtime.hook, weighted_allreduce_hook)
-        self.runtime.timer.attach(ddp.module)
+        # CUDA events on a GPU, the host clock elsewhere; the compute starts when DDP hands the batch to the module
+        self.runtime.use_timer(step_timer_for(self.root_device))
+        runtime = self.runtime
+        ddp.module.register_forward_pre_hook(lambda module, args: runtime.timer.inner_forward_start())
         return ddp
 
     def uneven_dataloader(self, dataloader: DataLoader) -> UnevenDataLoader:
@@ -130,11 +133,10 @@ class CannikinFabricStrategy(DDPStrategy):
         self.runtime.hook.weight = sizes[rank] / sum(sizes)
         timer = self.runtime.timer
         timer.start()
+        timer.forward_start()
         yield sizes
         timer.backward_done()
-        record = timer.finish(self._step, rank, sizes[rank], self.root_device)
-        if record is not None:
-            self._records.append(record)
+        timer.finish(self._step, rank, sizes[rank])
         self._step += 1
         if self._fixed is None:
             epoch_end = position == len(loader.uneven_sampler) - 1
@@ -148,11 +150,12 @@ class CannikinFabricStrategy(DDPStrategy):
         that no rank has drawn yet. Returns the plan adopted, or ``None`` while some rank has no timing yet.
         """
         assert self.speed_model is not None and self.runtime.plan is not None
-        gathered: list[Any] = [(self._records, self.runtime.batches_yielded)]
+        # the step records, read now (on CUDA the last ones wait for the device)
+        mine = (self.runtime.timer.records(wait=True), self.runtime.batches_yielded)
+        gathered: list[Any] = [mine]
         if dist.is_available() and dist.is_initialized():
             gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, (self._records, self.runtime.batches_yielded))
-        self._records = []
+            dist.all_gather_object(gathered, mine)
         self.schedule.replanned(self._step, total_changed=False, balance=True)  # the total never changes here
         decision = None
         if self.global_rank == 0:

@@ -29,7 +29,8 @@ class RuntimeState:
         step_sizes: every rank's sample count in the training step in progress, set by the strategy.
         accumulation_window: every rank's sample count in each micro-batch of the accumulation window in progress.
         hook: the weighted all-reduce's state; its observers see every gradient bucket.
-        timer: this rank's step timer, an observer of the hook.
+        timer: this rank's step timer, an observer of the hook (the host clock until the strategy knows the device:
+            :meth:`use_timer`).
         sampler: the training loader's uneven sampler, once built.
 
     """
@@ -46,6 +47,12 @@ class RuntimeState:
 
     def __post_init__(self) -> None:
         self.hook.observers.append(self.timer)
+
+    def use_timer(self, timer: StepTimer) -> None:
+        """Time with ``timer`` from now on (it takes the old one's place among the hook's observers)."""
+        observers = self.hook.observers
+        observers[observers.index(self.timer)] = timer
+        self.timer = timer
 
     @property
     def batches_yielded(self) -> int:

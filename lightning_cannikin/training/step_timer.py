@@ -1,17 +1,38 @@
 """Each rank's own step timing: forward start to gradients ready, and the all-reduce around it.
 
-The timer is an observer of the weighted comm hook: the step's first bucket reaching the hook starts the all-reduce,
-its latest bucket marks the end of this rank's backward compute (waiting for slower ranks comes after it), and the
-latest bucket's completion ends the all-reduce. Host clock (``time.perf_counter``): on CPU, and on CUDA it times
-kernel *launches*, not the kernels (an event-based timer is the follow-up).
+One :class:`StepTimer` with two clocks, picked by device (:func:`step_timer_for`):
 
-SyncBatchNorm runs collectives inside forward: a rank that waits there for slower ranks counts the wait as its own
-compute, so with SyncBatchNorm the measured speeds are pulled towards the slowest device's.
+- :class:`HostClock` (CPU): ``time.perf_counter()`` at each point.
+- :class:`CudaEventClock` (CUDA): kernels run asynchronously, so a host clock would time when the CPU *queued* them,
+  and the queue can carry the previous step's wait for the slowest rank into a fast rank's time. Instead a
+  ``torch.cuda.Event(enable_timing=True)`` is recorded on the current stream at each point and read lazily: a
+  finished step waits, unread, until every one of its events reports ``query()`` true (polled as later steps end,
+  never waited for) or until the next re-plan, which waits for them. A late record keeps its own step index. Events
+  are pooled and re-recorded, not created per step.
+
+The points, the same on both clocks:
+
+- the step: batch start (``on_train_batch_start``) to batch end (``on_train_batch_end``);
+- forward start: marked by the strategy where every training step passes (its ``training_step``, whatever the
+  module calls), then moved to the moment DDP hands the batch to the LightningModule, after DDP's pre-forward work:
+  its buffer broadcast is a collective that waits for slower ranks, which is not this device's compute;
+- gradients ready: the latest bucket reaching the comm hook (on CUDA, the point in the stream where that bucket's
+  gradients are complete); without a reduction (an accumulation micro-step), the end of backward;
+- the all-reduce: from the first bucket reaching the hook to the latest reduced bucket coming back. On CUDA that end
+  is recorded in the future's callback, on the stream that waits for the collective (NCCL futures complete when the
+  collective is *enqueued*, so a host clock there would measure nothing).
+
+SyncBatchNorm runs collectives inside forward and backward, and at each of them a rank waits for the slowest one. On
+both clocks the wait lands between forward start and gradients ready (on CUDA the compute stream itself waits for
+the collective), so under SyncBatchNorm every rank measures about the slowest rank's time: the fitted speeds come
+out alike and the balancer leaves the split close to where it is. The strategy warns when a model has such layers.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,85 +40,206 @@ import torch.distributed as dist
 
 from lightning_cannikin.core.speed_model import StepRecord
 from lightning_cannikin.training.comm_hook import WeightedAllReduceState
+from lightning_cannikin.training.device_memory import DeviceMemory
 
-__all__ = ["StepTimer"]
+__all__ = ["CudaEventClock", "HostClock", "StepTimer", "step_timer_for"]
+
+# the points of a step, as indices into its marks
+BATCH, FORWARD, FIRST_BUCKET, LAST_BUCKET, REDUCED, BACKWARD, END = range(7)
+_POINTS = 7
+
+
+class HostClock:
+    """Marks are ``time.perf_counter()`` readings: exact on CPU, where the work is done when the call returns."""
+
+    def mark(self, marks: list[Any], point: int) -> None:
+        marks[point] = time.perf_counter()
+
+    def ready(self, marks: list[Any]) -> bool:
+        return True
+
+    def wait(self, marks: list[Any]) -> None:
+        pass
+
+    def seconds(self, marks: list[Any], start: int, end: int) -> float:
+        return marks[end] - marks[start]
+
+    def release(self, marks: list[Any]) -> None:
+        pass
+
+
+class CudaEventClock:
+    """Marks are CUDA events recorded on the current stream; reading one never waits unless asked to.
+
+    Args:
+        event_factory: makes a timing event (``torch.cuda.Event(enable_timing=True)``; a stand-in in tests).
+
+    """
+
+    def __init__(self, event_factory: Callable[[], Any] | None = None) -> None:
+        self._factory = event_factory or _timing_event
+        self._pool: list[Any] = []
+
+    def mark(self, marks: list[Any], point: int) -> None:
+        event = marks[point]
+        if event is None:
+            event = marks[point] = self._pool.pop() if self._pool else self._factory()
+        event.record()  # a re-record moves the mark: the latest bucket, the latest reduction
+
+    def ready(self, marks: list[Any]) -> bool:
+        return all(event is None or event.query() for event in marks)
+
+    def wait(self, marks: list[Any]) -> None:
+        for event in marks:
+            if event is not None:
+                event.synchronize()
+
+    def seconds(self, marks: list[Any], start: int, end: int) -> float:
+        return marks[start].elapsed_time(marks[end]) / 1000.0
+
+    def release(self, marks: list[Any]) -> None:
+        self._pool.extend(event for event in marks if event is not None)
 
 
 class StepTimer:
-    """Times one rank's training steps; :meth:`finish` turns a step into a :class:`StepRecord`."""
+    """Times one rank's training steps (an observer of the comm hook) and hands out :class:`StepRecord` objects.
 
-    def __init__(self) -> None:
+    Args:
+        clock: how a point in the step is marked and read (:class:`HostClock` or :class:`CudaEventClock`).
+        memory: the device's memory, for each step's peak and, when records are handed out, the capacity.
+
+    """
+
+    def __init__(self, clock: HostClock | CudaEventClock | None = None, memory: DeviceMemory | None = None) -> None:
+        self.clock = clock if clock is not None else HostClock()
+        self.memory = memory
+        self._marks: list[Any] = [None] * _POINTS
         self._in_step = False
-        self._batch_start = 0.0
-        self._forward_start: float | None = None
-        self._backward_end: float | None = None
-        self._first_entry: float | None = None
-        self._last_entry: float | None = None
-        self._last_done: float | None = None
-        self._handle: Any = None
-
-    def attach(self, module: torch.nn.Module) -> None:
-        """Start the compute clock when ``module``'s forward begins: after DDP's own pre-forward work (buffer
-        broadcast), which can wait on other ranks and is not this device's compute."""
-        self.detach()
-        self._handle = module.register_forward_pre_hook(self._on_forward)
-
-    def detach(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
-
-    def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
-        if self._in_step and self._forward_start is None:
-            self._forward_start = time.perf_counter()
+        self._reduced = False
+        self._inner_forward_pending = False
+        # finished steps whose marks may not be readable yet, oldest first: (step, rank, batch, peak, marks)
+        self._pending: deque[tuple[int, int, int, float | None, list[Any]]] = deque()
+        self._spare: list[list[Any]] = []  # cleared mark lists, reused
+        # read steps not handed out yet: (step, rank, batch, compute, step time, allreduce, exposed, peak)
+        self._read: list[tuple] = []
 
     def start(self) -> None:
-        """A training step begins: forget the previous one."""
-        self._forward_start = self._backward_end = None
-        self._first_entry = self._last_entry = self._last_done = None
+        """A training step begins (a step left unfinished, e.g. by an exception, is dropped)."""
+        self._clear(self._marks)
         self._in_step = True
-        self._batch_start = time.perf_counter()
+        self._reduced = self._inner_forward_pending = False
+        self.clock.mark(self._marks, BATCH)
+
+    def forward_start(self) -> None:
+        """The strategy's ``training_step`` begins: every step passes here, whatever the module calls."""
+        if self._in_step:
+            self.clock.mark(self._marks, FORWARD)
+            self._inner_forward_pending = True
+
+    def inner_forward_start(self) -> None:
+        """DDP hands the batch to the LightningModule, after its pre-forward work: the forward start moves here once."""
+        if self._inner_forward_pending:
+            self._inner_forward_pending = False
+            self.clock.mark(self._marks, FORWARD)
 
     def backward_done(self) -> None:
-        self._backward_end = time.perf_counter()
+        """Backward returned; only a step without a reduction (an accumulation micro-step) ends its compute here."""
+        if self._in_step and not self._reduced:
+            self.clock.mark(self._marks, BACKWARD)
 
     @property
     def reduced(self) -> bool:
         """Whether gradients were reduced in this step (an optimizer step, not an accumulation micro-step)."""
-        return self._last_entry is not None
+        return self._reduced
 
     def before_reduce(self, state: WeightedAllReduceState, bucket: dist.GradBucket) -> None:
-        now = time.perf_counter()
-        if self._first_entry is None:
-            self._first_entry = now
-        self._last_entry = now
+        if not self._in_step:
+            return  # nobody times this fit (no callback started a step)
+        if not self._reduced:
+            self._reduced = True
+            self.clock.mark(self._marks, FIRST_BUCKET)
+        self.clock.mark(self._marks, LAST_BUCKET)
 
     def after_reduce(self, state: WeightedAllReduceState, bucket: dist.GradBucket, reduced: torch.Tensor) -> None:
-        self._last_done = time.perf_counter()
+        if self._in_step:
+            self.clock.mark(self._marks, REDUCED)
 
-    def finish(self, step: int, rank: int, batch_size: int | None, device: torch.device) -> StepRecord | None:
-        """The step's record, or ``None`` when it had no known batch or no end of compute."""
-        now = time.perf_counter()
+    def finish(self, step: int, rank: int, batch_size: int | None) -> None:
+        """The step ends: its record is read now if its marks are readable, else later (see :meth:`records`)."""
+        if not self._in_step:
+            return
         self._in_step = False
-        # gradients are ready when the last bucket reaches the comm hook; without a reduction (accumulation
-        # micro-step) backward's end is the end of compute
-        compute_end = self._last_entry if self.reduced else self._backward_end
-        if batch_size is None or compute_end is None:
-            return None
-        start = self._forward_start if self._forward_start is not None else self._batch_start
-        allreduce = exposed = None
-        if self._first_entry is not None and self._last_entry is not None and self._last_done is not None:
-            allreduce, exposed = self._last_done - self._first_entry, self._last_done - self._last_entry
-        peak, capacity = _memory_peak(device)
-        return StepRecord(
-            step, rank, batch_size, compute_end - start, now - self._batch_start, allreduce, exposed, peak, capacity
-        )
+        marks = self._marks
+        if batch_size is None or (marks[LAST_BUCKET] is None and marks[BACKWARD] is None):
+            return  # no known batch, or no end of compute: nothing to record (start() clears the marks)
+        self._marks = self._spare.pop() if self._spare else [None] * _POINTS
+        self.clock.mark(marks, END)
+        peak = self.memory.peak() if self.memory is not None else None
+        self._pending.append((step, rank, batch_size, peak, marks))
+        self._read_ready(wait=False)
+
+    def records(self, wait: bool = False) -> list[StepRecord]:
+        """Hand out every finished step's record not handed out before, in step order.
+
+        Args:
+            wait: also read the steps whose marks are not readable yet, waiting for the device (at a re-plan, which
+                synchronises anyway). Without it those stay for a later call: nothing is lost.
+
+        """
+        self._read_ready(wait)
+        if not self._read:
+            return []
+        capacity = self.memory.capacity() if self.memory is not None else None
+        records = [StepRecord(*values, capacity) for values in self._read]
+        self._read = []
+        return records
+
+    @property
+    def latest(self) -> StepRecord | None:
+        """The newest record read and not handed out yet (for logging; on CUDA it may be a few steps old)."""
+        return StepRecord(*self._read[-1]) if self._read else None
+
+    @property
+    def unread(self) -> int:
+        """Finished steps whose marks have not been read yet."""
+        return len(self._pending)
+
+    def _read_ready(self, wait: bool) -> None:
+        clock = self.clock
+        while self._pending:
+            step, rank, batch_size, peak, marks = self._pending[0]
+            if wait:
+                clock.wait(marks)
+            elif not clock.ready(marks):
+                return  # later steps are queued behind this one
+            self._pending.popleft()
+            start = FORWARD if marks[FORWARD] is not None else BATCH
+            allreduce = exposed = None
+            if marks[LAST_BUCKET] is not None:
+                compute = clock.seconds(marks, start, LAST_BUCKET)
+                if marks[REDUCED] is not None:
+                    allreduce = clock.seconds(marks, FIRST_BUCKET, REDUCED)
+                    exposed = clock.seconds(marks, LAST_BUCKET, REDUCED)
+            else:
+                compute = clock.seconds(marks, start, BACKWARD)
+            step_time = clock.seconds(marks, BATCH, END)
+            self._read.append((step, rank, batch_size, compute, step_time, allreduce, exposed, peak))
+            self._clear(marks)
+            self._spare.append(marks)
+
+    def _clear(self, marks: list[Any]) -> None:
+        self.clock.release(marks)
+        marks[:] = _NO_MARKS
 
 
-def _memory_peak(device: torch.device) -> tuple[float | None, float | None]:
-    """This step's peak allocated bytes and the device's capacity, on CUDA; the peak counter restarts."""
-    if device.type != "cuda":
-        return None, None
-    peak = float(torch.cuda.max_memory_allocated(device))
-    torch.cuda.reset_peak_memory_stats(device)
-    return peak, float(torch.cuda.get_device_properties(device).total_memory)
+_NO_MARKS = (None,) * _POINTS
+
+
+def _timing_event() -> torch.cuda.Event:
+    return torch.cuda.Event(enable_timing=True)
+
+
+def step_timer_for(device: torch.device) -> StepTimer:
+    """CUDA events on a CUDA device, the host clock elsewhere; the device's memory either way."""
+    clock = CudaEventClock() if device.type == "cuda" else HostClock()
+    return StepTimer(clock, DeviceMemory(device))

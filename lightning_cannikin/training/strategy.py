@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.strategy import _StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -18,8 +20,10 @@ from lightning_cannikin.core.optperf import most_even_split
 from lightning_cannikin.core.plan import Plan, even_split
 from lightning_cannikin.training.callback import Cannikin
 from lightning_cannikin.training.comm_hook import WeightedAllReduceState, weighted_allreduce_hook
+from lightning_cannikin.training.device_memory import LocalBatchOutOfMemoryError, out_of_memory_error
 from lightning_cannikin.training.loader import UnevenDataLoader, loader_batch_size, rebuild_uneven
 from lightning_cannikin.training.runtime import RuntimeState
+from lightning_cannikin.training.step_timer import step_timer_for
 
 NO_DISTRIBUTED_SAMPLER_ERROR = (
     "`Trainer(use_distributed_sampler=False)` cannot be combined with CannikinStrategy: Cannikin must own the training"
@@ -53,6 +57,19 @@ def validate_local_batch_sizes(local_batch_sizes: Sequence[int] | None) -> tuple
     return sizes
 
 
+def warn_about_sync_batchnorm(module: torch.nn.Module) -> bool:
+    """Warn (rank zero) when ``module`` has SyncBatchNorm layers: their collectives blur the speed measurement."""
+    if not any(isinstance(m, torch.nn.SyncBatchNorm) for m in module.modules()):
+        return False
+    rank_zero_warn(
+        "The model has SyncBatchNorm layers: their collectives make every rank wait for the slowest one inside forward"
+        " and backward, so each rank's measured compute time is about the slowest rank's and Cannikin cannot tell the"
+        " devices apart (the split stays close to where it is). Use BatchNorm, GroupNorm or LayerNorm to balance, or"
+        " fix the split with `CannikinStrategy(local_batch_sizes=...)`."
+    )
+    return True
+
+
 class CannikinStrategy(DDPStrategy):
     """Data-parallel training with a per-rank local batch size and the exact mean gradient over all samples.
 
@@ -83,6 +100,7 @@ class CannikinStrategy(DDPStrategy):
         self._runtime = RuntimeState(fixed_split=self._fixed_sizes is not None)
         self._train_loader: UnevenDataLoader | None = None
         self._loss_factor = 1.0
+        self._forward_hook: Any = None
 
     @property
     def runtime(self) -> RuntimeState:
@@ -157,6 +175,8 @@ class CannikinStrategy(DDPStrategy):
         if wanted and not any(isinstance(cb, Cannikin) for cb in trainer.callbacks):
             trainer.callbacks.append(Cannikin())
         super().setup_environment()
+        # the device is known now: CUDA events on a GPU, the host clock elsewhere
+        self._runtime.use_timer(step_timer_for(self.root_device))
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -169,6 +189,34 @@ class CannikinStrategy(DDPStrategy):
             ddp_comm_hook=weighted_allreduce_hook,
             ddp_comm_wrapper=self._ddp_comm_wrapper,
         )
+        # DDP calls the LightningModule after its pre-forward work (buffer broadcast, a collective that waits for
+        # slower ranks): that is where this rank's compute starts
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+        runtime = self._runtime
+        self._forward_hook = self.model.module.register_forward_pre_hook(
+            lambda module, args: runtime.timer.inner_forward_start()
+        )
+        warn_about_sync_batchnorm(self.model)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        # every training step passes here, whatever the LightningModule calls inside it
+        self._runtime.timer.forward_start()
+        try:
+            return super().training_step(*args, **kwargs)
+        except torch.cuda.OutOfMemoryError as error:
+            self._out_of_memory(error)
+
+    def _out_of_memory(self, error: torch.cuda.OutOfMemoryError) -> NoReturn:
+        """Raise an out-of-memory error that names this rank, its local batch and the bounds."""
+        if isinstance(error, LocalBatchOutOfMemoryError):
+            raise error
+        sizes = self._runtime.step_sizes
+        batch_size = sizes[self.global_rank] if sizes else None
+        raise out_of_memory_error(
+            self.global_rank, batch_size, sizes, self._runtime.bounds, self.root_device
+        ) from error
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -259,25 +307,33 @@ class CannikinStrategy(DDPStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         if self._loss_factor != 1.0:
             closure_loss = closure_loss * self._loss_factor
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
+        try:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        except torch.cuda.OutOfMemoryError as error:
+            self._out_of_memory(error)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         # scale the learning rate for this step only and restore it, so any LR scheduler keeps its own values
         factor = self._runtime.lr_factor
-        if factor == 1.0:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        saved = [group["lr"] for group in optimizer.param_groups]
-        for group in optimizer.param_groups:
-            group["lr"] = group["lr"] * factor
+        saved = [group["lr"] for group in optimizer.param_groups] if factor != 1.0 else None
+        if saved is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = group["lr"] * factor
         try:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
+        except torch.cuda.OutOfMemoryError as error:
+            self._out_of_memory(error)  # the optimizer's state, or the closure's forward and backward
         finally:
-            for group, lr in zip(optimizer.param_groups, saved, strict=True):
-                group["lr"] = lr
+            if saved is not None:
+                for group, lr in zip(optimizer.param_groups, saved, strict=True):
+                    group["lr"] = lr
 
     @override
     def teardown(self) -> None:
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
         self._train_loader = None
         self._runtime.sampler = None
         super().teardown()
@@ -302,4 +358,4 @@ class CannikinStrategy(DDPStrategy):
             )
 
 
-__all__ = ["CannikinStrategy", "validate_local_batch_sizes"]
+__all__ = ["CannikinStrategy", "validate_local_batch_sizes", "warn_about_sync_batchnorm"]

@@ -1,0 +1,281 @@
+"""What Cannikin costs per step where there is nothing to balance: zero emulated delay, side by side with Lightning DDP.
+
+Three CPU ranks (gloo, fork launcher, one thread each) train a 784-256-256-10 MLP with SGD on a fixed total batch of
+96, the same model and data for every variant. The data are random 28x28 "images" with random labels, generated
+from a seed: the per-step cost of the machinery does not depend on what the pixels show (Fashion-MNIST, the issue's
+case, is not installed on the build machines). Variants, run interleaved in every repeat so that a change in the
+machine's load hits all of them alike:
+
+- ``ddp``: Lightning's ``DDPStrategy``, even split (the reference);
+- ``cannikin``: ``strategy="cannikin"`` as a new user would write it (the callback is added, the total batch is
+  fixed, the split is balanced on measured speed);
+- ``cannikin_noise``: the same plus the gradient-noise statistics (``Cannikin(track_noise_scale=True)``);
+- ``cannikin_even``, ``cannikin_noise_even``: the same two with ``balance=False`` (timing, re-plans and statistics
+  all run, the split stays even): the cost of the machinery alone, apart from the split the balancer picks;
+- ``fixed_hook``: ``CannikinStrategy(local_batch_sizes=[32, 32, 32])``, no callback: the weighted comm hook alone;
+- ``fixed_loss_weighted``: the same weights put on each rank's loss (``n * b_i / B``) with no comm hook, so DDP's
+  own C++ all-reduce (a mean) gives the weighted mean: the alternative to the Python hook, measured.
+
+The figure is each variant's samples/s over the epochs after the first (warm-up, first re-plans) divided by DDP's in
+the same repeat; the report gives the median ratio, every repeat's ratio, and each variant's median samples/s. On a
+shared machine wall time moves with other people's load, so the report also gives the CPU time all ranks spent per
+sample (``time.process_time``, every thread of every rank) over the same span, as a ratio to DDP's: the machinery's
+own cost, less disturbed by the machine's load (gloo waits in the kernel, not spinning).
+
+    python benchmarks/overhead.py [--repeats 7] [--epochs 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from lightning_cannikin import Cannikin, CannikinStrategy
+
+WORLD_SIZE = 3
+VARIANTS = (
+    "ddp",
+    "cannikin",
+    "cannikin_noise",
+    "cannikin_even",
+    "cannikin_noise_even",
+    "fixed_hook",
+    "fixed_loss_weighted",
+)
+
+
+class LossWeightedStrategy(CannikinStrategy):
+    """Weights on the loss instead of in a comm hook: DDP's mean of ``n * b_i / B``-scaled gradients is the weighted
+    mean, with DDP's built-in all-reduce. (No hook: no timing and no statistics ride on it.)"""
+
+    def _register_ddp_hooks(self) -> None:
+        pass  # DDP's own C++ all-reduce
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        closure_loss = closure_loss * (self.world_size * self.hook_state.weight)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+
+def strategy_and_callbacks(variant: str, total_batch: int) -> tuple[Any, list[Callback]]:
+    even = [total_batch // WORLD_SIZE] * WORLD_SIZE
+    if variant == "ddp":
+        return "ddp_fork", []
+    if variant == "fixed_hook":
+        return CannikinStrategy(local_batch_sizes=even, start_method="fork"), []
+    if variant == "fixed_loss_weighted":
+        return LossWeightedStrategy(local_batch_sizes=even, start_method="fork"), []
+    options = {"track_noise_scale": "noise" in variant, "balance": not variant.endswith("_even")}
+    if variant == "cannikin":
+        return "cannikin_fork", []  # as a new user writes it: the strategy adds its default callback
+    return "cannikin_fork", [Cannikin(**options)]
+
+
+class MLP(pl.LightningModule):
+    def __init__(self, lr: float = 0.05) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Flatten(), nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)
+        )
+        self.lr = lr
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class Clock(Callback):
+    """Rank zero's wall clock at every epoch start and at the end of training, and the samples of every epoch.
+
+    The measured span runs from an epoch's start to the end of training, so the work done at epoch ends (Cannikin's
+    re-plans, whichever order the callbacks run in) is inside it for every variant.
+    """
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.starts: list[float] = []
+        self.cpu_starts: list[float] = []
+        self.samples: list[int] = []
+        self.splits: list[list[int]] = []
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.starts.append(time.perf_counter())
+        self.cpu_starts.append(time.process_time())
+        self.samples.append(0)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        runtime = getattr(trainer.strategy, "runtime", None)
+        sizes = runtime.step_sizes if runtime is not None else None
+        self.samples[-1] += sum(sizes) if sizes else len(args[1][0]) * trainer.world_size
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        plan = getattr(trainer.strategy, "plan", None)
+        self.splits.append(list(plan.local_batch_sizes) if plan is not None else [])
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        end, cpu_end = time.perf_counter(), time.process_time()
+        cpu = [cpu_end - start for start in self.cpu_starts]  # this rank's CPU seconds from each epoch's start on
+        (self.out / f"cpu{trainer.global_rank}.json").write_text(json.dumps(cpu))
+        if trainer.is_global_zero:
+            result = {"starts": self.starts, "end": end, "samples": self.samples, "splits": self.splits}
+            (self.out / "clock.json").write_text(json.dumps(result))
+
+
+def run(variant: str, dataset: TensorDataset, total_batch: int, epochs: int, seed: int) -> dict[str, Any]:
+    """One fit of ``variant``; rank zero's epoch times, samples and splits."""
+    torch.set_num_threads(1)
+    pl.seed_everything(seed, verbose=False)
+    strategy, callbacks = strategy_and_callbacks(variant, total_batch)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        trainer = pl.Trainer(
+            strategy=strategy,
+            accelerator="cpu",
+            devices=WORLD_SIZE,
+            max_epochs=epochs,
+            callbacks=[*callbacks, Clock(out)],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        loader = DataLoader(dataset, batch_size=total_batch // WORLD_SIZE, shuffle=True)
+        trainer.fit(MLP(), loader)
+        result = json.loads((out / "clock.json").read_text())
+        result["cpu"] = [json.loads((out / f"cpu{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
+        return result
+
+
+def steady_throughput(result: dict[str, Any], skip_epochs: int) -> float:
+    """Samples per second from the start of epoch ``skip_epochs`` to the end of training."""
+    return sum(result["samples"][skip_epochs:]) / (result["end"] - result["starts"][skip_epochs])
+
+
+def cpu_per_sample(result: dict[str, Any], skip_epochs: int) -> float:
+    """CPU seconds of all ranks together per sample, over the same span."""
+    return sum(cpu[skip_epochs] for cpu in result["cpu"]) / sum(result["samples"][skip_epochs:])
+
+
+def markdown(report: dict[str, Any], variants: tuple[str, ...]) -> str:
+    """A short table of the report, for ``benchmarks/results/overhead.md``."""
+    setup = report["setup"]
+    lines = [
+        "# Per-step cost at zero emulated delay (`python benchmarks/overhead.py`)",
+        "",
+        f"{setup['world_size']} CPU ranks (gloo, fork), fixed total batch {setup['total_batch_size']},"
+        f" {setup['model']}; {setup['repeats']} interleaved repeats of {setup['epochs']} epochs"
+        f" ({setup['samples_per_epoch']} samples each), the first {setup['skip_epochs']} left out; medians.",
+        "",
+        "| variant | samples/s | / DDP (median of repeats) | per repeat | CPU time per sample / DDP |",
+        "|---|---:|---:|---|---:|",
+        f"| ddp | {report['samples_per_s_median']['ddp']:.0f} | 1.000 | | 1.000 |",
+    ]
+    for variant in variants[1:]:
+        r = report[f"{variant}_vs_ddp"]
+        per_repeat = ", ".join(f"{x:.2f}" for x in r["ratios"])
+        lines.append(
+            f"| {variant} | {report['samples_per_s_median'][variant]:.0f} | {r['median']:.3f} | {per_repeat}"
+            f" | {r['cpu_per_sample_median']:.3f} |"
+        )
+    lines += [
+        "",
+        f"DDP's own repeats spread over {100 * report['ddp_spread']:.0f}% of its median: the machine is shared.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--skip-epochs", type=int, default=1, help="epochs left out of the steady state")
+    parser.add_argument("--total-batch", type=int, default=96)
+    parser.add_argument("--samples", type=int, default=12288, help="training samples (128 global batches of 96)")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="ddp is always run")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "overhead.json")
+    args = parser.parse_args(argv)
+    variants = ("ddp", *(v for v in VARIANTS if v in args.variants and v != "ddp"))
+    generator = torch.Generator().manual_seed(0)
+    dataset = TensorDataset(
+        torch.rand(args.samples, 1, 28, 28, generator=generator),
+        torch.randint(0, 10, (args.samples,), generator=generator),
+    )
+    throughput: dict[str, list[float]] = {v: [] for v in variants}
+    cpu: dict[str, list[float]] = {v: [] for v in variants}
+    splits: dict[str, list[list[int]]] = {v: [] for v in variants}
+    started = time.perf_counter()
+    for repeat in range(args.repeats):
+        # rotate the order too, so that no variant always runs first (or right after another one) in a repeat
+        order = variants[repeat % len(variants) :] + variants[: repeat % len(variants)]
+        for variant in order:
+            result = run(variant, dataset, args.total_batch, args.epochs, seed=repeat)
+            throughput[variant].append(steady_throughput(result, args.skip_epochs))
+            cpu[variant].append(cpu_per_sample(result, args.skip_epochs))
+            splits[variant].append(result["splits"][-1])
+            print(
+                f"  repeat {repeat} {variant:20s} {throughput[variant][-1]:8.1f} samples/s"
+                f" {1e6 * cpu[variant][-1]:7.1f} CPU-us/sample",
+                flush=True,
+            )
+    report: dict[str, Any] = {
+        "setup": {
+            "world_size": WORLD_SIZE,
+            "total_batch_size": args.total_batch,
+            "samples_per_epoch": args.samples,
+            "epochs": args.epochs,
+            "skip_epochs": args.skip_epochs,
+            "repeats": args.repeats,
+            "model": "MLP 784-256-256-10, SGD, random 28x28 inputs, CPU, gloo, one thread per rank",
+            "wall_time_s": time.perf_counter() - started,
+        },
+        "samples_per_s_median": {v: statistics.median(throughput[v]) for v in variants},
+        "samples_per_s": throughput,
+        "cpu_us_per_sample_median": {v: 1e6 * statistics.median(cpu[v]) for v in variants},
+        "final_splits": splits,
+    }
+    for variant in variants[1:]:
+        ratios = [c / d for c, d in zip(throughput[variant], throughput["ddp"], strict=True)]
+        cpu_ratios = [c / d for c, d in zip(cpu[variant], cpu["ddp"], strict=True)]
+        report[f"{variant}_vs_ddp"] = {
+            "median": statistics.median(ratios),
+            "ratios": ratios,
+            "cpu_per_sample_median": statistics.median(cpu_ratios),
+            "cpu_per_sample_ratios": cpu_ratios,
+        }
+    # how noisy the machine was: the spread of DDP's own repeats
+    ddp = throughput["ddp"]
+    report["ddp_spread"] = (max(ddp) - min(ddp)) / statistics.median(ddp)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    args.out.with_suffix(".md").write_text(markdown(report, variants))
+    for variant in variants[1:]:
+        r = report[f"{variant}_vs_ddp"]
+        repeats = ", ".join(f"{x:.2f}" for x in r["ratios"])
+        print(
+            f"{variant:20s} / ddp = {r['median']:.3f}x samples/s (repeats {repeats});"
+            f" CPU per sample {r['cpu_per_sample_median']:.3f}x"
+        )
+    print(f"DDP's own spread across repeats: {100 * report['ddp_spread']:.1f}% of its median")
+    print(f"saved {args.out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

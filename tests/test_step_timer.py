@@ -1,0 +1,223 @@
+"""The step timer's logic on CPU: fake CUDA events (lazy reads, no sync, the right intervals and step indices), the
+host clock with a scripted ``perf_counter``, the device-memory readings, and the choice of clock by device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_cannikin.training import step_timer
+from lightning_cannikin.training.device_memory import DeviceMemory
+from lightning_cannikin.training.runtime import RuntimeState
+from lightning_cannikin.training.step_timer import CudaEventClock, HostClock, StepTimer, step_timer_for
+
+
+class FakeDevice:
+    """A GPU timeline: an event recorded now gets timestamp ``at`` (ms); the device has run everything up to ``now``."""
+
+    def __init__(self) -> None:
+        self.at = 0.0
+        self.now = 0.0
+        self.syncs = 0
+        self.created = 0
+
+
+class FakeEvent:
+    """Behaves like ``torch.cuda.Event(enable_timing=True)``: ``elapsed_time`` fails on an event not yet reached."""
+
+    def __init__(self, device: FakeDevice) -> None:
+        self.device = device
+        self.time: float | None = None
+        device.created += 1
+
+    def record(self) -> None:
+        self.time = self.device.at
+
+    def query(self) -> bool:
+        return self.time is not None and self.time <= self.device.now
+
+    def synchronize(self) -> None:
+        self.device.syncs += 1
+        self.device.now = max(self.device.now, self.time)
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        if not (self.query() and end.query()):
+            raise RuntimeError("cudaErrorNotReady: an event has not completed")
+        return end.time - self.time
+
+
+def cuda_timer() -> tuple[StepTimer, FakeDevice]:
+    device = FakeDevice()
+    return StepTimer(CudaEventClock(lambda: FakeEvent(device))), device
+
+
+def run_step(timer: StepTimer, device: FakeDevice, step: int, t0: float, buckets: int = 2, reduce: bool = True) -> None:
+    """One step whose GPU timeline starts at ``t0`` ms: forward at +2, buckets at +10 and +30, reduced at +45."""
+    device.at = t0
+    timer.start()
+    device.at = t0 + 1
+    timer.forward_start()  # the strategy's training_step
+    device.at = t0 + 2
+    timer.inner_forward_start()  # DDP hands the batch to the module
+    device.at = t0 + 3
+    timer.inner_forward_start()  # the module calls itself again: the start must not move
+    if reduce:
+        for k in range(buckets):
+            device.at = t0 + 10 + 20 * k
+            timer.before_reduce(None, None)
+        device.at = t0 + 45
+        timer.after_reduce(None, None, None)
+    device.at = t0 + 40
+    timer.backward_done()
+    device.at = t0 + 50
+    timer.finish(step, 1, 32)
+
+
+def test_cuda_records_are_read_lazily_with_their_own_step_index():
+    timer, device = cuda_timer()
+    device.now = 5.0  # the GPU is still in step 0's forward
+    run_step(timer, device, step=7, t0=0.0)
+    assert timer.records() == [] and timer.unread == 1
+    device.now = 60.0  # step 0 done on the device, step 1 being queued
+    run_step(timer, device, step=8, t0=100.0)
+    (record,) = timer.records()
+    assert device.syncs == 0, "the hot path must never wait for the device"
+    assert record.step == 7 and record.rank == 1 and record.batch_size == 32
+    # forward start after DDP's pre-forward (+2) to the last bucket (+30); all-reduce first bucket (+10) to +45
+    assert record.compute == pytest.approx(0.028)
+    assert record.allreduce == pytest.approx(0.035)
+    assert record.exposed == pytest.approx(0.015)
+    assert record.step_time == pytest.approx(0.050)
+    assert timer.unread == 1
+    # the re-plan waits for what is left: nothing is lost, and the late record keeps its step
+    (late,) = timer.records(wait=True)
+    assert device.syncs > 0 and late.step == 8 and late.compute == pytest.approx(0.028)
+    assert timer.records(wait=True) == []
+
+
+def test_cuda_hot_path_never_syncs_and_reuses_its_events():
+    timer, device = cuda_timer()
+    for step in range(200):
+        device.now = 100.0 * step - 50.0  # the device runs half a step behind the host
+        run_step(timer, device, step=step, t0=100.0 * step)
+    assert device.syncs == 0
+    records = timer.records()
+    assert [r.step for r in records] == list(range(199)), "every step but the one still on the device, in order"
+    assert all(r.compute == pytest.approx(0.028) for r in records)
+    # events come from a pool: a couple of steps' worth, not one set per step
+    assert device.created <= 3 * 7
+
+
+def test_a_micro_step_ends_its_compute_at_backward_and_has_no_allreduce():
+    timer, device = cuda_timer()
+    device.now = 1e9
+    run_step(timer, device, step=0, t0=0.0, reduce=False)
+    assert not timer.reduced
+    (record,) = timer.records()
+    assert record.compute == pytest.approx(0.038) and record.allreduce is None and record.exposed is None
+
+
+def test_without_a_forward_mark_compute_starts_at_the_batch():
+    timer, device = cuda_timer()
+    device.now = 1e9
+    device.at = 0.0
+    timer.start()
+    timer.inner_forward_start()  # not armed by training_step: ignored
+    device.at = 30.0
+    timer.before_reduce(None, None)
+    device.at = 35.0
+    timer.after_reduce(None, None, None)
+    device.at = 40.0
+    timer.finish(0, 0, 8)
+    (record,) = timer.records()
+    assert record.compute == pytest.approx(0.030)
+
+
+def test_an_unfinished_step_is_dropped_and_a_step_without_a_batch_gives_no_record():
+    timer, device = cuda_timer()
+    device.now = 1e9
+    timer.start()
+    timer.forward_start()
+    timer.before_reduce(None, None)  # an exception ends the step here: no finish
+    run_step(timer, device, step=1, t0=100.0)
+    assert [r.step for r in timer.records()] == [1]
+    timer.start()
+    timer.before_reduce(None, None)
+    timer.finish(2, 0, None)
+    assert timer.records(wait=True) == []
+
+
+def test_host_clock_gives_exact_intervals(monkeypatch):
+    ticks = iter([0.0, 0.001, 0.002, 0.010, 0.010, 0.030, 0.045, 0.050])
+    monkeypatch.setattr(step_timer.time, "perf_counter", lambda: next(ticks))
+    timer = StepTimer(HostClock())
+    timer.start()  # 0
+    timer.forward_start()  # 1 ms
+    timer.inner_forward_start()  # 2 ms
+    timer.before_reduce(None, None)  # 10 ms: the first bucket and, for now, the latest
+    timer.before_reduce(None, None)  # 30 ms
+    timer.after_reduce(None, None, None)  # 45 ms
+    timer.backward_done()  # reduced: not marked
+    timer.finish(3, 0, 16)  # 50 ms
+    (record,) = timer.records()
+    assert (record.step, record.batch_size) == (3, 16)
+    assert record.compute == pytest.approx(0.028) and record.allreduce == pytest.approx(0.035)
+    assert record.exposed == pytest.approx(0.015) and record.step_time == pytest.approx(0.050)
+    assert record.peak_memory is None and record.memory_capacity is None
+
+
+class FakeCudaMemory:
+    def __init__(self) -> None:
+        self.peak = 5e9
+        self.calls = {"mem_get_info": 0, "reset": 0}
+
+    def max_memory_allocated(self, device):
+        return self.peak
+
+    def reset_peak_memory_stats(self, device):
+        self.calls["reset"] += 1
+
+    def mem_get_info(self, device):
+        self.calls["mem_get_info"] += 1
+        return 30e9, 80e9  # another process holds most of the rest of the device
+
+    def memory_reserved(self, device):
+        return 6e9
+
+
+def test_memory_capacity_is_free_plus_held_and_read_once_per_handout():
+    backend = FakeCudaMemory()
+    memory = DeviceMemory(torch.device("cuda", 0), backend)
+    timer = StepTimer(HostClock(), memory)
+    for step in range(5):
+        backend.peak = 1e9 * (step + 1)
+        timer.start()
+        timer.before_reduce(None, None)
+        timer.finish(step, 0, 8)
+    assert backend.calls == {"mem_get_info": 0, "reset": 5}, "the capacity is not read per step"
+    records = timer.records(wait=True)
+    assert backend.calls["mem_get_info"] == 1
+    assert [r.peak_memory for r in records] == [1e9, 2e9, 3e9, 4e9, 5e9]
+    assert {r.memory_capacity for r in records} == {36e9}, "free + reserved, not the device's 80 GB"
+
+
+def test_cpu_memory_reads_nothing():
+    memory = DeviceMemory(torch.device("cpu"))
+    assert memory.peak() is None and memory.capacity() is None
+
+
+def test_the_clock_follows_the_device_and_replaces_the_hook_observer():
+    assert isinstance(step_timer_for(torch.device("cpu")).clock, HostClock)
+    cuda = step_timer_for(torch.device("cuda", 0))  # builds no event and touches no device yet
+    assert isinstance(cuda.clock, CudaEventClock) and cuda.memory.available
+    runtime = RuntimeState()
+    old = runtime.timer
+    runtime.use_timer(cuda)
+    assert runtime.timer is cuda and cuda in runtime.hook.observers and old not in runtime.hook.observers
+
+
+def test_buckets_outside_a_timed_step_are_not_marked():
+    timer, device = cuda_timer()
+    timer.before_reduce(None, None)  # a fit without the callback: nobody starts steps
+    timer.after_reduce(None, None, None)
+    assert not timer.reduced and device.created == 0
