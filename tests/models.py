@@ -83,3 +83,16 @@ def quiet_trainer(strategy, devices: int, callbacks=(), **kwargs) -> pl.Trainer:
     }
     options.update(kwargs)
     return pl.Trainer(strategy=strategy, devices=devices, accelerator="cpu", callbacks=list(callbacks), **options)
+
+
+# every cannikin/* metric the README promises a logger receives (with noise tracking on)
+CANNIKIN_METRICS = {
+    "cannikin/total_batch_size",
+    "cannikin/local_batch_size",
+    "cannikin/lr_factor",
+    "cannikin/step_time",
+    "cannikin/predicted_step_time",
+    "cannikin/prediction_error",
+    "cannikin/noise_scale",
+    "cannikin/efficiency",
+}

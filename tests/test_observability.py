@@ -11,7 +11,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_cannikin import Cannikin, CannikinStrategy, EmulatedCluster
 from lightning_cannikin.tools.cli import main as cli_main
 from lightning_cannikin.tools.run_profile import PROFILE_FILENAME, load_profile
-from tests.models import IndexedRegression, RecordingRegressor, quiet_trainer
+from tests.models import CANNIKIN_METRICS, IndexedRegression, RecordingRegressor, quiet_trainer
 
 
 def test_metrics_reach_a_csv_logger_and_the_profile_round_trips(tmp_path, capsys):
@@ -31,17 +31,7 @@ def test_metrics_reach_a_csv_logger_and_the_profile_round_trips(tmp_path, capsys
     with open(log_dir / "metrics.csv") as handle:
         rows = list(csv.DictReader(handle))
     logged = {key for row in rows for key, value in row.items() if value not in ("", None)}
-    expected = {
-        "cannikin/total_batch_size",
-        "cannikin/local_batch_size",
-        "cannikin/lr_factor",
-        "cannikin/step_time",
-        "cannikin/predicted_step_time",
-        "cannikin/noise_scale",
-        "cannikin/efficiency",
-        "cannikin/prediction_error",
-    }
-    assert expected <= logged, expected - logged
+    assert logged >= CANNIKIN_METRICS, CANNIKIN_METRICS - logged
     # the profile written at the last re-plan rebuilds the same models and plans the same split
     profile = load_profile(log_dir / PROFILE_FILENAME)
     balancer = profile.speed_model()
