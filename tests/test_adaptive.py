@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from lightning_cannikin import Cannikin, CannikinStrategy, EmulatedCluster
+from lightning_cannikin.training.grad_stats import FOLD_DELAY
 from tests.models import IndexedRegression, RecordingRegressor, quiet_trainer, read_records
 
 
@@ -160,8 +161,9 @@ class RecordNoiseInputs(Callback):
 
 
 def test_adam_noise_statistics_use_the_preconditioned_gradient(tmp_path):
-    # a step's statistics are folded in at the next step (rank zero's Y travels with the next exchange)
-    dataset, initial, records, fed = fit_recording_noise(tmp_path, [24, 8], AdamRegressor, max_steps=3)
+    # a step's statistics are folded in FOLD_DELAY steps later (rank zero's Y travels with the next exchange, which
+    # is read a step after it is issued)
+    dataset, initial, records, fed = fit_recording_noise(tmp_path, [24, 8], AdamRegressor, max_steps=2 + FOLD_DELAY)
     assert len(fed) == 2
 
     # replay: Adam on the union of each step's samples, and every group's gradient at the same parameters
@@ -227,8 +229,8 @@ def squared_gradient_norm(dataset, parameters, index: list[int]) -> float:
 
 @pytest.mark.parametrize("sizes", [[24, 8], [20, 8, 4]])
 def test_noise_statistics_from_the_hook_match_a_single_process_replay(tmp_path, sizes):
-    dataset, initial, records, fed = fit_recording_noise(tmp_path, sizes, max_steps=2)
-    ((local, group_sizes, global_sqr),) = fed  # step 0's, folded in at step 1
+    dataset, initial, records, fed = fit_recording_noise(tmp_path, sizes, max_steps=1 + FOLD_DELAY)
+    ((local, group_sizes, global_sqr),) = fed  # step 0's, folded in at step FOLD_DELAY
     groups = [r["steps"][0] for r in records]
     assert group_sizes == sizes
     assert local == pytest.approx([squared_gradient_norm(dataset, initial, g) for g in groups], rel=1e-4)
@@ -237,8 +239,10 @@ def test_noise_statistics_from_the_hook_match_a_single_process_replay(tmp_path, 
 
 
 def test_accumulation_micro_batches_are_noise_groups_of_their_own(tmp_path):
-    dataset, initial, records, fed = fit_recording_noise(tmp_path, [24, 8], max_steps=2, accumulate_grad_batches=2)
-    ((local, group_sizes, global_sqr),) = fed  # step 0's, folded in at step 1
+    dataset, initial, records, fed = fit_recording_noise(
+        tmp_path, [24, 8], max_steps=1 + FOLD_DELAY, accumulate_grad_batches=2
+    )
+    ((local, group_sizes, global_sqr),) = fed  # step 0's, folded in at step FOLD_DELAY
     micro_batches = [micro for r in records for micro in r["steps"][:2]]  # rank-major: r0m0, r0m1, r1m0, r1m1
     assert group_sizes == [24, 24, 8, 8]
     assert local == pytest.approx([squared_gradient_norm(dataset, initial, m) for m in micro_batches], rel=1e-4)

@@ -24,6 +24,7 @@ from lightning_cannikin import Cannikin, CannikinStrategy, EmulatedCluster
 from lightning_cannikin.core.goodput import adascale_gain
 from lightning_cannikin.core.noise_scale import NoiseScaleEstimator
 from lightning_cannikin.core.speed_model import SpeedModel
+from lightning_cannikin.training.grad_stats import FOLD_DELAY
 from lightning_cannikin.training.schedules import progress_lr_lambda
 from tests.models import IndexedRegression, RecordingRegressor, quiet_trainer, read_records
 
@@ -134,20 +135,21 @@ def test_per_step_gain_and_progress_schedule_equal_the_formula_on_a_replay(tmp_p
     assert extra[0]["stepped_lrs"] == extra[1]["stepped_lrs"], "the ranks stepped with different learning rates"
     assert extra[0]["noise_inputs"] == extra[1]["noise_inputs"], "the ranks' estimators were fed different numbers"
     fed = extra[0]["noise_inputs"]
-    assert len(fed) == 24  # each step's statistics are folded in at the next step
+    assert len(fed) == 25 - FOLD_DELAY  # each step's statistics are folded in FOLD_DELAY steps later
     # replay: a fresh estimator on the same inputs, the gain formula, progress as the sum of the gains
     estimator, gain, progress, expected, gains = NoiseScaleEstimator(8), 1.0, 0.0, [], []
     for step in range(25):
         expected.append(0.01 * schedule(progress) * gain)
         gains.append(gain)
         progress += gain
-        if step >= 1:
-            estimator.update(*fed[step - 1])
+        if step >= FOLD_DELAY:
+            estimator.update(*fed[step - FOLD_DELAY])
             if estimator.num_updates >= 3:
                 gain = float(adascale_gain(estimator.noise_scale, 16, 8))
     assert extra[0]["stepped_lrs"] == pytest.approx(expected, rel=1e-9)
     assert extra[0]["progress"] == pytest.approx(progress, rel=1e-12)
-    assert gains[:4] == [1.0] * 4  # no factor before `min_noise_updates` steps of statistics (steps 0-2)
+    # no factor before `min_noise_updates` steps of statistics (steps 0-2, folded at the ends of steps 2-4)
+    assert gains[: 3 + FOLD_DELAY] == [1.0] * (3 + FOLD_DELAY)
     assert len({round(g, 6) for g in gains[4:]}) > 10, "the gain must move from step to step for this to mean anything"
 
 

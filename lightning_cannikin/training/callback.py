@@ -64,10 +64,9 @@ class Cannikin(Callback):
         half_life: recency half-life of the timing fits, in steps.
         adapt_margin: relative goodput gain required to change the total batch (hysteresis).
         min_noise_updates: optimizer steps of noise statistics required before the total batch may change.
-        track_noise_scale: measure the gradient noise scale (squared norms around the all-reduce; they ride on the
-            re-plan's gather, or on one of their own every 64 optimizer steps, never a collective per step). ``None``:
-            only when it can change something, i.e. with ``max_batch_size`` or with ``lr_scaling="adascale"`` and a
-            ``base_batch_size``.
+        track_noise_scale: measure the gradient noise scale (one extra all-reduce of ``world_size`` floats per
+            optimizer step, read a step later, so never waited for). ``None``: only when it can change something,
+            i.e. with ``max_batch_size`` or with ``lr_scaling="adascale"`` and a ``base_batch_size``.
         save_profile: at each re-plan, rank zero writes ``cannikin_profile.json`` into the first logger's folder for
             this run (``version_N`` of TensorBoard and CSV, ``save_dir/name/version`` of W&B and MLflow), for
             ``cannikin plan`` and ``cannikin report``. Nothing is written without a logger.
@@ -194,8 +193,10 @@ class Cannikin(Callback):
         if self._estimator is None:
             self._estimator = NoiseScaleEstimator(base)
         self._adam = bool(trainer.optimizers) and is_adam_family(type(trainer.optimizers[0]).__name__)
-        if self._observer is not None and self._adam:
-            self._observer.optimizer = trainer.optimizers[0]
+        if self._observer is not None:
+            self._observer.optimizer = trainer.optimizers[0] if self._adam else None
+            # 16-mixed: the gradients carry the GradScaler's scale, which the statistics divide out
+            self._observer.scaler = getattr(trainer.precision_plugin, "scaler", None)
         # the logger's folder for this run (W&B and MLflow included); rank zero writes the profile, and alone asks
         self._log_dir = run_log_dir(trainer) if self.save_profile and trainer.is_global_zero else None
         if self._restored is not None:

@@ -1,27 +1,82 @@
-"""Squared gradient norms around the weighted all-reduce, for the gradient-noise-scale estimator.
+"""Squared gradient norms around the weighted all-reduce, exchanged every step, for the noise-scale estimator.
 
 Rides on the comm hook: each bucket's local squared norm is taken before it is weighted and reduced, the global one
-from the reduced bucket. With gradient accumulation every micro-batch is a group of its own: its gradient is the
-difference of the accumulated gradients before and after it, rescaled by its weight in the sum. When the step's last
-bucket is launched, the groups' norms are exchanged with one all-reduce of ``world_size x micro-batches`` floats,
-issued asynchronously next to the gradient's own, so the statistics add no synchronisation point.
+(on rank zero) from the reduced bucket (:mod:`~lightning_cannikin.training.grad_norms` computes them, fused). With
+gradient accumulation every micro-batch is a group of its own. When a step's last bucket is launched, the groups'
+norms are exchanged with one all-reduce of ``world_size x micro-batches + 2`` floats, issued asynchronously next to
+the gradient's own.
 
 Every rank folds the statistics into its own estimator, so the learning-rate factor can follow the noise scale at
 every step with no collective of its own. For the ranks to agree *bitwise* (heterogeneous GPUs may round a squared
-norm differently), every input comes through the exchange: ``Z_j`` in their slots, and ``Y`` as rank zero measured it,
-sent one step late in one extra slot. A step's statistics are therefore folded in at the next step.
+norm differently), every input comes through the exchange: ``Z_j`` in their slots, and in two more slots, written by
+rank zero alone (``x + 0 + ... + 0`` is exact), ``Y`` of the step before and the GradScaler's scale of this step.
+
+Nothing waits for the exchange in the step that issues it: its result is read at the end of the *next* step (on CUDA
+from pinned host memory it was copied to, asynchronously, behind the collective), long after the device got there.
+``Y`` of a step arrives with the next step's exchange, so a step's statistics reach the estimator at the end of the
+step :data:`FOLD_DELAY` later.
+
+Mixed precision: with a ``GradScaler`` (``16-mixed``) the gradients carry the scale of their step, so every norm is
+divided by that scale squared; a step after which the scale backed off (the scaler found inf or NaN gradients and
+skipped the step) is left out. ``bf16-mixed`` has no scaler: nothing to undo.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from lightning_cannikin.core.noise_scale import NoiseScaleEstimator
 from lightning_cannikin.training.comm_hook import WeightedAllReduceState
+from lightning_cannikin.training.grad_norms import GradientNorms
+
+__all__ = ["FOLD_DELAY", "GradientNormObserver"]
+
+READ_LAG = 1  # exchanges left unread when a step ends: the newest one is read a step later
+FOLD_DELAY = READ_LAG + 1  # a step's statistics reach the estimator at the end of the step this many steps later
+
+
+class HostTransfer:
+    """An exchange on CPU: read it by waiting for its collective (long done, a step after it was issued)."""
+
+    def start(self, tensor: torch.Tensor, work: Any) -> Any:
+        return work, tensor
+
+    def read(self, handle: Any) -> list[float]:
+        work, tensor = handle
+        work.wait()
+        return tensor.tolist()
+
+
+class PinnedTransfer:
+    """An exchange on CUDA: copied to pinned host memory behind the collective, on the stream; read once its event
+    has passed (a step later it has), so reading never drains the device's queue."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[int, list[torch.Tensor]] = {}
+        self._events: list[torch.cuda.Event] = []
+
+    def start(self, tensor: torch.Tensor, work: Any) -> Any:
+        work.wait()  # on NCCL: the current stream waits for the collective; the host does not
+        pool = self._buffers.setdefault(tensor.numel(), [])
+        host = pool.pop() if pool else torch.empty(tensor.numel(), dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        event = self._events.pop() if self._events else torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def read(self, handle: Any) -> list[float]:
+        host, event = handle
+        event.synchronize()
+        values = host.tolist()
+        self._buffers[host.numel()].append(host)
+        self._events.append(event)
+        return values
 
 
 class GradientNormObserver:
@@ -30,79 +85,75 @@ class GradientNormObserver:
     Args:
         rank: this process's global rank.
         world_size: number of ranks.
+        transfer: how an exchange reaches the host (default: by the exchange's device).
 
     Attributes:
-        optimizer: set it to an Adam-family optimizer to measure the noise of the *preconditioned* gradient
-            ``g / (sqrt(v_hat) + eps)`` (AdaptDL's rule): that is the direction Adam actually steps in. Parameters
-            without second-moment state yet (the first step) are measured raw.
+        scaler: the ``GradScaler`` of ``16-mixed`` training (``None`` without one).
+        pending: the newest step whose norms were read, waiting for its ``Y``: ``(Z, sizes, scale)``.
 
     """
 
-    def __init__(self, rank: int, world_size: int) -> None:
+    def __init__(self, rank: int, world_size: int, transfer: HostTransfer | PinnedTransfer | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
-        self.optimizer: torch.optim.Optimizer | None = None
-        self._groups: dict[int, dict] | None = None
-        # rank zero's Y of the last step, sent with the next exchange; the last step's exchanged Z and group sizes
-        self._last_global: float | None = None
-        self.pending: tuple[list[float], list[int]] | None = None
-        self._reset()
+        self.norms = GradientNorms()
+        self.scaler: Any = None
+        self._transfer = transfer
+        self._last_global: torch.Tensor | float | None = None  # rank zero's Y of the last step, for the next exchange
+        self.pending: tuple[list[float], list[int], float] | None = None
+        # issued exchanges not folded yet, oldest first: [transfer handle or read values, sizes, read?]
+        self._in_flight: deque[list[Any]] = deque()
+        self._reset_step()
 
-    def _reset(self) -> None:
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """Set it to an Adam-family optimizer to measure the noise of the *preconditioned* gradient
+        ``g / (sqrt(v_hat) + eps)`` (AdaptDL's rule): that is the direction Adam actually steps in."""
+        return self.norms.optimizer
+
+    @optimizer.setter
+    def optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
+        self.norms.optimizer = optimizer
+
+    def _reset_step(self) -> None:
         self._micro: list[torch.Tensor] = []  # this rank's finished micro-batches of the window
-        self._previous: dict[int, torch.Tensor] = {}  # accumulated gradient after the last micro-batch, by param id
         self._local: torch.Tensor | None = None  # the window's last micro-batch, summed over buckets
         self._global: torch.Tensor | None = None
-        self._exchange: torch.Tensor | None = None
-        self._work: dist.Work | None = None
+        self._exchanged: Any = None
 
     def after_micro_step(self, parameters: Iterable[torch.Tensor], weight: float) -> None:
         """Record a micro-batch that ended without a reduction (accumulation); ``weight`` is its share of the sum."""
-        total: torch.Tensor | None = None
-        for parameter in parameters:
-            if parameter.grad is None:
-                continue
-            grad = parameter.grad.detach()
-            sqr = self._micro_squared(parameter, grad.reshape(-1), weight)
-            total = sqr if total is None else total + sqr
-            self._previous[id(parameter)] = grad.clone()
-        if total is not None:
-            self._micro.append(total)
+        squared = self.norms.micro_batch(list(parameters), weight)
+        if squared is not None:
+            self._micro.append(squared)
 
     def before_reduce(self, state: WeightedAllReduceState, bucket: dist.GradBucket) -> None:
-        sqr = self._bucket_squared(bucket.buffer(), bucket, state.micro_weight, subtract_previous=True)
+        sqr = self.norms.bucket(bucket.buffer(), _Parameters(bucket), state.micro_weight, subtract_previous=True)
         self._local = sqr if self._local is None else self._local + sqr
         if bucket.is_last():
-            groups = [*self._micro, self._local]
-            exchange = torch.zeros(self.world_size * len(groups) + 1, dtype=torch.float64, device=sqr.device)
-            exchange[self.rank * len(groups) : (self.rank + 1) * len(groups)] = torch.stack(groups).double()
-            if self.rank == 0:  # x + 0 + ... + 0 is exact: every rank receives rank zero's very bits
-                exchange[-1] = math.nan if self._last_global is None else self._last_global
-            self._exchange = exchange
-            self._work = dist.all_reduce(exchange, group=state.process_group, async_op=True)
+            groups = torch.stack([*self._micro, self._local]).double()
+            count = groups.numel()
+            exchange = groups.new_zeros(self.world_size * count + 2)
+            exchange[self.rank * count : (self.rank + 1) * count] = groups
+            if self.rank == 0:
+                exchange[-2] = math.nan if self._last_global is None else self._last_global
+                # the scale this step's gradients carry (the scaler updates it only after the step)
+                exchange[-1] = _scale_of(self.scaler) if self.scaler is not None else 1.0
+            work = dist.all_reduce(exchange, group=state.process_group, async_op=True)
+            if self._transfer is None:
+                self._transfer = PinnedTransfer() if exchange.is_cuda else HostTransfer()
+            self._exchanged = self._transfer.start(exchange, work)
 
     def after_reduce(self, state: WeightedAllReduceState, bucket: dist.GradBucket, reduced: torch.Tensor) -> None:
-        sqr = self._bucket_squared(reduced, bucket, 1.0, subtract_previous=False)
+        if self.rank != 0:
+            return  # the other ranks receive rank zero's Y through the exchange
+        sqr = self.norms.bucket(reduced, _Parameters(bucket), 1.0, subtract_previous=False)
         self._global = sqr if self._global is None else self._global + sqr
 
-    def collect(self) -> tuple[list[float], float, float] | None:
-        """``(Z per group, this rank's Y, rank zero's Y of the step before)`` of the optimizer step just finished,
-        or ``None`` if no gradient was reduced in it (``nan`` marks a Y not known).
-
-        Groups are ordered rank-major: rank 0's micro-batches, then rank 1's, and so on.
-        """
-        if self._work is None or self._exchange is None or self._global is None:
-            return None
-        self._work.wait()
-        *local, previous_global = self._exchange.tolist()
-        global_sqr = float(self._global)
-        self._reset()
-        self._last_global = global_sqr
-        return local, global_sqr, previous_global
-
     def fold_into(self, estimator: NoiseScaleEstimator, window: Sequence[Sequence[int]]) -> bool:
-        """Collect the step's norms and fold the *previous* step's into ``estimator``; every rank calls it and every
-        rank's estimator receives the same numbers.
+        """End the optimizer step: keep its exchange in flight, and fold every step whose inputs have all arrived.
+
+        Every rank calls it at every optimizer step, and every rank's estimator receives the same numbers.
 
         Args:
             estimator: where the statistics go (every rank has one).
@@ -112,60 +163,78 @@ class GradientNormObserver:
             Whether the estimator changed.
 
         """
-        statistics = self.collect()
-        if statistics is None:
+        exchanged = self._exchanged
+        if self.rank == 0:
+            self._last_global = self._global
+        self._reset_step()
+        self.norms.new_window()
+        if exchanged is None:  # no gradient was reduced in this step
             self.pending = None
             return False
-        local, _, previous_global = statistics
+        # groups are rank-major, as they were exchanged: rank 0's micro-batches first
+        sizes = [micro[rank] for rank in range(self.world_size) for micro in window] if window else None
+        self._in_flight.append([exchanged, sizes, False])
+        updated = False
+        while len(self._in_flight) > READ_LAG:
+            updated = self._fold(estimator, self._in_flight.popleft()) or updated
+        return updated
+
+    def _fold(self, estimator: NoiseScaleEstimator, entry: list[Any]) -> bool:
+        """Read one exchange: its ``Y`` and scale complete the pending step, its ``Z`` become the pending step."""
+        handle, sizes, read = entry
+        *local, previous_global, scale = handle if read else self._transfer.read(handle)
         ready, self.pending = self.pending, None
-        if window:
-            # groups are rank-major, as they were exchanged: rank 0's micro-batches first
-            self.pending = (local, [micro[rank] for rank in range(self.world_size) for micro in window])
-        if ready is None or not math.isfinite(previous_global) or not all(math.isfinite(z) for z in ready[0]):
+        if sizes:
+            self.pending = (local, sizes, scale)
+        if ready is None:
+            return False
+        ready_local, ready_sizes, ready_scale = ready
+        if scale < ready_scale:
+            return False  # the scale backed off after that step: the scaler skipped it
+        inverse = 1.0 / ready_scale**2
+        global_sqr = previous_global * inverse
+        ready_local = [z * inverse for z in ready_local]
+        if not math.isfinite(global_sqr) or not all(math.isfinite(z) for z in ready_local):
             return False  # nothing to pair, or an overflowing step (e.g. fp16): it tells nothing about the noise
-        return estimator.update(ready[0], ready[1], previous_global)
+        return estimator.update(ready_local, ready_sizes, global_sqr)
 
     def state_dict(self) -> dict:
-        """The statistics in flight (the last step's, whose Y comes with the next exchange), for exact resumes."""
-        return {"pending": self.pending, "last_global": self._last_global}
+        """The statistics in flight, read now (a checkpoint may wait for the device), for exact resumes."""
+        for entry in self._in_flight:
+            if not entry[2]:
+                entry[0], entry[2] = self._transfer.read(entry[0]), True
+        last = self._last_global
+        return {
+            "pending": self.pending,
+            "last_global": float(last) if last is not None else None,
+            "in_flight": [[values, sizes] for values, sizes, _ in self._in_flight],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         pending = state.get("pending")
-        self.pending = None if pending is None else (list(pending[0]), [int(b) for b in pending[1]])
+        if pending is None:
+            self.pending = None
+        else:
+            scale = float(pending[2]) if len(pending) > 2 else 1.0
+            self.pending = (list(pending[0]), [int(b) for b in pending[1]], scale)
         self._last_global = state.get("last_global")
+        self._in_flight = deque(
+            [list(values), None if sizes is None else [int(b) for b in sizes], True]
+            for values, sizes in state.get("in_flight", [])
+        )
 
-    def _bucket_squared(
-        self, flat: torch.Tensor, bucket: dist.GradBucket, weight: float, subtract_previous: bool
-    ) -> torch.Tensor:
-        flat = flat.detach()
-        parameters = bucket.parameters()
-        numels = [p.numel() for p in parameters]
-        if sum(numels) != flat.numel():
-            # an unexpected bucket layout: measure it whole and raw rather than guess
-            return flat.float().pow(2).sum() / weight**2
-        total = flat.new_zeros((), dtype=torch.float32)
-        for parameter, piece in zip(parameters, torch.split(flat, numels), strict=True):
-            if subtract_previous:
-                total = total + self._micro_squared(parameter, piece, weight)
-            else:
-                total = total + self._preconditioned(parameter, piece.float()).pow(2).sum()
-        return total
 
-    def _micro_squared(self, parameter: torch.Tensor, accumulated: torch.Tensor, weight: float) -> torch.Tensor:
-        """``|g_k|^2`` of one micro-batch: what it added to the accumulated gradient, over its weight in the sum."""
-        previous = self._previous.get(id(parameter))
-        delta = accumulated.float() if previous is None else accumulated.float() - previous.reshape(-1).float()
-        return (self._preconditioned(parameter, delta) / weight).pow(2).sum()
+class _Parameters:
+    """A bucket's parameters, listed only when a norm needs them apart (a list per bucket per step costs)."""
 
-    def _preconditioned(self, parameter: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-        if self.optimizer is None:
-            return flat
-        state = self.optimizer.state.get(parameter, {})
-        if "exp_avg_sq" not in state or "step" not in state:
-            return flat
-        if self._groups is None:  # built once: a lookup per parameter per step must not scan every group
-            self._groups = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
-        group = self._groups[id(parameter)]
-        beta2, eps = group["betas"][1], group["eps"]
-        v_hat = state["exp_avg_sq"].float().reshape(-1) / (1.0 - beta2 ** float(state["step"]))
-        return flat / (v_hat.sqrt() + eps)
+    def __init__(self, bucket: dist.GradBucket) -> None:
+        self._bucket = bucket
+
+    def __call__(self) -> list[torch.Tensor]:
+        return self._bucket.parameters()
+
+
+def _scale_of(scaler: Any) -> torch.Tensor | float:
+    """The scaler's current scale, without a host sync where it can be had."""
+    scale = scaler._get_scale_async() if hasattr(scaler, "_get_scale_async") else None
+    return float(scaler.get_scale()) if scale is None else scale

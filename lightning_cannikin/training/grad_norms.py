@@ -1,0 +1,117 @@
+"""Squared gradient norms for the noise statistics, with fused kernels and nothing read back to the host.
+
+A bucket's gradients lie end to end in one flat buffer, so its squared norm is one vector norm. Accumulation (a
+micro-batch is the difference of the accumulated gradients before and after it) and Adam's preconditioner (the
+gradient divided by ``sqrt(v_hat) + eps``) need the parameters apart: ``torch._foreach_*`` ops over the bucket's
+pieces then do it in a few kernels. Every result is a 0-d float32 tensor on the gradients' device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+__all__ = ["GradientNorms"]
+
+
+class GradientNorms:
+    """Squared norms of buckets and of accumulation micro-batches.
+
+    Attributes:
+        optimizer: an Adam-family optimizer to precondition by (``None``: raw gradients). Parameters without second
+            moments yet (the first step) are measured raw.
+
+    """
+
+    def __init__(self) -> None:
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._groups: dict[int, dict] | None = None
+        # the accumulated gradient after the window's last micro-batch, flat, by parameter (buffers reused)
+        self._previous: dict[int, torch.Tensor] = {}
+        self._previous_valid = False
+
+    def new_window(self) -> None:
+        """An optimizer step ended: the next micro-batch starts from zero."""
+        self._previous_valid = False
+
+    def micro_batch(self, parameters: Sequence[torch.Tensor], weight: float) -> torch.Tensor | None:
+        """``|g_k|^2`` of the micro-batch that just ended without a reduction; ``weight`` is its share of the sum."""
+        params = [p for p in parameters if p.grad is not None]
+        if not params:
+            return None
+        grads = [p.grad.detach().reshape(-1) for p in params]
+        pieces = self._minus_previous(params, grads) if self._previous_valid else grads
+        squared = self._squared(params, pieces, weight)
+        buffers = [self._previous.get(id(p)) for p in params]
+        if all(b is not None and b.shape == g.shape for b, g in zip(buffers, grads, strict=True)):
+            torch._foreach_copy_(buffers, grads)
+        else:
+            self._previous = {id(p): g.clone() for p, g in zip(params, grads, strict=True)}
+        self._previous_valid = True
+        return squared
+
+    def bucket(
+        self,
+        flat: torch.Tensor,
+        bucket_parameters: Callable[[], Sequence[torch.Tensor]],
+        weight: float,
+        subtract_previous: bool,
+    ) -> torch.Tensor:
+        """``|bucket|^2 / weight^2``, less what earlier micro-batches of the window put in it when asked.
+
+        ``bucket_parameters`` lists the bucket's parameters in buffer order; it is called only when they are needed
+        apart (accumulation, Adam).
+        """
+        flat = flat.detach()
+        previous = subtract_previous and self._previous_valid
+        if not previous and self.optimizer is None:
+            return torch.linalg.vector_norm(flat, dtype=torch.float32).square() / weight**2
+        parameters = bucket_parameters()
+        numels = [p.numel() for p in parameters]
+        if sum(numels) != flat.numel():
+            # an unexpected bucket layout: measure it whole and raw rather than guess
+            return torch.linalg.vector_norm(flat, dtype=torch.float32).square() / weight**2
+        pieces = list(torch.split(flat, numels))
+        if previous:
+            pieces = self._minus_previous(parameters, pieces)
+        return self._squared(parameters, pieces, weight)
+
+    def _minus_previous(self, parameters: Sequence[torch.Tensor], pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        previous = [self._previous.get(id(p)) for p in parameters]
+        if all(prev is not None for prev in previous):
+            return list(torch._foreach_sub(pieces, previous))
+        return [piece if prev is None else piece - prev for piece, prev in zip(pieces, previous, strict=True)]
+
+    def _squared(self, parameters: Sequence[torch.Tensor], pieces: list[torch.Tensor], weight: float) -> torch.Tensor:
+        pieces = [piece if piece.dtype == torch.float32 else piece.float() for piece in pieces]
+        if self.optimizer is not None:
+            pieces = self._preconditioned(parameters, pieces)
+        return torch.stack(torch._foreach_norm(pieces)).square().sum() / weight**2
+
+    def _preconditioned(self, parameters: Sequence[torch.Tensor], pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        assert self.optimizer is not None
+        if self._groups is None:  # built once: a lookup per parameter per step must not scan every group
+            self._groups = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+        chosen, second_moments, corrections, eps = [], [], [], []
+        for index, parameter in enumerate(parameters):
+            state = self.optimizer.state.get(parameter)
+            if not state or "exp_avg_sq" not in state or "step" not in state:
+                continue
+            group = self._groups[id(parameter)]
+            chosen.append(index)
+            second_moments.append(state["exp_avg_sq"].reshape(-1).float())
+            corrections.append(math.sqrt(1.0 - group["betas"][1] ** float(state["step"])))
+            eps.append(group["eps"])
+        if not chosen:
+            return pieces
+        # sqrt(v / (1 - beta2^t)) + eps, for all of them at once
+        denominators = torch._foreach_sqrt(second_moments)
+        torch._foreach_div_(denominators, corrections)
+        torch._foreach_add_(denominators, eps)
+        scaled = torch._foreach_div([pieces[i] for i in chosen], denominators)
+        out = list(pieces)
+        for index, piece in zip(chosen, scaled, strict=True):
+            out[index] = piece
+        return out
