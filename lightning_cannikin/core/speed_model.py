@@ -40,7 +40,7 @@ class StepRecord:
         exposed: from this rank's last bucket (the end of its backward) to the all-reduce completing: the part of
             the communication that backward did not hide, plus any wait for slower ranks.
         peak_memory: the device's peak allocated bytes during the step (CUDA only).
-        memory_capacity: the device's total memory in bytes (CUDA only).
+        memory_capacity: the memory this rank can use in bytes: free plus what it holds (CUDA only).
 
     """
 
