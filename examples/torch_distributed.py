@@ -15,6 +15,7 @@ where DDP's plain average would over-weight the small batches.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import socket
@@ -69,6 +70,10 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
         Path(args.record, f"rank{rank}.json").write_text(json.dumps(steps))
     samples = sum(len(s["indices"]) for s in steps)
     print(f"rank {rank}: {len(steps)} steps, {samples} samples, local batch {args.local_batch_sizes[rank]}", flush=True)
+    # Free the DDP reducer (it holds the process group, the hook and its last futures) while the interpreter is fully
+    # alive: gloo work still referenced at interpreter shutdown can abort the process after all the work is done.
+    del model, optimizer, loss
+    gc.collect()
     dist.destroy_process_group()
 
 
