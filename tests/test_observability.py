@@ -63,3 +63,13 @@ def test_the_allreduce_and_its_exposed_part_are_measured(tmp_path):
     profile = json.loads((tmp_path / "run" / "version_0" / PROFILE_FILENAME).read_text())
     comm = profile["comm"]
     assert comm is not None and 0 < comm["exposed"] <= comm["allreduce"] < 0.5, comm
+
+
+def test_metrics_are_logged_only_where_a_logger_or_the_progress_bar_sees_them():
+    from types import SimpleNamespace
+
+    from lightning_cannikin.training.metrics import metrics_are_seen
+
+    assert not metrics_are_seen(SimpleNamespace(loggers=[], progress_bar_callback=None))
+    assert metrics_are_seen(SimpleNamespace(loggers=[object()], progress_bar_callback=None))
+    assert metrics_are_seen(SimpleNamespace(loggers=[], progress_bar_callback=object()))

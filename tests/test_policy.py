@@ -218,3 +218,33 @@ def test_optperf_sees_the_communication_floor_of_an_allreduce_bound_job():
     assert float(compute_only.optperf([8])[0]) < 0.85 * floor
     # at a large total the job is compute-bound: the split is the compute-only one
     assert model.plan_split(400).local_batch_sizes == compute_only.plan_split(400).local_batch_sizes
+
+
+def test_a_split_is_kept_while_the_best_one_gains_less_than_the_split_margin():
+    # identical devices whose fitted fixed costs came out 1.5 ms apart (what timing noise makes of them)
+    near = _fitted_on([0.001] * 3, [0.020, 0.0215, 0.019], BatchBounds.parse(None, 3), [(32, 32, 32), (40, 16, 40)])
+    assert near.identified
+    best = optimal_split(*near.pieces(), 96).local_batch_sizes
+    assert best != (32, 32, 32), "the check must be able to fail: the model's optimum is not the even split"
+
+    def split(current, margin):
+        settings = PolicySettings(split_margin=margin)
+        return decide(near, Plan(current), settings, None, 96).plan.local_batch_sizes
+
+    assert split((32, 32, 32), 0.0) == best  # without hysteresis the noise is chased
+    assert split((32, 32, 32), 0.02) == (32, 32, 32)  # the split in force is within 2% of the best: kept
+    assert split((33, 31, 32), 0.02) == (33, 31, 32)
+    # a split far from the best (the probe's) is left, for the most even one when that is within the margin
+    assert split((40, 16, 40), 0.02) == (32, 32, 32)
+    # real differences (1x:2x:4x) are worth far more than the margin: the optimum is taken
+    far = _fitted_on([0.001, 0.002, 0.004], [0.02] * 3, BatchBounds.parse(None, 3), [(32, 32, 32), (40, 16, 40)])
+    settings = PolicySettings(split_margin=0.02)
+    assert (
+        decide(far, Plan((32, 32, 32)), settings, None, 96).plan.local_batch_sizes
+        == optimal_split(*far.pieces(), 96).local_batch_sizes
+    )
+
+
+def test_split_margin_must_not_be_negative():
+    with pytest.raises(ValueError, match="split_margin"):
+        PolicySettings(split_margin=-0.1)

@@ -72,6 +72,9 @@ class PolicySettings:
         candidates: geometric candidate total batches per decision.
         accumulate: reach totals beyond what the devices hold in one micro-step with gradient accumulation (the
             fewest micro-steps that fit, the same on every rank). ``False`` keeps the accumulation in force.
+        split_margin: relative step-time gain required to re-split a global batch (hysteresis): the split in force,
+            or else the most even one, is kept while the model's best split is predicted faster by less than this.
+            Timing noise on identical devices then leaves their split alone instead of chasing it.
 
     """
 
@@ -81,12 +84,15 @@ class PolicySettings:
     lr_scaling: str = "adascale"
     candidates: int = 50
     accumulate: bool = False
+    split_margin: float = 0.02
 
     def __post_init__(self) -> None:
         if self.max_batch_size is not None and (isinstance(self.max_batch_size, bool) or self.max_batch_size < 1):
             raise ValueError(f"`max_batch_size` must be a positive integer or None, got {self.max_batch_size}.")
         if not self.margin >= 0:
             raise ValueError(f"`adapt_margin` must be >= 0, got {self.margin}.")
+        if not self.split_margin >= 0:
+            raise ValueError(f"`split_margin` must be >= 0, got {self.split_margin}.")
         object.__setattr__(self, "lr_scaling", validate_rule(self.lr_scaling))
 
     def check_initial(self, plan: Plan) -> None:
@@ -160,12 +166,29 @@ def decide(
         # rather than act on it, move every rank a little from where it is, so the next re-plan measures slopes
         sizes = model.probe(current.local_batch_sizes)
     elif settings.balance:
-        sizes = model.plan_split(global_batch).local_batch_sizes
+        sizes = _split(model, current, global_batch, settings.split_margin)
     else:
         sizes = most_even_split(global_batch, model.world_size, model.lower, model.upper).local_batch_sizes
     plan = Plan(sizes, accumulation, predicted_step_time=float(model.predict(sizes)))
     factor, gain = learning_rate_scale(settings.lr_scaling, plan.total_batch_size, base_batch_size, noise_scale, adam)
     return Decision(plan, factor, gain, model.identified)
+
+
+def _split(model: StepTimeModel, current: Plan, global_batch: int, margin: float) -> tuple[int, ...]:
+    """The model's best split of ``global_batch``, unless the split in force (same global batch) or else the most even
+    one is predicted within ``margin`` of it: a gain that small is within the timing noise, and chasing it moves
+    identical devices apart on noise alone."""
+    best = model.plan_split(global_batch).local_batch_sizes
+    limit = float(model.predict(best)) * (1.0 + margin)
+    kept = [current.local_batch_sizes] if global_batch == current.global_batch_size else []
+    kept.append(most_even_split(global_batch, model.world_size, model.lower, model.upper).local_batch_sizes)
+    lower = np.asarray(model.lower)
+    upper = None if model.upper is None else np.asarray(model.upper)
+    for sizes in kept:
+        inside = bool(np.all(lower <= sizes)) and (upper is None or bool(np.all(np.asarray(sizes) <= upper)))
+        if inside and float(model.predict(sizes)) <= limit:
+            return tuple(sizes)
+    return tuple(best)
 
 
 def _choose_total(

@@ -5,6 +5,7 @@ Pure: numpy and the project's maths modules only (no torch, no Lightning), so th
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -174,7 +175,7 @@ class SpeedModel:
         if len(step_records) != self.world_size:
             return
         slowest = max(r.compute for r in step_records)
-        self.tails.append(max(0.0, float(np.median([r.step_time for r in step_records])) - slowest))
+        self.tails.append(max(0.0, statistics.median(r.step_time for r in step_records) - slowest))
         reduced = [r for r in step_records if r.allreduce is not None and r.exposed is not None]
         if len(reduced) == self.world_size:
             # the last rank to finish backward waits for nobody: its times are the communication's own

@@ -274,8 +274,14 @@ def replan(
 
     ``adaptdl`` splits evenly, ``cannikin`` by OptPerf; both reach totals beyond the memory caps by accumulation.
     """
+    # the cluster model is the truth, free of timing noise: no split hysteresis is needed to guard against it
     settings = PolicySettings(
-        max_batch_size=max_batch_size, balance=policy in BALANCED, margin=margin, candidates=candidates, accumulate=True
+        max_batch_size=max_batch_size,
+        balance=policy in BALANCED,
+        margin=margin,
+        candidates=candidates,
+        accumulate=True,
+        split_margin=0.0,
     )
     return decide(model, plan, settings, noise_scale, model.job.base_batch_size)
 

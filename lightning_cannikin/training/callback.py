@@ -32,7 +32,7 @@ from lightning_cannikin.tools.run_profile import PROFILE_FILENAME, build_profile
 from lightning_cannikin.training.fit_loop import adopt_plan, all_gather, epoch_resizable, sync_epoch_length
 from lightning_cannikin.training.grad_stats import GradientNormObserver
 from lightning_cannikin.training.log_dir import run_log_dir
-from lightning_cannikin.training.metrics import log_noise_scale, log_prediction_error, log_step
+from lightning_cannikin.training.metrics import log_noise_scale, log_prediction_error, log_step, metrics_are_seen
 from lightning_cannikin.training.runtime import RuntimeState
 
 
@@ -123,6 +123,7 @@ class Cannikin(Callback):
         self._step = 0
         self._adam = False
         self._log_dir: str | None = None
+        self._logging = True  # whether logged values reach a logger or the progress bar
         self._identified = False  # rank zero's word, broadcast: every rank's slope has been measured
 
     @property
@@ -199,6 +200,7 @@ class Cannikin(Callback):
             self._observer.scaler = getattr(trainer.precision_plugin, "scaler", None)
         # the logger's folder for this run (W&B and MLflow included); rank zero writes the profile, and alone asks
         self._log_dir = run_log_dir(trainer) if self.save_profile and trainer.is_global_zero else None
+        self._logging = metrics_are_seen(trainer)
         if self._restored is not None:
             self._load(self._restored)  # rank zero's factor and gain, the same on every rank
             self._restored = None
@@ -241,8 +243,9 @@ class Cannikin(Callback):
         sizes = runtime.step_sizes
         rank = trainer.global_rank
         runtime.timer.finish(self._step, rank, None if sizes is None else sizes[rank])
-        if (self._step + 1) % trainer.log_every_n_steps == 0 and (record := runtime.timer.latest) is not None:
-            log_step(pl_module, record, self.plan, self.lr_factor)  # only where it reaches a logger: it costs
+        logging = self._logging and (self._step + 1) % trainer.log_every_n_steps == 0
+        if logging and (record := runtime.timer.latest) is not None:
+            log_step(pl_module, record, self.plan, self.lr_factor)
             if trainer.is_global_zero and (error := self._history.prediction_error) is not None:
                 log_prediction_error(pl_module, error)
         reduced = runtime.timer.reduced  # no re-plan mid-window: a window's micro-batches share one layout
@@ -278,7 +281,8 @@ class Cannikin(Callback):
             self.lr_factor, self.gain = learning_rate_scale(self.policy.lr_scaling, total, base, phi, self._adam)
             self._runtime.lr_factor = self.lr_factor
         phi = self._estimator.noise_scale
-        if updated and phi is not None and np.isfinite(phi) and (self._step + 1) % trainer.log_every_n_steps == 0:
+        logging = self._logging and (self._step + 1) % trainer.log_every_n_steps == 0
+        if logging and updated and phi is not None and np.isfinite(phi):
             base = self._estimator.base_batch_size
             total = self.plan.total_batch_size if self.plan is not None else base
             log_noise_scale(pl_module, phi, float(efficiency(phi, total, base)))

@@ -11,9 +11,15 @@ import lightning.pytorch as pl
 from lightning_cannikin.core.plan import Plan
 from lightning_cannikin.core.speed_model import StepRecord
 
-__all__ = ["log_noise_scale", "log_prediction_error", "log_step"]
+__all__ = ["log_noise_scale", "log_prediction_error", "log_step", "metrics_are_seen"]
 
 _PROGRESS_BAR = ("cannikin/total_batch_size", "cannikin/local_batch_size")
+
+
+def metrics_are_seen(trainer: pl.Trainer) -> bool:
+    """Whether a logged value reaches anyone: a logger or the progress bar. Once logged, a key costs Lightning some
+    work at every step for the rest of the fit, so a run with neither logs nothing."""
+    return bool(trainer.loggers) or trainer.progress_bar_callback is not None
 
 
 def log_step(pl_module: pl.LightningModule, record: StepRecord, plan: Plan | None, lr_factor: float) -> None:
