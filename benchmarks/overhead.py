@@ -59,15 +59,15 @@ VARIANTS = (
 
 
 class LossWeightedStrategy(CannikinStrategy):
-    """Weights on the loss instead of in a comm hook: DDP's mean of ``n * b_i / B``-scaled gradients is the weighted
-    mean, with DDP's built-in all-reduce. (No hook: no timing and no statistics ride on it.)"""
+    """No comm hook: DDP's mean of ``n * b_i / B``-scaled gradients is the weighted mean, with DDP's built-in C++
+    all-reduce. (No hook: no timing and no statistics ride on it.)"""
 
     def _register_ddp_hooks(self) -> None:
         pass  # DDP's own C++ all-reduce
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        closure_loss = closure_loss * (self.world_size * self.hook_state.weight)
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # the strategy's own backward puts b_i / B on the loss (automatic optimization); DDP's mean divides by n
+        return super().backward(closure_loss * self.world_size, optimizer, *args, **kwargs)
 
 
 def strategy_and_callbacks(variant: str, total_batch: int) -> tuple[Any, list[Callback]]:

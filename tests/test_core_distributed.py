@@ -18,10 +18,12 @@ from lightning_cannikin import CannikinStrategy, EmulatedCluster
 from tests.models import IndexedRegression, RecordingRegressor, read_records
 
 
-def fit_forked(tmp_path, sizes, num_samples=100, accumulate=1, max_steps=-1, max_epochs=1, callbacks=(), **strategy):
+def fit_forked(
+    tmp_path, sizes, num_samples=100, accumulate=1, max_steps=-1, max_epochs=1, callbacks=(), module=None, **strategy
+):
     torch.manual_seed(0)
     dataset = IndexedRegression(num_samples)
-    model = RecordingRegressor(dataset, batch_size=sizes[0], record_dir=str(tmp_path))
+    model = (module or RecordingRegressor)(dataset, batch_size=sizes[0], record_dir=str(tmp_path))
     initial = copy.deepcopy(model.layer.state_dict())
     trainer = pl.Trainer(
         strategy=CannikinStrategy(local_batch_sizes=sizes, start_method="fork", **strategy),
@@ -95,6 +97,31 @@ def test_one_step_equals_single_process_on_consumed_samples(tmp_path, sizes, acc
     assert max_error(records, exact) < 1e-5
     # the check is sharp: plain DDP's mean of per-rank means lands measurably elsewhere
     assert max_error(records, replay(dataset, initial, records, accumulate, weighting="ddp")) > 1e-3
+
+
+class ManualRegressor(RecordingRegressor):
+    """Manual optimization (``manual_backward``; Lightning's DDP reduces nothing after a bare ``loss.backward()``)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y, index = batch
+        self.steps.append(index.tolist())
+        self.epochs.append(self.current_epoch)
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(nn.functional.mse_loss(self.layer(x), y))
+        optimizer.step()
+
+
+def test_manual_optimization_is_weighted_exactly(tmp_path):
+    # under automatic optimization the weight rides on the loss; under manual optimization the hook applies it
+    dataset, initial, records = fit_forked(tmp_path, [40, 20, 4], num_samples=128, max_epochs=1, module=ManualRegressor)
+    assert len(records[0]["steps"]) == 2
+    assert max_error(records, replay(dataset, initial, records, 1)) < 1e-5
+    assert max_error(records, replay(dataset, initial, records, 1, weighting="ddp")) > 1e-3
 
 
 @pytest.mark.parametrize(

@@ -225,7 +225,7 @@ class Cannikin(Callback):
         self._runtime.timer.backward_done()
         if self._observer is not None and not self._runtime.timer.reduced:
             # an accumulation micro-step (no reduction): its gradient is a noise group of its own
-            self._observer.after_micro_step(pl_module.parameters(), self._runtime.hook.micro_weight)
+            self._observer.after_micro_step(pl_module.parameters(), self._runtime.hook.local_scale)
 
     @override
     def on_before_optimizer_step(

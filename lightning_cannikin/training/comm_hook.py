@@ -1,8 +1,9 @@
-"""The weighted gradient all-reduce: each rank scales its bucket by ``b_i / B`` and the ranks sum.
+"""The weighted gradient all-reduce: each rank's gradient is scaled by ``b_i / B`` and the ranks sum.
 
 Every rank's loss is a mean over its own ``b_i`` samples, so plain DDP's average over ranks over-weights the small
 batches of slow devices. Weighting by the rank's share of the step's samples and summing gives the exact mean
-gradient over all ``B`` samples.
+gradient over all ``B`` samples. The hook scales each bucket, unless the strategy already put the weight on the loss
+(``WeightedAllReduceState.weight_in_loss``: one scalar product instead of a pass over every gradient).
 
 No ``from __future__ import annotations`` here: DDP checks the hook's return annotation against the real
 ``torch.futures.Future[torch.Tensor]`` object, and a string annotation fails that check.
@@ -31,6 +32,8 @@ class WeightedAllReduceState:
         process_group: the group to reduce over (None: the default group).
         weight: this rank's share ``b_i / B`` of the samples of the optimizer step in progress.
         micro_weight: the current micro-batch's share of this rank's accumulated gradient (1 without accumulation).
+        weight_in_loss: the strategy already put ``weight`` on the loss (one scalar product instead of a pass over
+            every bucket): the hook only sums.
         calls: buckets reduced so far (cheap evidence that the hook runs, on CPU too).
         observers: :class:`BucketObserver` objects called for every bucket (the step timer, the gradient-norm
             observer); they must not block.
@@ -40,8 +43,15 @@ class WeightedAllReduceState:
     process_group: Any = None
     weight: float = 1.0
     micro_weight: float = 1.0
+    weight_in_loss: bool = False
     calls: int = 0
     observers: list[BucketObserver] = field(default_factory=list)
+
+    @property
+    def local_scale(self) -> float:
+        """What this rank's local gradient carries besides its own mean: the micro-batch's share, and the rank's
+        weight when the loss carries it (observers of local gradients divide it out)."""
+        return self.micro_weight * self.weight if self.weight_in_loss else self.micro_weight
 
 
 def weighted_allreduce_hook(
@@ -53,7 +63,7 @@ def weighted_allreduce_hook(
     for observer in observers:
         observer.before_reduce(state, bucket)
     tensor = bucket.buffer()
-    if state.weight != 1.0:
+    if state.weight != 1.0 and not state.weight_in_loss:
         tensor.mul_(state.weight)
     # the process group's own call: `dist.all_reduce` adds Python checks and logging on every bucket of every step
     group = state.process_group if state.process_group is not None else dist.group.WORLD

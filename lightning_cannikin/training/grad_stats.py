@@ -128,7 +128,7 @@ class GradientNormObserver:
             self._micro.append(squared)
 
     def before_reduce(self, state: WeightedAllReduceState, bucket: dist.GradBucket) -> None:
-        sqr = self.norms.bucket(bucket.buffer(), _Parameters(bucket), state.micro_weight, subtract_previous=True)
+        sqr = self.norms.bucket(bucket.buffer(), _Parameters(bucket), state.local_scale, subtract_previous=True)
         self._local = sqr if self._local is None else self._local + sqr
         if bucket.is_last():
             groups = torch.stack([*self._micro, self._local]).double()

@@ -301,7 +301,10 @@ class CannikinStrategy(DDPStrategy):
         hook = self._runtime.hook
         hook.weight = rank_samples / sum(window_sizes)
         hook.micro_weight = sizes[rank] / rank_samples
-        self._loss_factor = accumulation * sizes[rank] / rank_samples
+        # under automatic optimization the one backward of the step passes `self.backward`, so the weight rides on
+        # the loss (one scalar product) instead of on every bucket; under manual optimization the hook applies it
+        hook.weight_in_loss = self.lightning_module.automatic_optimization
+        self._loss_factor = accumulation * hook.micro_weight * (hook.weight if hook.weight_in_loss else 1.0)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
