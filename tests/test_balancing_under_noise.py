@@ -101,3 +101,33 @@ def test_probe_gives_every_rank_a_real_lever_within_its_bounds():
     assert sum(probe) == 96
     assert abs(probe[0] - 32) >= 8 and abs(probe[1] - 32) >= 8, probe  # 25% of 32
     assert 30 <= probe[2] <= 34, "rank 2's bounds leave it no lever: it stays within them"
+
+
+def test_the_probe_finds_a_levered_split_whenever_one_exists():
+    # brute force over every split of small totals: if some split moves every rank by its lever within the bounds,
+    # the probe returns one such split
+    import itertools
+
+    from lightning_cannikin.core.probe import probe_split
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        sizes = [int(b) for b in rng.integers(4, 12, size=3)]
+        total = sum(sizes)
+        upper = [int(max(b, u)) for b, u in zip(sizes, rng.integers(4, 20, size=3), strict=True)]
+        lower = [1, 1, 1]
+        speeds = [float(v) for v in rng.uniform(0.5, 4.0, size=3)]
+        levers = [max(1, round(0.25 * b)) for b in sizes]
+
+        def levered(split, sizes=sizes, lower=lower, upper=upper, levers=levers):
+            return all(
+                lo <= b <= hi and abs(b - s) >= lever
+                for b, s, lo, hi, lever in zip(split, sizes, lower, upper, levers, strict=True)
+            )
+
+        exists = any(
+            levered((a, b, total - a - b)) for a, b in itertools.product(range(1, total), repeat=2) if a + b < total
+        )
+        probe = probe_split(sizes, speeds, [0, 1, 2], lower, upper)
+        assert sum(probe) == total
+        assert levered(probe) == exists, (sizes, upper, speeds, probe)

@@ -66,3 +66,25 @@ def test_memory_cap_survives_a_long_run_at_one_plan():
     assert balancer.identified
     assert balancer.upper[0] in (25, 26)
     assert balancer.plan_split(64).local_batch_sizes[0] == balancer.upper[0]
+
+
+def test_one_batch_size_gives_a_proportional_cap_that_the_probe_respects():
+    fitter = MemoryFitter()
+    assert fitter.max_batch_size(16 * GIB) is None
+    fitter.add(32, 4 * GIB)
+    # the peak grows at most in proportion to the batch: 32 x 0.9 x 16 / 4 = 115
+    assert fitter.fit() is None and fitter.max_batch_size(16 * GIB) == 115
+    # rank 0 runs at 88% of its memory at the even split: it must not be probed above the batch it has run
+    model = SpeedModel(3)
+    for step in range(8):
+        model.add(
+            [
+                StepRecord(step, 0, 32, 0.010, 0.05, None, None, 0.88 * 4 * GIB, 4 * GIB),
+                StepRecord(step, 1, 32, 0.030, 0.05, None, None, 1 * GIB, 80 * GIB),
+                StepRecord(step, 2, 32, 0.030, 0.05, None, None, 1 * GIB, 80 * GIB),
+            ]
+        )
+    assert model.upper[0] == 32  # 32 x 0.9 / 0.88 = 32.7
+    probe = model.probe((32, 32, 32))
+    assert sum(probe) == 96 and probe[0] <= 32, probe
+    assert probe != (32, 32, 32), "the other ranks still get a lever"

@@ -51,10 +51,20 @@ class MemoryFitter:
         return float(intercept), max(float(slope), 1.0)
 
     def max_batch_size(self, capacity_bytes: float, headroom: float = 0.9) -> int | None:
-        """The largest batch whose predicted peak stays within ``headroom x capacity`` (``None`` if not fitted)."""
+        """The largest batch whose predicted peak stays within ``headroom x capacity`` (``None`` before any sample).
+
+        From one batch size ``b`` with peak ``p`` the bound is the proportional one, ``b x headroom x capacity / p``:
+        the fixed part ``m0`` is not negative, so the peak grows at most in proportion to the batch. A rank is then
+        never probed above what that one measurement shows is safe, before a second size gives the fit.
+        """
         model = self.fit()
         if model is None:
-            return None
+            pairs = self._window.pairs()
+            if not pairs:
+                return None
+            batch = pairs[-1][0]
+            peak = max(p for b, p in pairs if b == batch)
+            return max(0, int(batch * headroom * capacity_bytes // peak))
         m0, m1 = model
         return max(0, int((headroom * capacity_bytes - m0) // m1))
 

@@ -10,6 +10,7 @@ Pure Python: imports neither torch nor Lightning.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 __all__ = ["probe_split"]
@@ -65,8 +66,44 @@ def probe_split(
 
         candidates = [i for i in range(len(target)) if allowed(i)]
         if not candidates:
-            return tuple(sizes)
+            return _full_levers(sizes, share, levers, lower, hi)
         # take from the rank furthest above its share (give to the one furthest below), highest rank first
         pick = max(candidates, key=lambda i: ((target[i] - share[i]) * -step, i))
         target[pick] += step
     return tuple(target)
+
+
+def _full_levers(
+    sizes: list[int], share: list[float], levers: dict[int, int], lower: Sequence[int], hi: Sequence[int]
+) -> tuple[int, ...]:
+    """Every lever up or down, in the directions that let the total be restored, nearest the speed-proportional share.
+
+    The fallback when the share pulls ranks the wrong way for the bounds (a fast rank capped at the batch it runs must
+    go down, so others must go up): each choice of directions moves every unmeasured rank exactly its lever, then the
+    total is restored by moving ranks further in their own direction, or measured ranks either way, within bounds.
+    Returns ``sizes`` when no choice works (or too many ranks to try them all).
+    """
+    ranks = sorted(levers)
+    if len(ranks) > 12:
+        return tuple(sizes)
+    total, best, best_cost = sum(sizes), tuple(sizes), float("inf")
+    for signs in itertools.product((1, -1), repeat=len(ranks)):
+        target, direction = list(sizes), dict(zip(ranks, signs, strict=True))
+        if not all(lower[i] <= sizes[i] + d * levers[i] <= hi[i] for i, d in direction.items()):
+            continue
+        for i, d in direction.items():
+            target[i] = sizes[i] + d * levers[i]
+        excess = sum(target) - total
+        for i in sorted(range(len(target)), key=lambda i: share[i] - target[i], reverse=excess < 0):
+            if excess == 0:
+                break
+            if direction.get(i, -1 if excess > 0 else 1) != (-1 if excess > 0 else 1):
+                continue  # a rank moves on only in the direction of its lever
+            room = target[i] - lower[i] if excess > 0 else hi[i] - target[i]
+            moved = min(room, abs(excess))
+            target[i] += -moved if excess > 0 else moved
+            excess += -moved if excess > 0 else moved
+        cost = max(abs(t - x) for t, x in zip(target, share, strict=True))
+        if excess == 0 and cost < best_cost:
+            best, best_cost = tuple(target), cost
+    return best

@@ -84,6 +84,6 @@ def out_of_memory_error(
     return LocalBatchOutOfMemoryError(
         f"CUDA out of memory on {where} at {batch}{split}; {limits}. Cap this rank: pass"
         f" `Cannikin(local_batch_bounds=(lower, upper))` with a per-rank upper list whose entry {rank} is{cap}, or"
-        " lower the DataLoader `batch_size`. Cannikin caps a rank by its fitted memory model only once that rank has"
-        " run two batch sizes."
+        " lower the DataLoader `batch_size`. Cannikin caps a rank by its memory model: from one batch size the peak"
+        " is assumed to grow in proportion to the batch, from two a linear fit."
     )
