@@ -92,7 +92,8 @@ def test_one_step_equals_single_process_on_consumed_samples(tmp_path, sizes, acc
     assert [len(s) for s in records[0]["steps"]] == [sizes[0]] * accumulate
     for rank, record in enumerate(records):
         assert [len(s) for s in record["steps"]] == [sizes[rank]] * accumulate
-        assert record["hook_calls"] >= 1, "the weighted all-reduce hook must run on CPU/gloo"
+        # no bucket observer and automatic optimization: DDP's own all-reduce of loss-weighted gradients, no hook
+        assert record["hook_calls"] == 0
     exact = replay(dataset, initial, records, accumulate)
     assert max_error(records, exact) < 1e-5
     # the check is sharp: plain DDP's mean of per-rank means lands measurably elsewhere
@@ -120,6 +121,7 @@ def test_manual_optimization_is_weighted_exactly(tmp_path):
     # under automatic optimization the weight rides on the loss; under manual optimization the hook applies it
     dataset, initial, records = fit_forked(tmp_path, [40, 20, 4], num_samples=128, max_epochs=1, module=ManualRegressor)
     assert len(records[0]["steps"]) == 2
+    assert all(r["hook_calls"] >= 1 for r in records), "the weighted comm hook runs, on CPU/gloo too"
     assert max_error(records, replay(dataset, initial, records, 1)) < 1e-5
     assert max_error(records, replay(dataset, initial, records, 1, weighting="ddp")) > 1e-3
 

@@ -17,10 +17,13 @@ The points, the same on both clocks:
   module calls), then moved to the moment DDP hands the batch to the LightningModule, after DDP's pre-forward work:
   its buffer broadcast is a collective that waits for slower ranks, which is not this device's compute;
 - gradients ready: the latest bucket reaching the comm hook (on CUDA, the point in the stream where that bucket's
-  gradients are complete); without a reduction (an accumulation micro-step), the end of backward;
-- the all-reduce: from the first bucket reaching the hook to the latest reduced bucket coming back. On CUDA that end
-  is recorded in the future's callback, on the stream that waits for the collective (NCCL futures complete when the
-  collective is *enqueued*, so a host clock there would measure nothing).
+  gradients are complete); with DDP's own C++ all-reduce (no Python hook, see the strategy), the last parameter's
+  gradient accumulated (:mod:`~lightning_cannikin.training.grad_ready`); without a reduction (an accumulation
+  micro-step), the end of backward;
+- the all-reduce: from the first bucket reaching the hook (with DDP's own all-reduce: the first gradient ready) to
+  the latest reduced bucket coming back. On CUDA that end is recorded in the future's callback, on the stream that
+  waits for the collective (NCCL futures complete when the collective is *enqueued*, so a host clock there would
+  measure nothing); with DDP's own all-reduce it is the end of backward, which DDP makes wait for the collective.
 
 SyncBatchNorm runs collectives inside forward and backward, and at each of them a rank waits for the slowest one. On
 both clocks the wait lands between forward start and gradients ready (on CUDA the compute stream itself waits for
@@ -142,10 +145,29 @@ class StepTimer:
             self._inner_forward_pending = False
             self.clock.mark(self._marks, FORWARD)
 
+    def will_reduce(self, sync: bool) -> None:
+        """The strategy, before backward: whether DDP reduces the gradients of this backward (``False`` in an
+        accumulation micro-step). With DDP's own all-reduce no comm hook tells it."""
+        if self._in_step and sync:
+            self._reduced = True
+
+    def gradient_ready(self) -> None:
+        """A hooked parameter's gradient is ready (:class:`~lightning_cannikin.training.grad_ready.GradientReadiness`,
+        with DDP's own all-reduce): the first call of a step marks where gradients start, every call the latest."""
+        if self._in_step and self._reduced:
+            if self._marks[FIRST_BUCKET] is None:
+                self.clock.mark(self._marks, FIRST_BUCKET)
+            self.clock.mark(self._marks, LAST_BUCKET)
+
     def backward_done(self) -> None:
-        """Backward returned; only a step without a reduction (an accumulation micro-step) ends its compute here."""
-        if self._in_step and not self._reduced:
+        """Backward returned. A step without a reduction (an accumulation micro-step) ends its compute here; a step
+        with one has its all-reduce done here (DDP waits for it in backward), unless the comm hook marked it."""
+        if not self._in_step:
+            return
+        if not self._reduced:
             self.clock.mark(self._marks, BACKWARD)
+        elif self._marks[REDUCED] is None and self._marks[LAST_BUCKET] is not None:
+            self.clock.mark(self._marks, REDUCED)
 
     @property
     def reduced(self) -> bool:
@@ -155,8 +177,8 @@ class StepTimer:
     def before_reduce(self, state: WeightedAllReduceState, bucket: dist.GradBucket) -> None:
         if not self._in_step:
             return  # nobody times this fit (no callback started a step)
-        if not self._reduced:
-            self._reduced = True
+        self._reduced = True
+        if self._marks[FIRST_BUCKET] is None:
             self.clock.mark(self._marks, FIRST_BUCKET)
         self.clock.mark(self._marks, LAST_BUCKET)
 

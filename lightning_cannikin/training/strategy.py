@@ -21,6 +21,7 @@ from lightning_cannikin.core.plan import Plan, even_split
 from lightning_cannikin.training.callback import Cannikin
 from lightning_cannikin.training.comm_hook import WeightedAllReduceState, weighted_allreduce_hook
 from lightning_cannikin.training.device_memory import LocalBatchOutOfMemoryError, out_of_memory_error
+from lightning_cannikin.training.grad_ready import GradientReadiness
 from lightning_cannikin.training.loader import UnevenDataLoader, loader_batch_size, rebuild_uneven
 from lightning_cannikin.training.runtime import RuntimeState
 from lightning_cannikin.training.step_timer import step_timer_for
@@ -101,6 +102,8 @@ class CannikinStrategy(DDPStrategy):
         self._train_loader: UnevenDataLoader | None = None
         self._loss_factor = 1.0
         self._forward_hook: Any = None
+        self._uses_comm_hook: bool | None = None
+        self._readiness: GradientReadiness | None = None
 
     @property
     def runtime(self) -> RuntimeState:
@@ -178,22 +181,44 @@ class CannikinStrategy(DDPStrategy):
         # the device is known now: CUDA events on a GPU, the host clock elsewhere
         self._runtime.use_timer(step_timer_for(self.root_device))
 
+    @property
+    def uses_comm_hook(self) -> bool | None:
+        """Whether the gradients go through Cannikin's Python comm hook (``False``: DDP's own C++ all-reduce of
+        loss-weighted gradients; ``None`` before the model is wrapped)."""
+        return self._uses_comm_hook
+
+    def _comm_hook_needed(self) -> bool:
+        """The Python hook is needed where something must see each bucket (noise statistics), where the loss cannot
+        carry the weight (manual optimization) and where a ``ddp_comm_wrapper`` wraps it."""
+        observers = [o for o in self._runtime.hook.observers if o is not self._runtime.timer]
+        manual = self.lightning_module is not None and not self.lightning_module.automatic_optimization
+        return bool(observers) or manual or self._ddp_comm_wrapper is not None
+
     @override
     def _register_ddp_hooks(self) -> None:
-        # DDPStrategy registers comm hooks on CUDA only; on CPU (gloo) a hook would be silently ignored, and the
-        # weighted all-reduce is what makes uneven batches correct, so register it on every device type.
         assert isinstance(self.model, DistributedDataParallel)
-        _register_ddp_comm_hook(
-            model=self.model,
-            ddp_comm_state=self._runtime.hook,
-            ddp_comm_hook=weighted_allreduce_hook,
-            ddp_comm_wrapper=self._ddp_comm_wrapper,
-        )
+        if self._readiness is not None:
+            self._readiness.remove()
+            self._readiness = None
+        runtime = self._runtime
+        self._uses_comm_hook = self._comm_hook_needed()
+        if self._uses_comm_hook:
+            # DDPStrategy registers comm hooks on CUDA only; on CPU (gloo) a hook would be silently ignored, and the
+            # weighted all-reduce is what makes uneven batches correct, so register it on every device type.
+            _register_ddp_comm_hook(
+                model=self.model,
+                ddp_comm_state=runtime.hook,
+                ddp_comm_hook=weighted_allreduce_hook,
+                ddp_comm_wrapper=self._ddp_comm_wrapper,
+            )
+        else:
+            # DDP's own all-reduce, no Python per bucket: the loss carries n * b_i / B (DDP averages), and two
+            # parameter hooks time the gradients
+            self._readiness = GradientReadiness(self.model.parameters(), lambda: runtime.timer.gradient_ready())
         # DDP calls the LightningModule after its pre-forward work (buffer broadcast, a collective that waits for
         # slower ranks): that is where this rank's compute starts
         if self._forward_hook is not None:
             self._forward_hook.remove()
-        runtime = self._runtime
         self._forward_hook = self.model.module.register_forward_pre_hook(
             lambda module, args: runtime.timer.inner_forward_start()
         )
@@ -304,16 +329,23 @@ class CannikinStrategy(DDPStrategy):
         # under automatic optimization the one backward of the step passes `self.backward`, so the weight rides on
         # the loss (one scalar product) instead of on every bucket; under manual optimization the hook applies it
         hook.weight_in_loss = self.lightning_module.automatic_optimization
-        self._loss_factor = accumulation * hook.micro_weight * (hook.weight if hook.weight_in_loss else 1.0)
+        # DDP's own all-reduce averages over the ranks: n * b_i / B on the loss makes its mean the weighted mean
+        weight = hook.weight * (self.world_size if self._uses_comm_hook is False else 1)
+        self._loss_factor = accumulation * hook.micro_weight * (weight if hook.weight_in_loss else 1.0)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         if self._loss_factor != 1.0:
             closure_loss = closure_loss * self._loss_factor
+        # an accumulation micro-step runs under DDP's `no_sync`: no all-reduce, whichever path reduces
+        self._runtime.timer.will_reduce(getattr(self.model, "require_backward_grad_sync", True))
         try:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         except torch.cuda.OutOfMemoryError as error:
             self._out_of_memory(error)
+        finally:
+            if self._readiness is not None:
+                self._readiness.backward_done()
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -337,6 +369,9 @@ class CannikinStrategy(DDPStrategy):
         if self._forward_hook is not None:
             self._forward_hook.remove()
             self._forward_hook = None
+        if self._readiness is not None:
+            self._readiness.remove()
+            self._readiness = None
         self._train_loader = None
         self._runtime.sampler = None
         super().teardown()
