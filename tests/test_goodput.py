@@ -157,3 +157,21 @@ def test_choose_batch_size_edge_cases() -> None:
         choose_batch_size(sizes, [0.1, 0.2], PHI, B0, 128, 0.1)
     with pytest.raises(ValueError, match="margin"):
         choose_batch_size(sizes, [0.1, 0.2, 0.3], PHI, B0, 128, 0.1, margin=-0.1)
+
+
+def test_plain_numbers_take_the_scalar_path_and_agree_with_the_arrays_bitwise():
+    import math
+
+    import numpy as np
+
+    from lightning_cannikin.core.goodput import adascale_gain, efficiency
+
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        phi = float(rng.choice([0.0, math.inf, rng.uniform(0, 1e4), rng.uniform(0, 10)]))
+        base, batch = int(rng.integers(1, 500)), int(rng.integers(1, 5000))
+        assert efficiency(phi, batch, base) == float(efficiency(np.array([phi]), np.array([batch]), base)[0])
+        assert adascale_gain(phi, batch, base) == float(adascale_gain(np.array([phi]), np.array([batch]), base)[0])
+    assert adascale_gain(123.0, 64, 64) == 1.0 and efficiency(None, 128, 64) == 0.5
+    with pytest.raises(ValueError, match="noise_scale"):
+        efficiency(float("nan"), 64, 32)

@@ -15,6 +15,7 @@ Pure numpy: imports neither torch nor Lightning.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +26,24 @@ __all__ = ["GoodputChoice", "adascale_gain", "candidate_batch_sizes", "choose_ba
 
 def _scalar_or_array(x: np.ndarray) -> float | np.ndarray:
     return float(x) if x.ndim == 0 else x
+
+
+def _scalar_efficiency(noise_scale: float | None, batch_size: float, base_batch_size: float) -> float:
+    """The same as :func:`_efficiency` for plain numbers, in plain floats: the callback asks at every step."""
+    if base_batch_size <= 0:
+        raise ValueError(f"`base_batch_size` must be positive, got {base_batch_size}.")
+    if batch_size <= 0:
+        raise ValueError(f"Batch sizes must be positive, got {batch_size}.")
+    phi = 0.0 if noise_scale is None else float(noise_scale)
+    if not phi >= 0.0:  # also rejects NaN
+        raise ValueError(f"`noise_scale` must be >= 0 or None, got {noise_scale}.")
+    if math.isinf(phi):
+        return 1.0
+    return (phi + base_batch_size) / (phi + float(batch_size))
+
+
+def _plain(*values: object) -> bool:
+    return all(value is None or isinstance(value, (int, float)) for value in values)
 
 
 def _efficiency(noise_scale: ArrayLike | None, batch_size: ArrayLike, base_batch_size: float) -> np.ndarray:
@@ -55,6 +74,8 @@ def efficiency(noise_scale: ArrayLike | None, batch_size: ArrayLike, base_batch_
         A float for scalar inputs, otherwise an array of the broadcast shape. ``E(B0) = 1``.
 
     """
+    if _plain(noise_scale, batch_size):
+        return _scalar_efficiency(noise_scale, batch_size, base_batch_size)  # type: ignore[arg-type]
     return _scalar_or_array(_efficiency(noise_scale, batch_size, base_batch_size))
 
 
@@ -70,6 +91,10 @@ def adascale_gain(noise_scale: ArrayLike | None, batch_size: ArrayLike, base_bat
         A float for scalar inputs, otherwise an array of the broadcast shape.
 
     """
+    if _plain(noise_scale, batch_size):
+        if batch_size == base_batch_size and base_batch_size > 0:
+            return 1.0
+        return _scalar_efficiency(noise_scale, batch_size, base_batch_size) * float(batch_size) / base_batch_size  # type: ignore[arg-type]
     batch = np.asarray(batch_size, dtype=np.float64)
     gain = _efficiency(noise_scale, batch, base_batch_size) * batch / base_batch_size
     # E * B / B0 rounds to 1 +- 1 ulp at B = B0; make the documented identity exact.
