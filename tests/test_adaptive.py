@@ -211,7 +211,7 @@ def fit_recording_noise(tmp_path, sizes, model_class=RecordingRegressor, **train
     trainer = quiet_trainer(
         CannikinStrategy(local_batch_sizes=sizes, start_method="fork"),
         len(sizes),
-        [Cannikin(track_noise_scale=True), RecordNoiseInputs(out)],
+        [Cannikin(track_noise_scale=True, noise_exchange_every=1), RecordNoiseInputs(out)],  # FOLD_DELAY holds
         **trainer_kwargs,
     )
     trainer.fit(model)

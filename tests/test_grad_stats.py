@@ -59,13 +59,14 @@ class FakeTransfer:
     def __init__(self, clock):
         self.clock = clock
         self.reads: list[tuple[int, int]] = []
+        self.checkpoint = False  # a checkpoint may wait for what it just issued
 
     def start(self, tensor, work):
         return tensor, self.clock[0]
 
     def read(self, handle):
         tensor, issued = handle
-        assert issued < self.clock[0], "an exchange was read in the step that issued it"
+        assert issued < self.clock[0] or self.checkpoint, "an exchange was read in the step that issued it"
         self.reads.append((issued, self.clock[0]))
         return READ(tensor)
 
@@ -224,3 +225,74 @@ def test_accumulated_micro_batches_are_differences_of_the_running_sum():
     assert float(norms.bucket(flat, lambda: params, 1.0, subtract_previous=True)) == pytest.approx(
         squared([a + b for a, b in zip(first, second, strict=True)]), rel=1e-5
     )
+
+
+def batched_ranks(monkeypatch, exchange_every, world_size=2):
+    observers, clock = ranks(monkeypatch, world_size)
+    for observer in observers:
+        observer.exchange_every = exchange_every
+    return observers, clock
+
+
+@pytest.mark.parametrize("every", [2, 3, 5])
+def test_steps_sharing_an_exchange_feed_the_same_numbers_later_with_fewer_collectives(monkeypatch, every):
+    problems = [problem(s) for s in range(12)]
+    observers, clock = ranks(monkeypatch)
+    one = [Recorder(), Recorder()]
+    for k, (local, mean) in enumerate(problems):
+        clock[0] = k
+        step(observers, one, local, mean)
+    observers, clock = batched_ranks(monkeypatch, every)
+    grad_stats_group = grad_stats.dist.all_reduce.__self__
+    batched = [Recorder(), Recorder()]
+    for k, (local, mean) in enumerate(problems):
+        clock[0] = k
+        step(observers, batched, local, mean)
+        folded = len(batched[0].fed)
+        assert one[0].fed[:folded] == batched[0].fed, "the same numbers, in the same order"
+        assert folded >= k + 1 - 2 * every, "a step's statistics arrive at most 2 x exchange_every steps later"
+    assert batched[0].fed == batched[1].fed
+    assert len(grad_stats_group.calls) == len(problems) // every, "one collective per exchange_every steps"
+
+
+def test_a_checkpoint_between_exchanges_changes_nothing_and_the_resume_feeds_the_same_numbers(monkeypatch):
+    problems = [problem(s) for s in range(14)]
+
+    def run(observers, clock, estimators, steps):
+        for k in steps:
+            clock[0] = k
+            step(observers, estimators, *problems[k])
+
+    observers, clock = batched_ranks(monkeypatch, 4)
+    straight = [Recorder(), Recorder()]
+    run(observers, clock, straight, range(14))
+
+    observers, clock = batched_ranks(monkeypatch, 4)
+    saver = [Recorder(), Recorder()]
+    run(observers, clock, saver, range(6))  # steps 4 and 5 wait for the next exchange
+    clock[0] = 6
+    for observer in observers:
+        observer._transfer.checkpoint = True
+        # every rank first, as Lightning's save_checkpoint runs: the fake collective cannot block an early reader
+        observer.snapshot_waiting()
+    saved = [o.state_dict() for o in observers]
+    resumed = [Recorder(), Recorder()]
+    new_observers, new_clock = batched_ranks(monkeypatch, 4)
+    for observer, state in zip(new_observers, saved, strict=True):
+        observer.load_state_dict(state)
+    for observer in observers:
+        observer._transfer.checkpoint = False
+    run(new_observers, new_clock, resumed, range(6, 14))
+    run(observers, clock, saver, range(6, 14))  # the run that saved goes on as if nothing happened
+    assert len(straight[0].fed) == 7  # exchanges after steps 3, 7 and 11; read 4 steps later each
+    assert saver[0].fed == straight[0].fed, "saving a checkpoint must not change what is folded, or when"
+    assert saver[0].fed[: len(saver[0].fed) - len(resumed[0].fed)] + resumed[0].fed == straight[0].fed
+    assert resumed[0].fed == resumed[1].fed
+
+
+def test_noise_exchange_every_must_be_a_positive_integer():
+    from lightning_cannikin import Cannikin
+
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="noise_exchange_every"):
+            Cannikin(noise_exchange_every=bad)

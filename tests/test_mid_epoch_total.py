@@ -130,7 +130,9 @@ def test_per_step_gain_and_progress_schedule_equal_the_formula_on_a_replay(tmp_p
     def schedule(progress):
         return 1.0 / (1.0 + 0.05 * progress)
 
-    cannikin = Cannikin(base_batch_size=8, min_noise_updates=3, warmup_steps=1000, adapt_every_n_steps=None)
+    cannikin = Cannikin(
+        base_batch_size=8, min_noise_updates=3, warmup_steps=1000, adapt_every_n_steps=None, noise_exchange_every=1
+    )  # one step per exchange: each step's statistics arrive FOLD_DELAY steps later
     _, _, extra = fit(tmp_path, cannikin, schedule=schedule, max_steps=25)
     assert extra[0]["stepped_lrs"] == extra[1]["stepped_lrs"], "the ranks stepped with different learning rates"
     assert extra[0]["noise_inputs"] == extra[1]["noise_inputs"], "the ranks' estimators were fed different numbers"

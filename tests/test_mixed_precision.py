@@ -61,7 +61,7 @@ def fit(tmp_path, max_steps, **trainer_kwargs):
     trainer = quiet_trainer(
         CannikinStrategy(local_batch_sizes=[24, 8], start_method="fork"),
         2,
-        [Cannikin(track_noise_scale=True), RecordNoiseAndScale(out)],
+        [Cannikin(track_noise_scale=True, noise_exchange_every=1), RecordNoiseAndScale(out)],  # FOLD_DELAY holds
         max_steps=max_steps,
         **trainer_kwargs,
     )

@@ -30,7 +30,7 @@ from lightning_cannikin.core.schedule import ReplanSchedule
 from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings, StepRecord
 from lightning_cannikin.tools.run_profile import PROFILE_FILENAME, build_profile, save_profile
 from lightning_cannikin.training.fit_loop import adopt_plan, all_gather, epoch_resizable, sync_epoch_length
-from lightning_cannikin.training.grad_stats import GradientNormObserver
+from lightning_cannikin.training.grad_stats import GradientNormObserver, check_exchange_every
 from lightning_cannikin.training.log_dir import run_log_dir
 from lightning_cannikin.training.metrics import log_noise_scale, log_prediction_error, log_step, metrics_are_seen
 from lightning_cannikin.training.runtime import RuntimeState
@@ -67,6 +67,8 @@ class Cannikin(Callback):
         track_noise_scale: measure the gradient noise scale (one extra all-reduce of ``world_size`` floats per
             optimizer step, read a step later, so never waited for). ``None``: only when it can change something,
             i.e. with ``max_batch_size`` or with ``lr_scaling="adascale"`` and a ``base_batch_size``.
+        noise_exchange_every: optimizer steps whose noise statistics share one exchange (the same numbers, folded up
+            to twice this many steps later; a collective of a few floats costs about a millisecond on gloo).
         save_profile: at each re-plan, rank zero writes ``cannikin_profile.json`` into the first logger's folder for
             this run (``version_N`` of TensorBoard and CSV, ``save_dir/name/version`` of W&B and MLflow), for
             ``cannikin plan`` and ``cannikin report``. Nothing is written without a logger.
@@ -92,6 +94,7 @@ class Cannikin(Callback):
         adapt_margin: float = 0.05,
         min_noise_updates: int = 20,
         track_noise_scale: bool | None = None,
+        noise_exchange_every: int = 8,
         save_profile: bool = True,
     ) -> None:
         if base_batch_size is not None and base_batch_size < 1:
@@ -109,6 +112,7 @@ class Cannikin(Callback):
         if track_noise_scale is None:
             track_noise_scale = max_batch_size is not None or (lr_scaling == "adascale" and base_batch_size is not None)
         self.track_noise_scale = track_noise_scale
+        self.noise_exchange_every = check_exchange_every(noise_exchange_every)
         self.save_profile = save_profile
         self.progress = Progress()
         self.lr_factor = 1.0
@@ -179,7 +183,9 @@ class Cannikin(Callback):
             self._speed_model = SpeedModel(trainer.world_size, self.speed_settings, bounds)
         runtime.bounds = self._speed_model.bounds
         if self._observer is None and trainer.world_size > 1 and self.track_noise_scale:
-            self._observer = GradientNormObserver(trainer.global_rank, trainer.world_size)
+            self._observer = GradientNormObserver(
+                trainer.global_rank, trainer.world_size, None, self.noise_exchange_every
+            )
             runtime.hook.observers.append(self._observer)
 
     @override

@@ -1,20 +1,21 @@
-"""Squared gradient norms around the weighted all-reduce, exchanged every step, for the noise-scale estimator.
+"""Squared gradient norms around the weighted all-reduce, exchanged across the ranks, for the noise-scale estimator.
 
-Rides on the comm hook: each bucket's local squared norm is taken before it is weighted and reduced, the global one
-(on rank zero) from the reduced bucket (:mod:`~lightning_cannikin.training.grad_norms` computes them, fused). With
-gradient accumulation every micro-batch is a group of its own. When a step's last bucket is launched, the groups'
-norms are exchanged with one all-reduce of ``world_size x micro-batches + 2`` floats, issued asynchronously next to
-the gradient's own.
+Rides on the comm hook: each bucket's local squared norm is taken before it is reduced, the global one (on rank zero)
+from the reduced bucket (:mod:`~lightning_cannikin.training.grad_norms` computes them, fused). With gradient
+accumulation every micro-batch is a group of its own. Each step's groups go in a block of ``world_size x
+micro-batches + 2`` floats; every ``exchange_every`` optimizer steps the waiting blocks are exchanged with one
+all-reduce, issued asynchronously at the end of a step.
 
-Every rank folds the statistics into its own estimator, so the learning-rate factor can follow the noise scale at
-every step with no collective of its own. For the ranks to agree *bitwise* (heterogeneous GPUs may round a squared
-norm differently), every input comes through the exchange: ``Z_j`` in their slots, and in two more slots, written by
-rank zero alone (``x + 0 + ... + 0`` is exact), ``Y`` of the step before and the GradScaler's scale of this step.
+Every rank folds the statistics into its own estimator, so the learning-rate factor follows the noise scale with no
+collective of its own. For the ranks to agree *bitwise* (heterogeneous GPUs may round a squared norm differently),
+every input comes through the exchange: ``Z_j`` in their slots, and in two more slots of each block, written by rank
+zero alone (``x + 0 + ... + 0`` is exact), ``Y`` of the step before and the GradScaler's scale of the step.
 
-Nothing waits for the exchange in the step that issues it: its result is read at the end of the *next* step (on CUDA
-from pinned host memory it was copied to, asynchronously, behind the collective), long after the device got there.
-``Y`` of a step arrives with the next step's exchange, so a step's statistics reach the estimator at the end of the
-step :data:`FOLD_DELAY` later.
+Nothing waits for an exchange in the step that issues it: it is read when the next one is issued (on CUDA from
+pinned host memory it was copied to, asynchronously, behind the collective), long after the device got there.
+``Y`` of a step arrives with the next step's block, so with one step per exchange a step's statistics reach the
+estimator at the end of the step :data:`FOLD_DELAY` later; with ``exchange_every = k``, between ``k + 1`` and ``2k``
+steps later. The numbers are the same either way.
 
 Mixed precision: with a ``GradScaler`` (``16-mixed``) the gradients carry the scale of their step, so every norm is
 divided by that scale squared; a step after which the scale backed off (the scaler found inf or NaN gradients and
@@ -35,10 +36,17 @@ from lightning_cannikin.core.noise_scale import NoiseScaleEstimator
 from lightning_cannikin.training.comm_hook import WeightedAllReduceState
 from lightning_cannikin.training.grad_norms import GradientNorms
 
-__all__ = ["FOLD_DELAY", "GradientNormObserver"]
+__all__ = ["FOLD_DELAY", "GradientNormObserver", "check_exchange_every"]
 
 READ_LAG = 1  # exchanges left unread when a step ends: the newest one is read a step later
 FOLD_DELAY = READ_LAG + 1  # a step's statistics reach the estimator at the end of the step this many steps later
+
+
+def check_exchange_every(value: object) -> int:
+    """``noise_exchange_every`` as given, or a clear error (before any process group exists)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`noise_exchange_every` must be a positive integer, got {value!r}.")
+    return value
 
 
 class HostTransfer:
@@ -86,6 +94,10 @@ class GradientNormObserver:
         rank: this process's global rank.
         world_size: number of ranks.
         transfer: how an exchange reaches the host (default: by the exchange's device).
+        exchange_every: optimizer steps whose statistics go in one exchange. Each step's numbers are the same; they
+            arrive later (between ``exchange_every + 1`` and ``2 x exchange_every`` steps after their step) and the
+            collective is paid once per exchange. On gloo a collective of a few floats costs about a millisecond of
+            CPU and wall time; on NCCL tens of microseconds.
 
     Attributes:
         scaler: the ``GradScaler`` of ``16-mixed`` training (``None`` without one).
@@ -93,7 +105,14 @@ class GradientNormObserver:
 
     """
 
-    def __init__(self, rank: int, world_size: int, transfer: HostTransfer | PinnedTransfer | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        transfer: HostTransfer | PinnedTransfer | None = None,
+        exchange_every: int = 1,
+    ) -> None:
+        self.exchange_every = check_exchange_every(exchange_every)
         self.rank = rank
         self.world_size = world_size
         self.norms = GradientNorms()
@@ -101,8 +120,13 @@ class GradientNormObserver:
         self._transfer = transfer
         self._last_global: torch.Tensor | float | None = None  # rank zero's Y of the last step, for the next exchange
         self.pending: tuple[list[float], list[int], float] | None = None
-        # issued exchanges not folded yet, oldest first: [transfer handle or read values, sizes, read?]
+        # issued exchanges not folded yet, oldest first: [transfer handle or read values, layout, read?], the layout
+        # one (values, sizes) pair per step in it
         self._in_flight: deque[list[Any]] = deque()
+        # steps waiting for the next exchange: this rank's block, or the summed values a checkpoint brought back
+        self._unsent: list[tuple[torch.Tensor | list[float], list[int] | None]] = []
+        self._snapshot: tuple[Any, torch.Tensor] | None = None  # a checkpoint's copy of them, being summed
+        self._group: Any = None
         self._reset_step()
 
     @property
@@ -119,7 +143,7 @@ class GradientNormObserver:
         self._micro: list[torch.Tensor] = []  # this rank's finished micro-batches of the window
         self._local: torch.Tensor | None = None  # the window's last micro-batch, summed over buckets
         self._global: torch.Tensor | None = None
-        self._exchanged: Any = None
+        self._block: torch.Tensor | None = None  # this step's part of the next exchange
 
     def after_micro_step(self, parameters: Iterable[torch.Tensor], weight: float) -> None:
         """Record a micro-batch that ended without a reduction (accumulation); ``weight`` is its share of the sum."""
@@ -139,10 +163,7 @@ class GradientNormObserver:
                 exchange[-2] = math.nan if self._last_global is None else self._last_global
                 # the scale this step's gradients carry (the scaler updates it only after the step)
                 exchange[-1] = _scale_of(self.scaler) if self.scaler is not None else 1.0
-            work = dist.all_reduce(exchange, group=state.process_group, async_op=True)
-            if self._transfer is None:
-                self._transfer = PinnedTransfer() if exchange.is_cuda else HostTransfer()
-            self._exchanged = self._transfer.start(exchange, work)
+            self._block, self._group = exchange, state.process_group
 
     def after_reduce(self, state: WeightedAllReduceState, bucket: dist.GradBucket, reduced: torch.Tensor) -> None:
         if self.rank != 0:
@@ -163,26 +184,64 @@ class GradientNormObserver:
             Whether the estimator changed.
 
         """
-        exchanged = self._exchanged
+        block = self._block
         if self.rank == 0:
             self._last_global = self._global
         self._reset_step()
         self.norms.new_window()
-        if exchanged is None:  # no gradient was reduced in this step
-            self.pending = None
+        if block is None:  # no gradient was reduced in this step
             return False
         # groups are rank-major, as they were exchanged: rank 0's micro-batches first
         sizes = [micro[rank] for rank in range(self.world_size) for micro in window] if window else None
-        self._in_flight.append([exchanged, sizes, False])
+        self._unsent.append((block, sizes))
+        if len(self._unsent) >= self.exchange_every:
+            self._send()
         updated = False
         while len(self._in_flight) > READ_LAG:
             updated = self._fold(estimator, self._in_flight.popleft()) or updated
         return updated
 
+    def _send(self) -> None:
+        """Issue the steps waiting for an exchange as one all-reduce; nothing waits for it."""
+        blocks, self._unsent = self._unsent, []
+        live = [block for block, _ in blocks if isinstance(block, torch.Tensor)]
+        handle: Any = []
+        if live:
+            exchange = live[0] if len(live) == 1 else torch.cat(live)
+            work = dist.all_reduce(exchange, group=self._group, async_op=True)
+            if self._transfer is None:
+                self._transfer = PinnedTransfer() if exchange.is_cuda else HostTransfer()
+            handle = self._transfer.start(exchange, work)
+        # per step: its count of floats, its sizes, and its summed values when a checkpoint already had them
+        layout = [
+            (block.numel(), sizes, None) if isinstance(block, torch.Tensor) else (len(block), sizes, list(block))
+            for block, sizes in blocks
+        ]
+        self._in_flight.append([handle, layout, not live])
+
     def _fold(self, estimator: NoiseScaleEstimator, entry: list[Any]) -> bool:
-        """Read one exchange: its ``Y`` and scale complete the pending step, its ``Z`` become the pending step."""
-        handle, sizes, read = entry
-        *local, previous_global, scale = handle if read else self._transfer.read(handle)
+        """Read one exchange and fold its steps in order."""
+        handle, layout, read = entry
+        values = handle if read else self._transfer.read(handle)
+        updated, offset = False, 0
+        for count, sizes, known in layout:
+            if known is None:
+                known, offset = values[offset : offset + count], offset + count
+            updated = self._fold_step(estimator, known, sizes) or updated
+        return updated
+
+    def snapshot_waiting(self) -> None:
+        """Start summing a copy of the steps still waiting for their exchange (a checkpoint needs every rank's numbers;
+        the exchange itself stays where it was, so saving a checkpoint changes nothing). Every rank calls it at the
+        same step; :meth:`state_dict` calls it when nobody did."""
+        live = [block for block, _ in self._unsent if isinstance(block, torch.Tensor)]
+        if live and self._snapshot is None:
+            copy = torch.cat(live)
+            self._snapshot = (dist.all_reduce(copy, group=self._group, async_op=True), copy)
+
+    def _fold_step(self, estimator: NoiseScaleEstimator, values: list[float], sizes: list[int] | None) -> bool:
+        """One step's block: its ``Y`` and scale complete the pending step, its ``Z`` become the pending step."""
+        *local, previous_global, scale = values
         ready, self.pending = self.pending, None
         if sizes:
             self.pending = (local, sizes, scale)
@@ -199,7 +258,22 @@ class GradientNormObserver:
         return estimator.update(ready_local, ready_sizes, global_sqr)
 
     def state_dict(self) -> dict:
-        """The statistics in flight, read now (a checkpoint may wait for the device), for exact resumes."""
+        """The statistics in flight, read now (a checkpoint may wait for the device), for exact resumes.
+
+        Steps not exchanged yet are exchanged first (their numbers are on every rank only then): every rank calls it,
+        as Lightning's ``save_checkpoint`` does.
+        """
+        self.snapshot_waiting()
+        unsent, summed = [], []
+        if self._snapshot is not None:
+            work, copy = self._snapshot
+            if work is not None:
+                work.wait()
+            summed, self._snapshot = copy.tolist(), None
+        for block, sizes in self._unsent:
+            if isinstance(block, torch.Tensor):
+                block, summed = summed[: block.numel()], summed[block.numel() :]
+            unsent.append([list(block), sizes])
         for entry in self._in_flight:
             if not entry[2]:
                 entry[0], entry[2] = self._transfer.read(entry[0]), True
@@ -207,7 +281,8 @@ class GradientNormObserver:
         return {
             "pending": self.pending,
             "last_global": float(last) if last is not None else None,
-            "in_flight": [[values, sizes] for values, sizes, _ in self._in_flight],
+            "in_flight": [[values, [list(step) for step in layout]] for values, layout, _ in self._in_flight],
+            "unsent": unsent,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -219,9 +294,22 @@ class GradientNormObserver:
             self.pending = (list(pending[0]), [int(b) for b in pending[1]], scale)
         self._last_global = state.get("last_global")
         self._in_flight = deque(
-            [list(values), None if sizes is None else [int(b) for b in sizes], True]
-            for values, sizes in state.get("in_flight", [])
+            [list(values), _layout(values, layout), True] for values, layout in state.get("in_flight", [])
         )
+        self._unsent = [(list(values), _sizes(sizes)) for values, sizes in state.get("unsent", [])]
+        self._snapshot = None
+
+
+def _sizes(sizes: Any) -> list[int] | None:
+    return None if sizes is None else [int(b) for b in sizes]
+
+
+def _layout(values: list[float], layout: Any) -> list[tuple[int, list[int] | None, list[float] | None]]:
+    """An exchange's steps from a checkpoint: ``[[count, sizes, known], ...]``, or one step's sizes (a checkpoint
+    from before exchanges held several steps)."""
+    if layout is None or all(isinstance(b, int) for b in layout):
+        return [(len(values), _sizes(layout), None)]
+    return [(int(step[0]), _sizes(step[1]), step[2] if len(step) > 2 else None) for step in layout]
 
 
 class _Parameters:
