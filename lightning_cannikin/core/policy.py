@@ -72,8 +72,8 @@ class PolicySettings:
         candidates: geometric candidate total batches per decision.
         accumulate: reach totals beyond what the devices hold in one micro-step with gradient accumulation (the
             fewest micro-steps that fit, the same on every rank). ``False`` keeps the accumulation in force.
-        split_margin: relative step-time gain required to re-split a global batch (hysteresis): the split in force,
-            or else the most even one, is kept while the model's best split is predicted faster by less than this.
+        split_margin: relative step-time gain required to re-split a global batch (hysteresis): the most even split,
+            or else the split in force, is kept while the model's best split is predicted faster by less than this.
             Timing noise on identical devices then leaves their split alone instead of chasing it.
 
     """
@@ -175,13 +175,15 @@ def decide(
 
 
 def _split(model: StepTimeModel, current: Plan, global_batch: int, margin: float) -> tuple[int, ...]:
-    """The model's best split of ``global_batch``, unless the split in force (same global batch) or else the most even
-    one is predicted within ``margin`` of it: a gain that small is within the timing noise, and chasing it moves
-    identical devices apart on noise alone."""
+    """The model's best split of ``global_batch``, unless the most even one or else the split in force (same global
+    batch) is predicted within ``margin`` of it: a gain that small is within the timing noise, and chasing it moves
+    identical devices apart on noise alone. The even split comes first, so a probe's split is not kept for being no
+    worse than the noise."""
     best = model.plan_split(global_batch).local_batch_sizes
     limit = float(model.predict(best)) * (1.0 + margin)
-    kept = [current.local_batch_sizes] if global_batch == current.global_batch_size else []
-    kept.append(most_even_split(global_batch, model.world_size, model.lower, model.upper).local_batch_sizes)
+    kept = [most_even_split(global_batch, model.world_size, model.lower, model.upper).local_batch_sizes]
+    if global_batch == current.global_batch_size:
+        kept.append(current.local_batch_sizes)
     lower = np.asarray(model.lower)
     upper = None if model.upper is None else np.asarray(model.upper)
     for sizes in kept:
