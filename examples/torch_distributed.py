@@ -18,7 +18,6 @@ import argparse
 import gc
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -43,8 +42,12 @@ def make_dataset(num_samples: int = 1000, dim: int = 8, seed: int = 0) -> Tensor
     return TensorDataset(x, y, torch.arange(num_samples))
 
 
-def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+def train(rank: int, world_size: int, args: argparse.Namespace, store_port: int | None = None) -> None:
+    if store_port is None:  # a launcher's rendezvous (MASTER_ADDR, MASTER_PORT)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    else:  # the store this script's own process keeps open until every rank is gone
+        store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     torch.manual_seed(0)
     dataset = make_dataset(args.num_samples)
     model = DistributedDataParallel(nn.Linear(dataset.tensors[0].shape[1], 1))
@@ -94,12 +97,11 @@ def main(argv: list[str] | None = None) -> None:
     if "RANK" in os.environ:  # started by torchrun or another launcher
         train(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
         return
-    with socket.socket() as sock:  # a free port on the loopback address for the rendezvous
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     world_size = len(args.local_batch_sizes)
-    mp.spawn(train, args=(world_size, args), nprocs=world_size, join=True)
+    # The rendezvous store lives in this process, as torchrun's does in its agent, not in rank 0: a rank that leaves
+    # first must not take the store away from ranks still shutting down their process group.
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    mp.spawn(train, args=(world_size, args, store.port), nprocs=world_size, join=True)
 
 
 if __name__ == "__main__":
