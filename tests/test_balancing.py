@@ -34,12 +34,23 @@ class DumpCannikin(Callback):
                     "intercepts": [m.intercept for m in models],
                     "plan": list(cannikin.plan.local_batch_sizes),
                     "logged": sorted(key for key in trainer.callback_metrics if key.startswith("cannikin/")),
+                    "uses_comm_hook": trainer.strategy.uses_comm_hook,
                 }
             )
         )
 
 
-def balance(tmp_path, per_sample_ms, batch_size=32, num_samples=640, epochs=3, cannikin=None, fixed_ms=5.0, **emulated):
+def balance(
+    tmp_path,
+    per_sample_ms,
+    batch_size=32,
+    num_samples=640,
+    epochs=3,
+    cannikin=None,
+    fixed_ms=5.0,
+    trainer=None,
+    **emulated,
+):
     torch.manual_seed(0)
     dataset = IndexedRegression(num_samples)
     model = RecordingRegressor(dataset, batch_size=batch_size, record_dir=str(tmp_path))
@@ -49,7 +60,8 @@ def balance(tmp_path, per_sample_ms, batch_size=32, num_samples=640, epochs=3, c
         callbacks.append(cannikin)
     # every step a logging step: with no logger and no progress bar, still nothing may be logged
     strategy = CannikinStrategy(start_method="fork")
-    trainer = quiet_trainer(strategy, len(per_sample_ms), callbacks, max_epochs=epochs, log_every_n_steps=1)
+    options = {"max_epochs": epochs, "log_every_n_steps": 1, **(trainer or {})}
+    trainer = quiet_trainer(strategy, len(per_sample_ms), callbacks, **options)
     trainer.fit(model)
     return json.loads(out.read_text())
 
@@ -66,6 +78,17 @@ def test_two_ranks_one_to_three_converge_to_the_optimal_split(tmp_path):
     assert all(h["predicted_step_time"] > 0 for h in result["history"])
     # no logger and no progress bar: nothing is logged (a logged key costs Lightning work at every step after)
     assert result["logged"] == []
+    assert result["uses_comm_hook"] is False, "no bucket observer: DDP's own all-reduce, timed by parameter hooks"
+
+
+def test_with_accumulation_ddps_own_all_reduce_still_times_and_balances(tmp_path):
+    # micro-steps run under no_sync (compute ends at backward), the last one reduces (compute ends at the last
+    # gradient hooked): both time the same device
+    result = balance(tmp_path, per_sample_ms=[1.0, 3.0], epochs=3, trainer={"accumulate_grad_batches": 2})
+    assert result["uses_comm_hook"] is False
+    for slope, truth in zip(result["slopes"], [1.0, 3.0], strict=True):
+        assert slope * 1000 == pytest.approx(truth, rel=0.2), result
+    assert abs(result["plan"][0] - 48) <= 0.1 * 48 and sum(result["plan"]) == 64, result
 
 
 def test_fitted_slopes_recover_the_emulated_costs(tmp_path):
