@@ -21,8 +21,12 @@ batch, accumulation and split is the decision a live run would make from the sam
 step of ``s`` micro-steps as ``s`` micro-steps; the clock charges ``(s - 1) * c + overlap(c)``.
 
 **What the planner knows vs the clock.** The planner and the goodput choice use the linear models ``a_i*b + a0_i``
-fitted by the project's fitter (what a live Cannikin run would learn). The clock charges the measured profiles
-(interpolated between measured batch sizes), so where the linear model is wrong the plan is worse in simulation too.
+fitted by the project's fitter (what a live Cannikin run would learn) and the library's own two-regime step model
+(``max(c + exposed * T_net, share * c + T_net)``, fitted on the same runs as the Pollux overlap): the model the
+callback plans with. The clock charges the measured profiles (interpolated between measured batch sizes) through
+the Pollux overlap, the model that predicts the held-out runs best, so where the library's models are wrong the
+plan is worse in simulation too. Both step models are increasing in the slowest device's compute, so the split is
+the same under either; only the total batch the goodput choice makes can differ.
 
 **Progress** follows Pollux: a step at total batch B adds ``r(B) = B * E(B) / B0`` B0-steps of progress,
 ``E(B) = (phi + B0) / (phi + B)``, where ``phi`` is the noise scale at the current progress measured at the batch in
@@ -46,7 +50,7 @@ from lightning_cannikin.core.goodput import adascale_gain, candidate_batch_sizes
 from lightning_cannikin.core.plan import Plan, even_split
 from lightning_cannikin.core.policy import Decision, PolicySettings, decide
 from lightning_cannikin.simulation.cluster import Cluster
-from lightning_cannikin.simulation.models import JobModel
+from lightning_cannikin.simulation.models import JobModel, library_step_time
 
 __all__ = [
     "POLICIES",
@@ -107,9 +111,23 @@ class ClusterModel:
         """Iteration time of the slowest device given its compute time (network term applied)."""
         return self.job.network.combine(compute, self.network_time)
 
+    def planned(self, compute: np.ndarray | float) -> np.ndarray:
+        """Iteration time of the slowest device as the *library* predicts it: its two-regime model
+        (:func:`~lightning_cannikin.simulation.models.library_step_time`) with the job's fitted share and exposed
+        part, so the simulated decisions are the library's. The clock (:meth:`true_step_time`) keeps :meth:`overlap`,
+        the model validated best on the measured runs."""
+        if self.job.library_overlap is None:
+            return self.overlap(compute)
+        share, exposed = self.job.library_overlap
+        return library_step_time(compute, self.network_time, share, exposed)
+
     def _step(self, compute_max: np.ndarray | float, accumulation: np.ndarray | int) -> np.ndarray:
         c = np.asarray(compute_max, dtype=np.float64)
         return (np.asarray(accumulation) - 1) * c + self.overlap(c)
+
+    def _planned_step(self, compute_max: np.ndarray | float, accumulation: np.ndarray | int) -> np.ndarray:
+        c = np.asarray(compute_max, dtype=np.float64)
+        return (np.asarray(accumulation) - 1) * c + self.planned(c)
 
     def true_compute(self, local_batch_sizes: Sequence[int] | np.ndarray) -> float:
         """Slowest device's measured compute seconds for a split."""
@@ -123,7 +141,7 @@ class ClusterModel:
     def predicted_step_time(self, plan: Plan) -> float:
         """The planner's prediction for a plan."""
         compute = planner.step_time(self.slopes, self.offsets, plan.local_batch_sizes)
-        return float(self._step(compute, plan.accumulation_steps))
+        return float(self._planned_step(compute, plan.accumulation_steps))
 
     # ------------------------------------------------------------------------------------------------ policies
     def capacity(self, policy: str) -> int:
@@ -163,11 +181,11 @@ class ClusterModel:
         """Predicted best step time of each global batch run ``accumulation_steps`` times (``inf`` if infeasible)."""
         totals = np.asarray(total_batch_sizes)
         compute = planner.optperf(self.slopes, self.offsets, totals, self.lower, self.upper)
-        return self._step(compute, np.asarray(accumulation_steps))
+        return self._planned_step(compute, np.asarray(accumulation_steps))
 
     def predict(self, local_batch_sizes: ArrayLike, accumulation_steps: ArrayLike = 1) -> float | np.ndarray:
         """Predicted step time of a split (or of each row of a ``(C, n)`` array), network term applied."""
-        times = self._step(
+        times = self._planned_step(
             planner.step_time(self.slopes, self.offsets, local_batch_sizes), np.asarray(accumulation_steps)
         )
         return float(times) if np.ndim(times) == 0 else times

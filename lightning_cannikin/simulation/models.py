@@ -34,7 +34,9 @@ __all__ = [
     "NoiseModel",
     "NoiseTrajectory",
     "fit_compute_model",
+    "fit_library_model",
     "fit_network_model",
+    "library_step_time",
     "load_job",
     "noise_model",
     "noise_trajectory",
@@ -221,6 +223,33 @@ def fit_network_model(
     return NetworkModel(float(p[0]), float(p[1]), float(p[2]), float(p[3]), float(p[4]), scaling)
 
 
+def library_step_time(compute: np.ndarray, network: np.ndarray, share: float, exposed: float) -> np.ndarray:
+    """The library's two-regime step model (``core.timing.step_time_pieces``) for one device.
+
+    Compute-bound, the step ends when backward ends plus the exposed part of the all-reduce (``exposed x c``);
+    all-reduce bound, the all-reduce starts when the first bucket is ready, after ``share`` of the compute, and
+    lasts ``c``: ``max(t + exposed * c, share * t + c)``.
+    """
+    t, c = np.asarray(compute, dtype=np.float64), np.asarray(network, dtype=np.float64)
+    return np.maximum(t + exposed * c, share * t + c)
+
+
+def fit_library_model(compute: np.ndarray, network: np.ndarray, step_time: np.ndarray) -> tuple[float, float]:
+    """``(share, exposed)`` in [0, 1] of :func:`library_step_time`, least squares on log time over a fine grid.
+
+    The library measures both live (the share of compute done when the first bucket is ready, and the all-reduce's
+    exposed part); offline profiles only have whole step times, so they are fitted here with the network time given.
+    """
+    grid = np.linspace(0.0, 1.0, 101)
+    share, exposed = np.meshgrid(grid, grid, indexing="ij")
+    t = np.asarray(compute, dtype=np.float64)[None, None, :]
+    c = np.asarray(network, dtype=np.float64)[None, None, :]
+    predicted = np.maximum(t + exposed[..., None] * c, share[..., None] * t + c)
+    cost = ((np.log(predicted) - np.log(np.asarray(step_time))[None, None, :]) ** 2).sum(axis=-1)
+    i, j = np.unravel_index(int(np.argmin(cost)), cost.shape)
+    return float(share[i, j]), float(exposed[i, j])
+
+
 @dataclass(frozen=True)
 class JobModel:
     """Everything the simulator knows about one training job.
@@ -234,6 +263,9 @@ class JobModel:
         network: all-reduce cost and overlap (fitted on T4).
         noise: noise-scale model.
         notes: caveats about the sources used.
+        library_overlap: ``(share, exposed)`` of the library's two-regime step model
+            (:func:`library_step_time`), fitted on the same T4 runs as ``network``: what the simulator *plans* with,
+            as the library does (``None``: plan with ``network`` too).
 
     """
 
@@ -245,6 +277,7 @@ class JobModel:
     network: NetworkModel
     noise: NoiseModel
     notes: tuple[str, ...] = field(default=())
+    library_overlap: tuple[float, float] | None = None
 
     @property
     def target_progress(self) -> float:
@@ -295,6 +328,7 @@ def _load_job_cached(job: str, gpus: tuple[str, ...] | None, shipped: str, sia: 
     t4 = compute["T4"] if "T4" in compute else fit_compute_model(store.compute_profile(job, "T4"))
     rows = t4_network_data(store, job, t4)
     network = fit_network_model(rows["replicas"], rows["nodes"], rows["compute"], rows["step_time"], scaling)
+    overlap = fit_library_model(rows["compute"], network.time(rows["replicas"], rows["nodes"] > 1), rows["step_time"])
     notes = tuple(f"{model.gpu}: {model.profile.caveat}" for model in compute.values() if model.profile.caveat)
     return JobModel(
         name=job,
@@ -305,6 +339,7 @@ def _load_job_cached(job: str, gpus: tuple[str, ...] | None, shipped: str, sia: 
         network=network,
         noise=noise,
         notes=notes,
+        library_overlap=overlap,
     )
 
 

@@ -28,7 +28,9 @@ from lightning_cannikin.simulation.gpu_profiles import JOBS, ComputeProfile, Pro
 from lightning_cannikin.simulation.models import (
     NoiseModel,
     fit_compute_model,
+    fit_library_model,
     fit_network_model,
+    library_step_time,
     noise_model,
     t4_network_data,
 )
@@ -107,33 +109,6 @@ def single_gpu_fits(store: ProfileStore, jobs: Iterable[str] = JOBS, leave_one_o
                 row["loo_max_err"] = float(loo.max())
             rows.append(row)
     return rows
-
-
-def library_step_time(compute: np.ndarray, network: np.ndarray, share: float, exposed: float) -> np.ndarray:
-    """The library's two-regime step model (``core.timing.step_time_pieces``) for one device.
-
-    Compute-bound, the step ends when backward ends plus the exposed part of the all-reduce (``exposed x c``);
-    all-reduce bound, the all-reduce starts when the first bucket is ready, after ``share`` of the compute, and
-    lasts ``c``: ``max(t + exposed * c, share * t + c)``.
-    """
-    t, c = np.asarray(compute, dtype=np.float64), np.asarray(network, dtype=np.float64)
-    return np.maximum(t + exposed * c, share * t + c)
-
-
-def fit_library_model(compute: np.ndarray, network: np.ndarray, step_time: np.ndarray) -> tuple[float, float]:
-    """``(share, exposed)`` in [0, 1] of :func:`library_step_time`, least squares on log time over a fine grid.
-
-    The library measures both live (the share of compute done when the first bucket is ready, and the all-reduce's
-    exposed part); offline profiles only have whole step times, so they are fitted here with the network time given.
-    """
-    grid = np.linspace(0.0, 1.0, 101)
-    share, exposed = np.meshgrid(grid, grid, indexing="ij")
-    t = np.asarray(compute, dtype=np.float64)[None, None, :]
-    c = np.asarray(network, dtype=np.float64)[None, None, :]
-    predicted = np.maximum(t + exposed[..., None] * c, share[..., None] * t + c)
-    cost = ((np.log(predicted) - np.log(np.asarray(step_time))[None, None, :]) ** 2).sum(axis=-1)
-    i, j = np.unravel_index(int(np.argmin(cost)), cost.shape)
-    return float(share[i, j]), float(exposed[i, j])
 
 
 def network_holdout(
