@@ -126,3 +126,24 @@ def test_jittery_devices_that_warm_up_are_balanced_without_false_speed_changes(t
     best = optimal_split(slopes, [[f] for f in fixed], 96).step_time
     assert cost(result["plan"]) <= 1.08 * best, result
     assert len(result["history"]) >= 5 and all(h["speed_changes"] == [] for h in result["history"]), result
+
+
+class WithUnusedLayer(RecordingRegressor):
+    """A model with a layer the loss never uses (DDP needs ``find_unused_parameters`` for it)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.unused = torch.nn.Linear(3, 3)
+
+
+def test_parameters_without_gradients_leave_the_timing_and_the_balance_intact(tmp_path):
+    # the readiness hooks learn the order from the gradients that do arrive; the unused layer's never come
+    torch.manual_seed(0)
+    model = WithUnusedLayer(IndexedRegression(320), batch_size=16, record_dir=str(tmp_path))
+    out = tmp_path / "cannikin.json"
+    strategy = CannikinStrategy(start_method="fork", find_unused_parameters=True)
+    callbacks = [EmulatedCluster([1.0, 3.0], 2.0), DumpCannikin(out)]
+    quiet_trainer(strategy, 2, callbacks, max_epochs=3).fit(model)
+    result = json.loads(out.read_text())
+    assert result["uses_comm_hook"] is False
+    assert abs(result["plan"][0] - 24) <= 0.1 * 24 and sum(result["plan"]) == 32, result
