@@ -107,3 +107,19 @@ def test_the_example_loop_gives_the_exact_mean_gradient_over_every_sample_once(t
         worst_plain = max(worst_plain, float((plain - reference).abs().max()))
     assert worst_weighted < 1e-5, worst_weighted
     assert worst_plain > 100 * worst_weighted, "the check must be able to fail: an even average is off"
+
+
+def test_a_probe_interleaved_with_the_split_it_left_alternates_then_stays():
+    from lightning_cannikin.core.plan import Plan
+    from lightning_cannikin.training.runtime import RuntimeState
+    from lightning_cannikin.training.sampler import UnevenBatchSampler
+
+    base, probe = Plan((16, 16)), Plan((24, 8))
+    runtime = RuntimeState(plan=base, sampler=UnevenBatchSampler(640, 0, base))
+    runtime.adopt(probe, from_batch=3, interleave=(base, 4))
+    sizes = [runtime.sampler.sizes_at(q) for q in range(10)]
+    assert sizes == [(16, 16)] * 3 + [(24, 8), (16, 16)] * 2 + [(24, 8)] * 3
+    assert runtime.plan == probe and len(runtime.sampler) == 20, "the same global batch: the epoch keeps its length"
+    # a plan of another total is never interleaved (the epoch's length would change under the loader)
+    runtime.adopt(Plan((40, 8)), from_batch=12, interleave=(probe, 4))
+    assert [runtime.sampler.sizes_at(q) for q in range(11, 14)] == [(24, 8), (40, 8), (40, 8)]

@@ -183,9 +183,8 @@ class Cannikin(Callback):
             self._speed_model = SpeedModel(trainer.world_size, self.speed_settings, bounds)
         runtime.bounds = self._speed_model.bounds
         if self._observer is None and trainer.world_size > 1 and self.track_noise_scale:
-            self._observer = GradientNormObserver(
-                trainer.global_rank, trainer.world_size, None, self.noise_exchange_every
-            )
+            rank, every = trainer.global_rank, self.noise_exchange_every
+            self._observer = GradientNormObserver(rank, trainer.world_size, None, every)
             runtime.hook.observers.append(self._observer)
 
     @override
@@ -352,7 +351,9 @@ class Cannikin(Callback):
         self.schedule.replanned(self._step, total_changed, self.policy.balance)
         self.lr_factor = runtime.lr_factor = decision.lr_factor
         self.gain, self._identified = decision.gain, decision.identified
-        adopt_plan(trainer, runtime, plan, mid_epoch, from_batch)
+        adopt_plan(
+            trainer, runtime, plan, mid_epoch, from_batch, 0 if decision.identified else self.schedule.warmup_steps
+        )
         changed = self._speed_model.drifts if trainer.is_global_zero and self._speed_model is not None else []
         self._history.append(self._step, trainer.current_epoch, plan, decision.lr_factor, self.noise_scale, changed)
         if trainer.is_global_zero and self._log_dir and self._speed_model is not None:

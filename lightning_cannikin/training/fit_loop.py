@@ -38,8 +38,11 @@ def all_gather(obj: Any) -> list[Any]:
     return gathered
 
 
-def adopt_plan(trainer: pl.Trainer, runtime: RuntimeState, plan: Plan, mid_epoch: bool, from_batch: int) -> None:
-    """Put a plan every rank decided alike in force (from global batch ``from_batch`` when ``mid_epoch``)."""
+def adopt_plan(
+    trainer: pl.Trainer, runtime: RuntimeState, plan: Plan, mid_epoch: bool, from_batch: int, probe_steps: int = 0
+) -> None:
+    """Put a plan every rank decided alike in force (from global batch ``from_batch`` when ``mid_epoch``); a probe
+    (``probe_steps`` > 0) mid-epoch alternates with the split it leaves for that many global batches."""
     current = runtime.plan
     total_changed = current is not None and plan.total_batch_size != current.total_batch_size
     if total_changed:
@@ -49,7 +52,8 @@ def adopt_plan(trainer: pl.Trainer, runtime: RuntimeState, plan: Plan, mid_epoch
         trainer.accumulate_grad_batches = plan.accumulation_steps
         runtime.adopt(plan, None if total_changed else 0)  # a new total waits for the rebuilt loader
         return
-    runtime.adopt(plan, from_batch=from_batch)
+    interleave = (current, probe_steps) if current is not None and probe_steps > 0 else None
+    runtime.adopt(plan, from_batch=from_batch, interleave=interleave)
     if total_changed and runtime.sampler is not None:
         sync_epoch_length(trainer, len(runtime.sampler))
 

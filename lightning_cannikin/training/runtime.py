@@ -59,13 +59,16 @@ class RuntimeState:
         """Global batches the training sampler has handed out this epoch (a mid-epoch plan starts at or after it)."""
         return self.sampler.yielded if self.sampler is not None else 0
 
-    def adopt(self, plan: Plan, from_batch: int | None = None) -> None:
+    def adopt(self, plan: Plan, from_batch: int | None = None, interleave: tuple[Plan, int] | None = None) -> None:
         """Put ``plan`` in force.
 
         Args:
             plan: the new split; it must split across as many ranks as the plan in force.
             from_batch: apply it to the current epoch from this global batch on. ``None`` leaves the running epoch
                 alone: the plan takes effect when the training DataLoader is next built.
+            interleave: ``(other, steps)``: for ``steps`` global batches from ``from_batch`` alternate ``plan`` and
+                ``other`` (same global batch), then keep ``plan``. A probe interleaved with the split it left is
+                timed beside it, so a trend in the device's speed (its first steps) cannot read as a slope.
 
         """
         if self.plan is not None and plan.world_size != self.plan.world_size:
@@ -73,5 +76,11 @@ class RuntimeState:
                 f"The plan splits across {plan.world_size} ranks, but the world size is {self.plan.world_size}."
             )
         self.plan = plan
-        if from_batch is not None and self.sampler is not None:
-            self.sampler.set_plan(plan, from_batch)
+        if from_batch is None or self.sampler is None:
+            return
+        other, steps = interleave if interleave is not None else (plan, 0)
+        if other.global_batch_size != plan.global_batch_size:
+            steps = 0  # the epoch's layout would change length: never for a probe, which keeps the total
+        for offset in range(steps):  # increasing batches: each entry keeps the ones before it
+            self.sampler.set_plan(plan if offset % 2 == 0 else other, from_batch + offset)
+        self.sampler.set_plan(plan, from_batch + steps)
