@@ -60,7 +60,7 @@ class Cannikin(Callback):
             same micro-steps on every rank), changed at epoch ends. Off under manual optimization or when the Trainer
             has its own ``accumulate_grad_batches``.
         warmup_steps: while some device's speed is not yet measured at two batch sizes, re-plan every this many
-            steps: the first re-plan probes a second batch size on every rank, the next one balances.
+            steps: the first re-plan probes a second size on every rank (alternating mid-epoch), the next balances.
         half_life: recency half-life of the timing fits, in steps.
         adapt_margin: relative goodput gain required to change the total batch (hysteresis).
         min_noise_updates: optimizer steps of noise statistics required before the total batch may change.
