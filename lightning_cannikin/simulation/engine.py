@@ -121,13 +121,13 @@ class ClusterModel:
         share, exposed = self.job.library_overlap
         return library_step_time(compute, self.network_time, share, exposed)
 
-    def _step(self, compute_max: np.ndarray | float, accumulation: np.ndarray | int) -> np.ndarray:
+    def _step(
+        self, compute_max: np.ndarray | float, accumulation: np.ndarray | int, planned: bool = False
+    ) -> np.ndarray:
+        """``s`` micro-steps of the slowest device: ``s - 1`` without a reduction, the last one through the clock's
+        overlap, or the library's step model when ``planned``."""
         c = np.asarray(compute_max, dtype=np.float64)
-        return (np.asarray(accumulation) - 1) * c + self.overlap(c)
-
-    def _planned_step(self, compute_max: np.ndarray | float, accumulation: np.ndarray | int) -> np.ndarray:
-        c = np.asarray(compute_max, dtype=np.float64)
-        return (np.asarray(accumulation) - 1) * c + self.planned(c)
+        return (np.asarray(accumulation) - 1) * c + (self.planned(c) if planned else self.overlap(c))
 
     def true_compute(self, local_batch_sizes: Sequence[int] | np.ndarray) -> float:
         """Slowest device's measured compute seconds for a split."""
@@ -141,7 +141,7 @@ class ClusterModel:
     def predicted_step_time(self, plan: Plan) -> float:
         """The planner's prediction for a plan."""
         compute = planner.step_time(self.slopes, self.offsets, plan.local_batch_sizes)
-        return float(self._planned_step(compute, plan.accumulation_steps))
+        return float(self._step(compute, plan.accumulation_steps, planned=True))
 
     # ------------------------------------------------------------------------------------------------ policies
     def capacity(self, policy: str) -> int:
@@ -181,13 +181,12 @@ class ClusterModel:
         """Predicted best step time of each global batch run ``accumulation_steps`` times (``inf`` if infeasible)."""
         totals = np.asarray(total_batch_sizes)
         compute = planner.optperf(self.slopes, self.offsets, totals, self.lower, self.upper)
-        return self._planned_step(compute, np.asarray(accumulation_steps))
+        return self._step(compute, np.asarray(accumulation_steps), planned=True)
 
     def predict(self, local_batch_sizes: ArrayLike, accumulation_steps: ArrayLike = 1) -> float | np.ndarray:
         """Predicted step time of a split (or of each row of a ``(C, n)`` array), network term applied."""
-        times = self._planned_step(
-            planner.step_time(self.slopes, self.offsets, local_batch_sizes), np.asarray(accumulation_steps)
-        )
+        compute = planner.step_time(self.slopes, self.offsets, local_batch_sizes)
+        times = self._step(compute, np.asarray(accumulation_steps), planned=True)
         return float(times) if np.ndim(times) == 0 else times
 
     def plan_split(self, total_batch_size: int) -> Plan:

@@ -177,10 +177,8 @@ class StepTimer:
     def before_reduce(self, state: WeightedAllReduceState, bucket: dist.GradBucket) -> None:
         if not self._in_step:
             return  # nobody times this fit (no callback started a step)
-        self._reduced = True
-        if self._marks[FIRST_BUCKET] is None:
-            self.clock.mark(self._marks, FIRST_BUCKET)
-        self.clock.mark(self._marks, LAST_BUCKET)
+        self._reduced = True  # a bucket reached the hook: this backward reduces
+        self.gradient_ready()
 
     def after_reduce(self, state: WeightedAllReduceState, bucket: dist.GradBucket, reduced: torch.Tensor) -> None:
         if self._in_step:
