@@ -12,7 +12,7 @@ from torch import nn
 
 from lightning_cannikin import Cannikin, CannikinStrategy, EmulatedCluster
 from lightning_cannikin.training.grad_stats import FOLD_DELAY
-from tests.models import IndexedRegression, RecordingRegressor, quiet_trainer, read_records
+from tests.models import IndexedRegression, RecordingRegressor, quiet_trainer, read_records, record_estimator_inputs
 
 
 class RecordingSGD(torch.optim.SGD):
@@ -146,14 +146,7 @@ class RecordNoiseInputs(Callback):
         self.inputs: list = []
 
     def on_train_start(self, trainer, pl_module):
-        cannikin = next(cb for cb in trainer.callbacks if isinstance(cb, Cannikin))
-        update = cannikin._estimator.update
-
-        def recording(local, sizes, global_sqr):
-            self.inputs.append([list(local), list(sizes), global_sqr])
-            return update(local, sizes, global_sqr)
-
-        cannikin._estimator.update = recording
+        record_estimator_inputs(trainer, self.inputs)
 
     def on_train_end(self, trainer, pl_module):
         if trainer.is_global_zero:

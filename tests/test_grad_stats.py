@@ -108,6 +108,13 @@ def squared(tensors):
     return sum(float(t.double().pow(2).sum()) for t in tensors)
 
 
+def run(observers, clock, estimators, problems, steps):
+    """Optimizer steps ``steps`` of ``problems`` on every rank, the clock at each step's index."""
+    for k in steps:
+        clock[0] = k
+        step(observers, estimators, *problems[k])
+
+
 def problem(seed):
     generator = torch.Generator().manual_seed(seed)
     local = [[torch.randn(3, 4, generator=generator), torch.randn(4, generator=generator)] for _ in range(2)]
@@ -168,23 +175,17 @@ def test_a_resume_in_flight_feeds_the_same_numbers(monkeypatch):
     problems = [problem(s) for s in range(6)]
     observers, clock = ranks(monkeypatch)
     straight = [Recorder(), Recorder()]
-    for k, (local, mean) in enumerate(problems):
-        clock[0] = k
-        step(observers, straight, local, mean)
+    run(observers, clock, straight, problems, range(6))
 
     observers, clock = ranks(monkeypatch)
     interrupted = [Recorder(), Recorder()]
-    for k, (local, mean) in enumerate(problems[:3]):
-        clock[0] = k
-        step(observers, interrupted, local, mean)
+    run(observers, clock, interrupted, problems, range(3))
     clock[0] = 3  # a checkpoint after the step: it may read what is in flight
     saved = [o.state_dict() for o in observers]
     observers, clock = ranks(monkeypatch)
     for observer, state in zip(observers, saved, strict=True):
         observer.load_state_dict(state)
-    for k, (local, mean) in enumerate(problems[3:], start=3):
-        clock[0] = k
-        step(observers, interrupted, local, mean)
+    run(observers, clock, interrupted, problems, range(3, 6))
     assert interrupted[0].fed == straight[0].fed and interrupted[1].fed == straight[1].fed
 
 
@@ -239,15 +240,12 @@ def test_steps_sharing_an_exchange_feed_the_same_numbers_later_with_fewer_collec
     problems = [problem(s) for s in range(12)]
     observers, clock = ranks(monkeypatch)
     one = [Recorder(), Recorder()]
-    for k, (local, mean) in enumerate(problems):
-        clock[0] = k
-        step(observers, one, local, mean)
+    run(observers, clock, one, problems, range(12))
     observers, clock = batched_ranks(monkeypatch, every)
     grad_stats_group = grad_stats.dist.all_reduce.__self__
     batched = [Recorder(), Recorder()]
-    for k, (local, mean) in enumerate(problems):
-        clock[0] = k
-        step(observers, batched, local, mean)
+    for k in range(12):
+        run(observers, clock, batched, problems, [k])
         folded = len(batched[0].fed)
         assert one[0].fed[:folded] == batched[0].fed, "the same numbers, in the same order"
         assert folded >= k + 1 - 2 * every, "a step's statistics arrive at most 2 x exchange_every steps later"
@@ -257,19 +255,13 @@ def test_steps_sharing_an_exchange_feed_the_same_numbers_later_with_fewer_collec
 
 def test_a_checkpoint_between_exchanges_changes_nothing_and_the_resume_feeds_the_same_numbers(monkeypatch):
     problems = [problem(s) for s in range(14)]
-
-    def run(observers, clock, estimators, steps):
-        for k in steps:
-            clock[0] = k
-            step(observers, estimators, *problems[k])
-
     observers, clock = batched_ranks(monkeypatch, 4)
     straight = [Recorder(), Recorder()]
-    run(observers, clock, straight, range(14))
+    run(observers, clock, straight, problems, range(14))
 
     observers, clock = batched_ranks(monkeypatch, 4)
     saver = [Recorder(), Recorder()]
-    run(observers, clock, saver, range(6))  # steps 4 and 5 wait for the next exchange
+    run(observers, clock, saver, problems, range(6))  # steps 4 and 5 wait for the next exchange
     clock[0] = 6
     for observer in observers:
         observer._transfer.checkpoint = True
@@ -282,8 +274,8 @@ def test_a_checkpoint_between_exchanges_changes_nothing_and_the_resume_feeds_the
         observer.load_state_dict(state)
     for observer in observers:
         observer._transfer.checkpoint = False
-    run(new_observers, new_clock, resumed, range(6, 14))
-    run(observers, clock, saver, range(6, 14))  # the run that saved goes on as if nothing happened
+    run(new_observers, new_clock, resumed, problems, range(6, 14))
+    run(observers, clock, saver, problems, range(6, 14))  # the run that saved goes on as if nothing happened
     assert len(straight[0].fed) == 7  # exchanges after steps 3, 7 and 11; read 4 steps later each
     assert saver[0].fed == straight[0].fed, "saving a checkpoint must not change what is folded, or when"
     assert saver[0].fed[: len(saver[0].fed) - len(resumed[0].fed)] + resumed[0].fed == straight[0].fed

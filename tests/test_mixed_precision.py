@@ -15,7 +15,7 @@ from torch import nn
 
 from lightning_cannikin import Cannikin, CannikinStrategy
 from lightning_cannikin.training.grad_stats import FOLD_DELAY
-from tests.models import IndexedRegression, RecordingRegressor, quiet_trainer, read_records
+from tests.models import IndexedRegression, RecordingRegressor, quiet_trainer, read_records, record_estimator_inputs
 
 
 class RecordNoiseAndScale(Callback):
@@ -27,14 +27,7 @@ class RecordNoiseAndScale(Callback):
         self.scales: list[tuple[float, float]] = []
 
     def on_train_start(self, trainer, pl_module):
-        cannikin = next(cb for cb in trainer.callbacks if isinstance(cb, Cannikin))
-        update = cannikin._estimator.update
-
-        def recording(local, sizes, global_sqr):
-            self.fed.append([list(local), list(sizes), global_sqr])
-            return update(local, sizes, global_sqr)
-
-        cannikin._estimator.update = recording
+        record_estimator_inputs(trainer, self.fed)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._before = self._scale(trainer)
