@@ -28,15 +28,20 @@ def _scalar_or_array(x: np.ndarray) -> float | np.ndarray:
     return float(x) if x.ndim == 0 else x
 
 
-def _scalar_efficiency(noise_scale: float | None, batch_size: float, base_batch_size: float) -> float:
-    """The same as :func:`_efficiency` for plain numbers, in plain floats: the callback asks at every step."""
+def _check(base_batch_size: float, batches_positive: bool, phis_valid: bool, batch_size: object, noise: object) -> None:
+    """The one check of the inputs, for plain numbers and for arrays alike."""
     if base_batch_size <= 0:
         raise ValueError(f"`base_batch_size` must be positive, got {base_batch_size}.")
-    if batch_size <= 0:
+    if not batches_positive:
         raise ValueError(f"Batch sizes must be positive, got {batch_size}.")
+    if not phis_valid:  # also rejects NaN
+        raise ValueError(f"`noise_scale` must be >= 0 or None, got {noise}.")
+
+
+def _scalar_efficiency(noise_scale: float | None, batch_size: float, base_batch_size: float) -> float:
+    """The same as :func:`_efficiency` for plain numbers, in plain floats: the callback asks at every step."""
     phi = 0.0 if noise_scale is None else float(noise_scale)
-    if not phi >= 0.0:  # also rejects NaN
-        raise ValueError(f"`noise_scale` must be >= 0 or None, got {noise_scale}.")
+    _check(base_batch_size, batch_size > 0, phi >= 0.0, batch_size, noise_scale)
     if math.isinf(phi):
         return 1.0
     return (phi + base_batch_size) / (phi + float(batch_size))
@@ -48,13 +53,8 @@ def _plain(*values: object) -> bool:
 
 def _efficiency(noise_scale: ArrayLike | None, batch_size: ArrayLike, base_batch_size: float) -> np.ndarray:
     batch = np.asarray(batch_size, dtype=np.float64)
-    if base_batch_size <= 0:
-        raise ValueError(f"`base_batch_size` must be positive, got {base_batch_size}.")
-    if np.any(batch <= 0):
-        raise ValueError(f"Batch sizes must be positive, got {batch_size}.")
     phi = np.asarray(0.0 if noise_scale is None else noise_scale, dtype=np.float64)
-    if not np.all(phi >= 0.0):  # also rejects NaN
-        raise ValueError(f"`noise_scale` must be >= 0 or None, got {noise_scale}.")
+    _check(base_batch_size, not np.any(batch <= 0), bool(np.all(phi >= 0.0)), batch_size, noise_scale)
     phi, batch = np.broadcast_arrays(phi, batch)
     finite = np.isfinite(phi)
     safe_phi = np.where(finite, phi, 0.0)  # inf + B0 over inf + B would be NaN; its limit is 1

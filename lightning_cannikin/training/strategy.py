@@ -103,6 +103,7 @@ class CannikinStrategy(DDPStrategy):
         self._loss_factor = 1.0
         self._forward_hook: Any = None
         self._uses_comm_hook: bool | None = None
+        self._mean_factor = 1  # what the loss carries beyond b_i / B: n where DDP's own all-reduce averages
         self._readiness: GradientReadiness | None = None
 
     @property
@@ -202,6 +203,12 @@ class CannikinStrategy(DDPStrategy):
             self._readiness = None
         runtime = self._runtime
         self._uses_comm_hook = self._comm_hook_needed()
+        # under automatic optimization the one backward of the step passes `self.backward`, so the weight rides on
+        # the loss (one scalar product) instead of on every bucket; under manual optimization the hook applies it.
+        # DDP's own all-reduce averages over the ranks: n * b_i / B on the loss makes its mean the weighted mean.
+        assert self.lightning_module is not None
+        runtime.hook.weight_in_loss = self.lightning_module.automatic_optimization
+        self._mean_factor = 1 if self._uses_comm_hook else self.world_size
         if self._uses_comm_hook:
             # DDPStrategy registers comm hooks on CUDA only; on CPU (gloo) a hook would be silently ignored, and the
             # weighted all-reduce is what makes uneven batches correct, so register it on every device type.
@@ -326,12 +333,9 @@ class CannikinStrategy(DDPStrategy):
         hook = self._runtime.hook
         hook.weight = rank_samples / sum(window_sizes)
         hook.micro_weight = sizes[rank] / rank_samples
-        # under automatic optimization the one backward of the step passes `self.backward`, so the weight rides on
-        # the loss (one scalar product) instead of on every bucket; under manual optimization the hook applies it
-        hook.weight_in_loss = self.lightning_module.automatic_optimization
-        # DDP's own all-reduce averages over the ranks: n * b_i / B on the loss makes its mean the weighted mean
-        weight = hook.weight * (self.world_size if self._uses_comm_hook is False else 1)
-        self._loss_factor = accumulation * hook.micro_weight * (weight if hook.weight_in_loss else 1.0)
+        # the weight on the loss (see `_register_ddp_hooks`), times n where DDP's own all-reduce averages
+        weight = hook.weight * self._mean_factor if hook.weight_in_loss else 1.0
+        self._loss_factor = accumulation * hook.micro_weight * weight
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
