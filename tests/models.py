@@ -99,15 +99,15 @@ CANNIKIN_METRICS = {
 
 
 def record_estimator_inputs(trainer: pl.Trainer, into: list) -> None:
-    """Append what the Cannikin callback's noise-scale estimator is fed, ``[local, sizes, global_sqr]`` per update, to
-    ``into`` (call it at train start, once the callback has built its estimator)."""
+    """Append what the Cannikin callback's noise-scale estimator is fed, ``[local, sizes, global_sqr, steps]`` per
+    update, to ``into`` (call it at train start, once the callback has built its estimator)."""
     from lightning_cannikin import Cannikin
 
     estimator = next(cb for cb in trainer.callbacks if isinstance(cb, Cannikin))._estimator
     update = estimator.update
 
-    def recording(local, sizes, global_sqr):
-        into.append([list(local), list(sizes), global_sqr])
-        return update(local, sizes, global_sqr)
+    def recording(local, sizes, global_sqr, steps=1):
+        into.append([list(local), list(sizes), global_sqr, steps])
+        return update(local, sizes, global_sqr, steps)
 
     estimator.update = recording

@@ -153,10 +153,12 @@ class RecordNoiseInputs(Callback):
             self.path.write_text(json.dumps(self.inputs))
 
 
-def test_adam_noise_statistics_use_the_preconditioned_gradient(tmp_path):
-    # a step's statistics are folded in FOLD_DELAY steps later (rank zero's Y travels with the next exchange, which
-    # is read a step after it is issued)
-    dataset, initial, records, fed = fit_recording_noise(tmp_path, [24, 8], AdamRegressor, max_steps=2 + FOLD_DELAY)
+@pytest.mark.parametrize("every", [1, 2])
+def test_adam_noise_statistics_use_the_preconditioned_gradient(tmp_path, every):
+    # a measured step's statistics are folded in FOLD_DELAY measured steps later (rank zero's Y travels with the next
+    # exchange, which is read a measured step after it is issued); every=2: steps 0 and 2, captured by parameter hooks
+    max_steps = every * (1 + FOLD_DELAY) + 1
+    dataset, initial, records, fed = fit_recording_noise(tmp_path, [24, 8], AdamRegressor, every, max_steps=max_steps)
     assert len(fed) == 2
 
     # replay: Adam on the union of each step's samples, and every group's gradient at the same parameters
@@ -180,13 +182,15 @@ def test_adam_noise_statistics_use_the_preconditioned_gradient(tmp_path):
             total += float(g.pow(2).sum())
         return total
 
-    for step in range(2):
+    for step in range(every + 1):
         groups = [r["steps"][step] for r in records]
-        local = [squared(gradient(index)) for index in groups]
         union = gradient([i for index in groups for i in index])
-        assert fed[step][0] == pytest.approx(local, rel=1e-4), f"step {step}: local norms"
-        assert fed[step][2] == pytest.approx(squared(union), rel=1e-4), f"step {step}: global norm"
-        if step == 1:  # Adam has second moments now: the preconditioned norm is measurably not the raw one
+        if step % every == 0:
+            local = [squared(gradient(index)) for index in groups]
+            assert fed[step // every][0] == pytest.approx(local, rel=1e-4), f"step {step}: local norms"
+            assert fed[step // every][2] == pytest.approx(squared(union), rel=1e-4), f"step {step}: global norm"
+            assert fed[step // every][3] == every
+        if step == every:  # Adam has second moments now: the preconditioned norm is measurably not the raw one
             raw = sum(float(g.pow(2).sum()) for g in gradient(groups[0]))
             assert abs(raw - fed[1][0][0]) > 1e-3 * raw
         for p, g in zip(layer.parameters(), union, strict=True):
@@ -194,21 +198,28 @@ def test_adam_noise_statistics_use_the_preconditioned_gradient(tmp_path):
         optimizer.step()
 
 
-def fit_recording_noise(tmp_path, sizes, model_class=RecordingRegressor, **trainer_kwargs):
-    """A fixed-split run that records what the noise-scale estimator is fed; returns what a replay needs."""
+def fit_recording_noise(tmp_path, sizes, model_class=RecordingRegressor, noise_every=1, **trainer_kwargs):
+    """A fixed-split run that records what the noise-scale estimator is fed; returns what a replay needs.
+
+    Statistics of every step go through the comm hook; of one step in ``noise_every > 1``, DDP's own all-reduce
+    reduces and parameter hooks capture the local gradients (the records say which ran).
+    """
     torch.manual_seed(0)
     dataset = IndexedRegression(256)
     model = model_class(dataset, batch_size=8, record_dir=str(tmp_path))
     initial = {k: v.clone() for k, v in model.layer.state_dict().items()}
     out = tmp_path / "inputs.json"
+    cannikin = Cannikin(track_noise_scale=True, noise_exchange_every=1, noise_every_n_steps=noise_every)
     trainer = quiet_trainer(
         CannikinStrategy(local_batch_sizes=sizes, start_method="fork"),
         len(sizes),
-        [Cannikin(track_noise_scale=True, noise_exchange_every=1), RecordNoiseInputs(out)],  # FOLD_DELAY holds
+        [cannikin, RecordNoiseInputs(out)],  # one exchange per measured step: FOLD_DELAY holds
         **trainer_kwargs,
     )
     trainer.fit(model)
-    return dataset, initial, read_records(tmp_path, len(sizes)), json.loads(out.read_text())
+    records = read_records(tmp_path, len(sizes))
+    assert all((r["hook_calls"] > 0) is (noise_every == 1) for r in records), "the statistics took the path named"
+    return dataset, initial, records, json.loads(out.read_text())
 
 
 def squared_gradient_norm(dataset, parameters, index: list[int]) -> float:
@@ -220,10 +231,13 @@ def squared_gradient_norm(dataset, parameters, index: list[int]) -> float:
     return sum(float(p.grad.pow(2).sum()) for p in layer.parameters())
 
 
-@pytest.mark.parametrize("sizes", [[24, 8], [20, 8, 4]])
-def test_noise_statistics_from_the_hook_match_a_single_process_replay(tmp_path, sizes):
-    dataset, initial, records, fed = fit_recording_noise(tmp_path, sizes, max_steps=1 + FOLD_DELAY)
-    ((local, group_sizes, global_sqr),) = fed  # step 0's, folded in at step FOLD_DELAY
+@pytest.mark.parametrize("sizes, every", [([24, 8], 1), ([20, 8, 4], 1), ([20, 8, 4], 3)])
+def test_noise_statistics_match_a_single_process_replay(tmp_path, sizes, every):
+    # every bucket through the comm hook, or (every=3) DDP's own all-reduce and the local gradients captured
+    dataset, initial, records, fed = fit_recording_noise(
+        tmp_path, sizes, noise_every=every, max_steps=1 + FOLD_DELAY * every
+    )
+    ((local, group_sizes, global_sqr, _),) = fed  # step 0's, folded in at step FOLD_DELAY
     groups = [r["steps"][0] for r in records]
     assert group_sizes == sizes
     assert local == pytest.approx([squared_gradient_norm(dataset, initial, g) for g in groups], rel=1e-4)
@@ -231,13 +245,26 @@ def test_noise_statistics_from_the_hook_match_a_single_process_replay(tmp_path, 
     assert global_sqr == pytest.approx(squared_gradient_norm(dataset, initial, union), rel=1e-4)
 
 
-def test_accumulation_micro_batches_are_noise_groups_of_their_own(tmp_path):
+@pytest.mark.parametrize("every", [1, 2])
+def test_accumulation_micro_batches_are_noise_groups_of_their_own(tmp_path, every):
     dataset, initial, records, fed = fit_recording_noise(
-        tmp_path, [24, 8], max_steps=1 + FOLD_DELAY, accumulate_grad_batches=2
+        tmp_path, [24, 8], noise_every=every, max_steps=1 + FOLD_DELAY * every, accumulate_grad_batches=2
     )
-    ((local, group_sizes, global_sqr),) = fed  # step 0's, folded in at step FOLD_DELAY
+    ((local, group_sizes, global_sqr, _),) = fed  # step 0's, folded in at step FOLD_DELAY
     micro_batches = [micro for r in records for micro in r["steps"][:2]]  # rank-major: r0m0, r0m1, r1m0, r1m1
     assert group_sizes == [24, 24, 8, 8]
     assert local == pytest.approx([squared_gradient_norm(dataset, initial, m) for m in micro_batches], rel=1e-4)
     union = [i for m in micro_batches for i in m]
     assert global_sqr == pytest.approx(squared_gradient_norm(dataset, initial, union), rel=1e-4)
+
+
+def test_measuring_one_step_in_two_feeds_the_estimator_exactly_those_steps(tmp_path):
+    # a measured step's numbers are the every-step run's (which the replay tests check); the step between is skipped
+    (tmp_path / "every").mkdir()
+    (tmp_path / "half").mkdir()
+    *_, every_step = fit_recording_noise(tmp_path / "every", [24, 8], max_steps=3 + FOLD_DELAY)
+    *_, sampled = fit_recording_noise(tmp_path / "half", [24, 8], max_steps=3 + 2 * FOLD_DELAY, noise_every=2)
+    assert len(every_step) == 3 and len(sampled) == 2
+    for got, want in zip(sampled, [every_step[0], every_step[2]], strict=True):
+        assert got[1] == want[1] and got[0] == pytest.approx(want[0], rel=1e-6)
+        assert got[2] == pytest.approx(want[2], rel=1e-6)

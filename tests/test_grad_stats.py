@@ -75,10 +75,12 @@ class Recorder(NoiseScaleEstimator):
     def __init__(self):
         super().__init__(base_batch_size=16)
         self.fed: list[tuple[list[float], list[int], float]] = []
+        self.steps: list[int] = []
 
-    def update(self, local, sizes, global_sqr):
+    def update(self, local, sizes, global_sqr, steps=1):
         self.fed.append((list(local), list(sizes), global_sqr))
-        return super().update(local, sizes, global_sqr)
+        self.steps.append(steps)
+        return super().update(local, sizes, global_sqr, steps)
 
 
 def ranks(monkeypatch, world_size=2):
@@ -282,9 +284,35 @@ def test_a_checkpoint_between_exchanges_changes_nothing_and_the_resume_feeds_the
     assert resumed[0].fed == resumed[1].fed
 
 
-def test_noise_exchange_every_must_be_a_positive_integer():
+@pytest.mark.parametrize("name", ["noise_exchange_every", "noise_every_n_steps"])
+def test_noise_intervals_must_be_positive_integers(name):
     from lightning_cannikin import Cannikin
 
     for bad in (0, -1, 2.5, True):
-        with pytest.raises(ValueError, match="noise_exchange_every"):
-            Cannikin(noise_exchange_every=bad)
+        with pytest.raises(ValueError, match=name):
+            Cannikin(**{name: bad})
+
+
+@pytest.mark.parametrize("measure_every, exchange_every", [(2, 1), (3, 1), (3, 2)])
+def test_measuring_one_step_in_k_feeds_exactly_those_steps_numbers(monkeypatch, measure_every, exchange_every):
+    problems = [problem(s) for s in range(16)]
+    observers, clock = ranks(monkeypatch)
+    every_step = [Recorder(), Recorder()]
+    run(observers, clock, every_step, problems, range(16))
+
+    observers, clock = ranks(monkeypatch)
+    for observer in observers:
+        observer.measure_every, observer.exchange_every = measure_every, exchange_every
+    sampled = [Recorder(), Recorder()]
+    for k in range(16):
+        clock[0] = k
+        for observer in observers:
+            observer.start_step(k)
+        step(observers, sampled, *problems[k])
+    measured = list(range(0, 16, measure_every))
+    # each measured step's Z with its own Y (not the Y of the unmeasured step after it), in order, on every rank
+    expected = [every_step[0].fed[k] for k in measured if k < len(every_step[0].fed)]
+    assert sampled[0].fed == expected[: len(sampled[0].fed)] and sampled[1].fed == sampled[0].fed
+    assert set(sampled[0].steps) == {measure_every}, "each update stands for the steps between measurements"
+    assert len(sampled[0].fed) >= len(measured) - 2 * exchange_every - 1  # all but the last ones still in flight
+    assert len(grad_stats.dist.all_reduce.__self__.calls) == -(-len(measured) // exchange_every)

@@ -26,7 +26,7 @@ from lightning_cannikin.core.noise_scale import NoiseScaleEstimator
 from lightning_cannikin.core.speed_model import SpeedModel
 from lightning_cannikin.training.grad_stats import FOLD_DELAY
 from lightning_cannikin.training.schedules import progress_lr_lambda
-from tests.models import IndexedRegression, RecordingRegressor, quiet_trainer, read_records
+from tests.models import IndexedRegression, RecordingRegressor, quiet_trainer, read_records, record_estimator_inputs
 
 
 def noisy_dataset(num_samples: int) -> IndexedRegression:
@@ -88,16 +88,9 @@ class RecordInputsAndLengths(Callback):
     """Every rank: what its noise estimator is fed, and at each epoch end the batches Lightning counted vs ran."""
 
     def on_train_start(self, trainer, pl_module):
-        cannikin = next(cb for cb in trainer.callbacks if isinstance(cb, Cannikin))
-        update = cannikin._estimator.update
         pl_module.noise_inputs = []
         pl_module.epoch_lengths = []
-
-        def recording(local, sizes, global_sqr):
-            pl_module.noise_inputs.append([list(local), list(sizes), global_sqr])
-            return update(local, sizes, global_sqr)
-
-        cannikin._estimator.update = recording
+        record_estimator_inputs(trainer, pl_module.noise_inputs)
 
     def on_train_epoch_end(self, trainer, pl_module):
         ran = sum(1 for e in pl_module.epochs if e == trainer.current_epoch)

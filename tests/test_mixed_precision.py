@@ -93,7 +93,7 @@ def test_bf16_mixed_trains_exactly_and_measures_the_noise(tmp_path):
     dataset, initial, records, result = fit(tmp_path, max_steps=steps, precision="bf16-mixed")
     norms, final = replay(dataset, initial, records, torch.bfloat16, [False] * steps)
     assert len(result["fed"]) == 3
-    for (local, sizes, global_sqr), (expected_local, expected_global) in zip(result["fed"], norms[:3], strict=True):
+    for (local, sizes, global_sqr, _), (expected_local, expected_global) in zip(result["fed"], norms[:3], strict=True):
         assert sizes == [24, 8]
         assert local == pytest.approx(expected_local, rel=2e-2)
         assert global_sqr == pytest.approx(expected_global, rel=2e-2)
@@ -114,7 +114,7 @@ def test_16_mixed_statistics_are_unscaled_and_skip_what_the_scaler_skipped(tmp_p
     folded = len(norms) - FOLD_DELAY
     taken = [n for n, s in zip(norms[:folded], skipped[:folded], strict=True) if not s]
     assert len(result["fed"]) == len(taken), "a step the scaler skipped must not reach the estimator"
-    for (local, _, global_sqr), (expected_local, expected_global) in zip(result["fed"], taken, strict=True):
+    for (local, _, global_sqr, _), (expected_local, expected_global) in zip(result["fed"], taken, strict=True):
         # without the division these would be larger by the scale squared (2^30 and more)
         assert local == pytest.approx(expected_local, rel=2e-2)
         assert global_sqr == pytest.approx(expected_global, rel=2e-2)

@@ -178,6 +178,18 @@ def test_decay_is_per_sample() -> None:
     assert two_small.state_dict()["weight"] == pytest.approx(1 - 0.9**2, rel=1e-12)
 
 
+def test_a_measurement_standing_for_k_steps_weighs_as_k_identical_steps() -> None:
+    # one step measured in three (`noise_every_n_steps=3`): the window still spans as many samples
+    sampled, every = NoiseScaleEstimator(base_batch_size=32, decay=0.9), NoiseScaleEstimator(32, decay=0.9)
+    for z, y in (([3.0, 5.0], 2.0), ([1.0, 4.0], 1.5), ([2.0, 2.5], 2.1)):
+        sampled.update(z, [32, 16], y, steps=3)
+        for _ in range(3):
+            every.update(z, [32, 16], y)
+    for key in ("sqr_biased", "var_biased", "weight"):
+        assert sampled.state_dict()[key] == pytest.approx(every.state_dict()[key], rel=1e-12), key
+    assert sampled.num_updates == 3 and every.num_updates == 9
+
+
 def test_clipping_does_not_bias_the_running_mean() -> None:
     decay = 0.5
     est = NoiseScaleEstimator(base_batch_size=2, decay=decay)

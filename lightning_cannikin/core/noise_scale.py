@@ -99,13 +99,21 @@ class NoiseScaleEstimator:
         self._weight = 0.0
         self.num_updates = 0
 
-    def update(self, local_sqr_norms: Sequence[float], group_sizes: Sequence[float], global_sqr_norm: float) -> bool:
+    def update(
+        self,
+        local_sqr_norms: Sequence[float],
+        group_sizes: Sequence[float],
+        global_sqr_norm: float,
+        steps: int = 1,
+    ) -> bool:
         """Fold one optimizer step's norms into the averages.
 
         Args:
             local_sqr_norms: ``Z_j`` per group (rank x micro-batch).
             group_sizes: ``b_j`` per group.
             global_sqr_norm: ``Y`` of the reduced gradient.
+            steps: the optimizer steps this measurement stands for (one step measured in ``steps``): the averages
+                decay as over all of their samples, so the window spans as many samples however often it is fed.
 
         Returns:
             True if the averages changed; False (and nothing changes) when an input is not finite, as after an
@@ -120,7 +128,7 @@ class NoiseScaleEstimator:
             return False
         grad_sqr, grad_var = pooled_moments(z, group_sizes, global_sqr_norm)
         total = float(np.sum(np.asarray(group_sizes, dtype=np.float64)))
-        factor = self.decay ** (total / self.base_batch_size)
+        factor = self.decay ** (steps * total / self.base_batch_size)
         self._sqr_biased = factor * self._sqr_biased + (1.0 - factor) * grad_sqr
         self._var_biased = factor * self._var_biased + (1.0 - factor) * grad_var
         self._weight = factor * self._weight + (1.0 - factor)

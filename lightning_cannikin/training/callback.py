@@ -14,13 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_cannikin.core.goodput import efficiency
 from lightning_cannikin.core.history import PlanHistory
 from lightning_cannikin.core.lr_scaling import Progress, is_adam_family
 from lightning_cannikin.core.noise_scale import NoiseScaleEstimator
@@ -30,7 +28,7 @@ from lightning_cannikin.core.schedule import ReplanSchedule
 from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings, StepRecord
 from lightning_cannikin.tools.run_profile import PROFILE_FILENAME, build_profile, save_profile
 from lightning_cannikin.training.fit_loop import adopt_plan, all_gather, epoch_resizable, sync_epoch_length
-from lightning_cannikin.training.grad_stats import GradientNormObserver, check_exchange_every
+from lightning_cannikin.training.grad_stats import GradientNormObserver, check_every
 from lightning_cannikin.training.log_dir import run_log_dir
 from lightning_cannikin.training.metrics import log_noise_scale, log_prediction_error, log_step, metrics_are_seen
 from lightning_cannikin.training.runtime import RuntimeState
@@ -64,11 +62,11 @@ class Cannikin(Callback):
         half_life: recency half-life of the timing fits, in steps.
         adapt_margin: relative goodput gain required to change the total batch (hysteresis).
         min_noise_updates: optimizer steps of noise statistics required before the total batch may change.
-        track_noise_scale: measure the gradient noise scale (one extra all-reduce of ``world_size`` floats per
-            optimizer step, read a step later, so never waited for). ``None``: only when it can change something,
-            i.e. with ``max_batch_size`` or with ``lr_scaling="adascale"`` and a ``base_batch_size``.
-        noise_exchange_every: optimizer steps whose noise statistics share one exchange (the same numbers, folded up
-            to twice this many steps later; a collective of a few floats costs about a millisecond on gloo).
+        track_noise_scale: measure the gradient noise scale. ``None``: only when it can change something, i.e. with
+            ``max_batch_size`` or with ``lr_scaling="adascale"`` and a ``base_batch_size``.
+        noise_every_n_steps: measure the noise statistics on one optimizer step in this many; the others cost nothing.
+        noise_exchange_every: measured steps whose statistics share one all-reduce of a few floats, never waited for
+            (the same numbers, folded up to twice this many measured steps later).
         save_profile: at each re-plan, rank zero writes ``cannikin_profile.json`` into the first logger's folder for
             this run (``version_N`` of TensorBoard and CSV, ``save_dir/name/version`` of W&B and MLflow), for
             ``cannikin plan`` and ``cannikin report``. Nothing is written without a logger.
@@ -94,6 +92,7 @@ class Cannikin(Callback):
         adapt_margin: float = 0.05,
         min_noise_updates: int = 20,
         track_noise_scale: bool | None = None,
+        noise_every_n_steps: int = 1,
         noise_exchange_every: int = 8,
         save_profile: bool = True,
     ) -> None:
@@ -112,11 +111,11 @@ class Cannikin(Callback):
         if track_noise_scale is None:
             track_noise_scale = max_batch_size is not None or (lr_scaling == "adascale" and base_batch_size is not None)
         self.track_noise_scale = track_noise_scale
-        self.noise_exchange_every = check_exchange_every(noise_exchange_every)
+        self.noise_every_n_steps = check_every("noise_every_n_steps", noise_every_n_steps)
+        self.noise_exchange_every = check_every("noise_exchange_every", noise_exchange_every)
         self.save_profile = save_profile
         self.progress = Progress()
-        self.lr_factor = 1.0
-        self.gain = 1.0
+        self.lr_factor = self.gain = 1.0
         self._history = PlanHistory()
         self._speed_model: SpeedModel | None = None
         self._estimator: NoiseScaleEstimator | None = None
@@ -183,9 +182,10 @@ class Cannikin(Callback):
             self._speed_model = SpeedModel(trainer.world_size, self.speed_settings, bounds)
         runtime.bounds = self._speed_model.bounds
         if self._observer is None and trainer.world_size > 1 and self.track_noise_scale:
-            rank, every = trainer.global_rank, self.noise_exchange_every
-            self._observer = GradientNormObserver(rank, trainer.world_size, None, every)
-            runtime.hook.observers.append(self._observer)
+            every = (self.noise_exchange_every, self.noise_every_n_steps)
+            self._observer = GradientNormObserver(trainer.global_rank, trainer.world_size, None, *every)
+            runtime.hook.observers.append(self._observer)  # through the comm hook, if there is one
+        runtime.noise = self._observer
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -287,10 +287,9 @@ class Cannikin(Callback):
             self._runtime.lr_factor = self.lr_factor
         phi = self._estimator.noise_scale
         logging = self._logging and (self._step + 1) % trainer.log_every_n_steps == 0
-        if logging and updated and phi is not None and np.isfinite(phi):
+        if logging and updated and phi is not None:
             base = self._estimator.base_batch_size
-            total = self.plan.total_batch_size if self.plan is not None else base
-            log_noise_scale(pl_module, phi, float(efficiency(phi, total, base)))
+            log_noise_scale(pl_module, phi, self.plan.total_batch_size if self.plan is not None else base, base)
 
     @property
     def _adapt_ready(self) -> bool:

@@ -34,6 +34,8 @@ class WeightedAllReduceState:
         micro_weight: the current micro-batch's share of this rank's accumulated gradient (1 without accumulation).
         weight_in_loss: the strategy already put ``weight`` on the loss (one scalar product instead of a pass over
             every bucket): the hook only sums.
+        mean_over: what the loss carries beyond ``weight``: the world size where DDP's own all-reduce averages
+            (``n * b_i / B`` on the loss makes its mean the weighted mean), 1 through this hook.
         calls: buckets reduced so far (cheap evidence that the hook runs, on CPU too).
         observers: :class:`BucketObserver` objects called for every bucket (the step timer, the gradient-norm
             observer); they must not block.
@@ -44,6 +46,7 @@ class WeightedAllReduceState:
     weight: float = 1.0
     micro_weight: float = 1.0
     weight_in_loss: bool = False
+    mean_over: int = 1
     calls: int = 0
     observers: list[BucketObserver] = field(default_factory=list)
 
@@ -51,7 +54,7 @@ class WeightedAllReduceState:
     def local_scale(self) -> float:
         """What this rank's local gradient carries besides its own mean: the micro-batch's share, and the rank's
         weight when the loss carries it (observers of local gradients divide it out)."""
-        return self.micro_weight * self.weight if self.weight_in_loss else self.micro_weight
+        return self.micro_weight * self.weight * self.mean_over if self.weight_in_loss else self.micro_weight
 
 
 def weighted_allreduce_hook(

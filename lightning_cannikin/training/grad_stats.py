@@ -36,16 +36,16 @@ from lightning_cannikin.core.noise_scale import NoiseScaleEstimator
 from lightning_cannikin.training.comm_hook import WeightedAllReduceState
 from lightning_cannikin.training.grad_norms import GradientNorms
 
-__all__ = ["FOLD_DELAY", "GradientNormObserver", "check_exchange_every"]
+__all__ = ["FOLD_DELAY", "GradientNormObserver", "check_every"]
 
 READ_LAG = 1  # exchanges left unread when a step ends: the newest one is read a step later
 FOLD_DELAY = READ_LAG + 1  # a step's statistics reach the estimator at the end of the step this many steps later
 
 
-def check_exchange_every(value: object) -> int:
-    """``noise_exchange_every`` as given, or a clear error (before any process group exists)."""
+def check_every(name: str, value: object) -> int:
+    """A step interval ``name`` as given, or a clear error (before any process group exists)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"`noise_exchange_every` must be a positive integer, got {value!r}.")
+        raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
     return value
 
 
@@ -98,8 +98,11 @@ class GradientNormObserver:
             arrive later (between ``exchange_every + 1`` and ``2 x exchange_every`` steps after their step) and the
             collective is paid once per exchange. On gloo a collective of a few floats costs about a millisecond of
             CPU and wall time; on NCCL tens of microseconds.
+        measure_every: measure one optimizer step in this many (:meth:`start_step`); the others cost nothing.
 
     Attributes:
+        measuring: whether the step in progress is measured (set before its first backward; a step not measured
+            costs nothing and leaves no block).
         scaler: the ``GradScaler`` of ``16-mixed`` training (``None`` without one).
         pending: the newest step whose norms were read, waiting for its ``Y``: ``(Z, sizes, scale)``.
 
@@ -111,11 +114,14 @@ class GradientNormObserver:
         world_size: int,
         transfer: HostTransfer | PinnedTransfer | None = None,
         exchange_every: int = 1,
+        measure_every: int = 1,
     ) -> None:
-        self.exchange_every = check_exchange_every(exchange_every)
+        self.exchange_every = check_every("noise_exchange_every", exchange_every)
+        self.measure_every = check_every("noise_every_n_steps", measure_every)
         self.rank = rank
         self.world_size = world_size
         self.norms = GradientNorms()
+        self.measuring = True
         self.scaler: Any = None
         self._transfer = transfer
         self._last_global: torch.Tensor | float | None = None  # rank zero's Y of the last step, for the next exchange
@@ -145,13 +151,21 @@ class GradientNormObserver:
         self._global: torch.Tensor | None = None
         self._block: torch.Tensor | None = None  # this step's part of the next exchange
 
+    def start_step(self, step: int) -> None:
+        """Optimizer step ``step`` (counted over the fit, as a resumed fit counts it) is about to start."""
+        self.measuring = step % self.measure_every == 0
+
     def after_micro_step(self, parameters: Iterable[torch.Tensor], weight: float) -> None:
         """Record a micro-batch that ended without a reduction (accumulation); ``weight`` is its share of the sum."""
+        if not self.measuring:
+            return
         squared = self.norms.micro_batch(list(parameters), weight)
         if squared is not None:
             self._micro.append(squared)
 
     def before_reduce(self, state: WeightedAllReduceState, bucket: dist.GradBucket) -> None:
+        if not self.measuring:
+            return
         sqr = self.norms.bucket(bucket.buffer(), _Parameters(bucket), state.local_scale, subtract_previous=True)
         self._local = sqr if self._local is None else self._local + sqr
         if bucket.is_last():
@@ -166,7 +180,7 @@ class GradientNormObserver:
             self._block, self._group = exchange, state.process_group
 
     def after_reduce(self, state: WeightedAllReduceState, bucket: dist.GradBucket, reduced: torch.Tensor) -> None:
-        if self.rank != 0:
+        if self.rank != 0 or not self.measuring:
             return  # the other ranks receive rank zero's Y through the exchange
         sqr = self.norms.bucket(reduced, _Parameters(bucket), 1.0, subtract_previous=False)
         self._global = sqr if self._global is None else self._global + sqr
@@ -185,11 +199,11 @@ class GradientNormObserver:
 
         """
         block = self._block
-        if self.rank == 0:
+        if self.rank == 0 and block is not None:  # a step not measured leaves the last Y for the next block
             self._last_global = self._global
         self._reset_step()
         self.norms.new_window()
-        if block is None:  # no gradient was reduced in this step
+        if block is None:  # not measured, or no gradient was reduced
             return False
         # groups are rank-major, as they were exchanged: rank 0's micro-batches first
         sizes = [micro[rank] for rank in range(self.world_size) for micro in window] if window else None
@@ -255,7 +269,7 @@ class GradientNormObserver:
         ready_local = [z * inverse for z in ready_local]
         if not math.isfinite(global_sqr) or not all(math.isfinite(z) for z in ready_local):
             return False  # nothing to pair, or an overflowing step (e.g. fp16): it tells nothing about the noise
-        return estimator.update(ready_local, ready_sizes, global_sqr)
+        return estimator.update(ready_local, ready_sizes, global_sqr, self.measure_every)
 
     def state_dict(self) -> dict:
         """The statistics in flight, read now (a checkpoint may wait for the device), for exact resumes.

@@ -6,8 +6,11 @@ Values are plain floats (numpy scalars break the fork/spawn launchers' transfer 
 
 from __future__ import annotations
 
+import math
+
 import lightning.pytorch as pl
 
+from lightning_cannikin.core.goodput import efficiency
 from lightning_cannikin.core.plan import Plan
 from lightning_cannikin.core.speed_model import StepRecord
 
@@ -44,7 +47,11 @@ def log_prediction_error(pl_module: pl.LightningModule, error: float) -> None:
     pl_module.log("cannikin/prediction_error", float(error), on_step=True, on_epoch=False, rank_zero_only=True)
 
 
-def log_noise_scale(pl_module: pl.LightningModule, noise_scale: float, efficiency: float) -> None:
-    """Rank zero's noise scale and the statistical efficiency of the total batch in force."""
-    for name, value in (("cannikin/noise_scale", noise_scale), ("cannikin/efficiency", efficiency)):
+def log_noise_scale(pl_module: pl.LightningModule, noise_scale: float, total: int, base: int) -> None:
+    """Rank zero's noise scale and the statistical efficiency of the total batch in force (``total``, against the
+    ``base`` the learning rate was tuned for); nothing while the noise scale is not finite."""
+    if not math.isfinite(noise_scale):
+        return
+    gained = efficiency(noise_scale, total, base)
+    for name, value in (("cannikin/noise_scale", noise_scale), ("cannikin/efficiency", gained)):
         pl_module.log(name, float(value), on_step=True, on_epoch=False, rank_zero_only=True)

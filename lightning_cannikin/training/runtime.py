@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from lightning_cannikin.core.plan import BatchBounds, Plan
 from lightning_cannikin.training.comm_hook import WeightedAllReduceState
+from lightning_cannikin.training.grad_stats import GradientNormObserver
 from lightning_cannikin.training.sampler import UnevenBatchSampler
 from lightning_cannikin.training.step_timer import StepTimer
 
@@ -32,6 +33,7 @@ class RuntimeState:
         timer: this rank's step timer, an observer of the hook (the host clock until the strategy knows the device:
             :meth:`use_timer`).
         sampler: the training loader's uneven sampler, once built.
+        noise: the noise statistics' observer, set by the callback when it measures them (``None``: not measured).
 
     """
 
@@ -44,6 +46,7 @@ class RuntimeState:
     hook: WeightedAllReduceState = field(default_factory=WeightedAllReduceState)
     timer: StepTimer = field(default_factory=StepTimer)
     sampler: UnevenBatchSampler | None = None
+    noise: GradientNormObserver | None = None
 
     def __post_init__(self) -> None:
         self.hook.observers.append(self.timer)

@@ -10,7 +10,6 @@ from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.strategy import _StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
@@ -21,54 +20,17 @@ from lightning_cannikin.core.plan import Plan, even_split
 from lightning_cannikin.training.callback import Cannikin
 from lightning_cannikin.training.comm_hook import WeightedAllReduceState, weighted_allreduce_hook
 from lightning_cannikin.training.device_memory import LocalBatchOutOfMemoryError, out_of_memory_error
+from lightning_cannikin.training.grad_capture import GradientCapture
 from lightning_cannikin.training.grad_ready import GradientReadiness
 from lightning_cannikin.training.loader import UnevenDataLoader, loader_batch_size, rebuild_uneven
 from lightning_cannikin.training.runtime import RuntimeState
 from lightning_cannikin.training.step_timer import step_timer_for
-
-NO_DISTRIBUTED_SAMPLER_ERROR = (
-    "`Trainer(use_distributed_sampler=False)` cannot be combined with CannikinStrategy: Cannikin must own the training"
-    " sampler to split each global batch across the ranks (every rank reads the same dataset and takes its own slice"
-    " of one shared permutation). Remove `use_distributed_sampler=False`; for datasets sharded by rank ahead of time,"
-    " use `strategy='ddp'`."
+from lightning_cannikin.training.strategy_checks import (
+    MULTIPLE_LOADERS_ERROR,
+    NO_DISTRIBUTED_SAMPLER_ERROR,
+    validate_local_batch_sizes,
+    warn_about_sync_batchnorm,
 )
-MULTIPLE_LOADERS_ERROR = (
-    "CannikinStrategy balances one training DataLoader, and this fit has several (a dict, list or CombinedLoader of"
-    " loaders). Its weighted all-reduce gives the exact mean gradient only if every loader's batch is split in the"
-    " same proportions, which integer batch sizes rarely allow. Combine the data sets into one map-style Dataset"
-    " (`torch.utils.data.StackDataset` gives one sample of each per item, `ConcatDataset` mixes them) behind one"
-    " DataLoader, or use `strategy='ddp'`."
-)
-
-
-def validate_local_batch_sizes(local_batch_sizes: Sequence[int] | None) -> tuple[int, ...] | None:
-    """Check a user-given split early, with a message that names the parameter."""
-    if local_batch_sizes is None:
-        return None
-    if isinstance(local_batch_sizes, (str, bytes)) or not isinstance(local_batch_sizes, Sequence):
-        raise ValueError(
-            f"`local_batch_sizes` must be a sequence of positive integers, one per rank, got {local_batch_sizes!r}."
-        )
-    sizes = tuple(local_batch_sizes)
-    if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
-        raise ValueError(
-            f"`local_batch_sizes` must be positive integers, one per rank, got {list(sizes)}. Every rank needs at"
-            " least one sample per step."
-        )
-    return sizes
-
-
-def warn_about_sync_batchnorm(module: torch.nn.Module) -> bool:
-    """Warn (rank zero) when ``module`` has SyncBatchNorm layers: their collectives blur the speed measurement."""
-    if not any(isinstance(m, torch.nn.SyncBatchNorm) for m in module.modules()):
-        return False
-    rank_zero_warn(
-        "The model has SyncBatchNorm layers: their collectives make every rank wait for the slowest one inside forward"
-        " and backward, so each rank's measured compute time is about the slowest rank's and Cannikin cannot tell the"
-        " devices apart (the split stays close to where it is). Use BatchNorm, GroupNorm or LayerNorm to balance, or"
-        " fix the split with `CannikinStrategy(local_batch_sizes=...)`."
-    )
-    return True
 
 
 class CannikinStrategy(DDPStrategy):
@@ -103,8 +65,8 @@ class CannikinStrategy(DDPStrategy):
         self._loss_factor = 1.0
         self._forward_hook: Any = None
         self._uses_comm_hook: bool | None = None
-        self._mean_factor = 1  # what the loss carries beyond b_i / B: n where DDP's own all-reduce averages
         self._readiness: GradientReadiness | None = None
+        self._capture: GradientCapture | None = None
 
     @property
     def runtime(self) -> RuntimeState:
@@ -189,18 +151,21 @@ class CannikinStrategy(DDPStrategy):
         return self._uses_comm_hook
 
     def _comm_hook_needed(self) -> bool:
-        """The Python hook is needed where something must see each bucket (noise statistics), where the loss cannot
-        carry the weight (manual optimization) and where a ``ddp_comm_wrapper`` wraps it."""
-        observers = [o for o in self._runtime.hook.observers if o is not self._runtime.timer]
+        """The Python hook is needed where something must see each bucket, where the loss cannot carry the weight
+        (manual optimization) and where a ``ddp_comm_wrapper`` wraps it. Noise statistics of every step see the
+        buckets; measured on one step in k, they capture the local gradient with parameter hooks on those steps and
+        leave the others to DDP's own all-reduce."""
+        runtime = self._runtime
+        noise = runtime.noise
+        observers = [o for o in runtime.hook.observers if o is not runtime.timer and o is not noise]
         manual = self.lightning_module is not None and not self.lightning_module.automatic_optimization
-        return bool(observers) or manual or self._ddp_comm_wrapper is not None
+        every_step = noise is not None and noise.measure_every == 1
+        return bool(observers) or every_step or manual or self._ddp_comm_wrapper is not None
 
     @override
     def _register_ddp_hooks(self) -> None:
         assert isinstance(self.model, DistributedDataParallel)
-        if self._readiness is not None:
-            self._readiness.remove()
-            self._readiness = None
+        self._remove_parameter_hooks()
         runtime = self._runtime
         self._uses_comm_hook = self._comm_hook_needed()
         # under automatic optimization the one backward of the step passes `self.backward`, so the weight rides on
@@ -208,7 +173,7 @@ class CannikinStrategy(DDPStrategy):
         # DDP's own all-reduce averages over the ranks: n * b_i / B on the loss makes its mean the weighted mean.
         assert self.lightning_module is not None
         runtime.hook.weight_in_loss = self.lightning_module.automatic_optimization
-        self._mean_factor = 1 if self._uses_comm_hook else self.world_size
+        runtime.hook.mean_over = 1 if self._uses_comm_hook else self.world_size
         if self._uses_comm_hook:
             # DDPStrategy registers comm hooks on CUDA only; on CPU (gloo) a hook would be silently ignored, and the
             # weighted all-reduce is what makes uneven batches correct, so register it on every device type.
@@ -222,6 +187,8 @@ class CannikinStrategy(DDPStrategy):
             # DDP's own all-reduce, no Python per bucket: the loss carries n * b_i / B (DDP averages), and two
             # parameter hooks time the gradients
             self._readiness = GradientReadiness(self.model.parameters(), lambda: runtime.timer.gradient_ready())
+            if runtime.noise is not None:
+                self._capture = GradientCapture(self.model.parameters())
         # DDP calls the LightningModule after its pre-forward work (buffer broadcast, a collective that waits for
         # slower ranks): that is where this rank's compute starts
         if self._forward_hook is not None:
@@ -230,6 +197,14 @@ class CannikinStrategy(DDPStrategy):
             lambda module, args: runtime.timer.inner_forward_start()
         )
         warn_about_sync_batchnorm(self.model)
+
+    def _remove_parameter_hooks(self) -> None:
+        if self._readiness is not None:
+            self._readiness.remove()
+            self._readiness = None
+        if self._capture is not None:
+            self._capture.disarm()
+            self._capture = None
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -297,6 +272,8 @@ class CannikinStrategy(DDPStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
+        if self._runtime.noise is not None:  # before the step's first backward: is this step measured?
+            self._runtime.noise.start_step(self.lightning_module.trainer.global_step)
         loader = self._train_loader
         if loader is None or not loader.pending_steps:
             self._runtime.step_sizes = None
@@ -334,7 +311,7 @@ class CannikinStrategy(DDPStrategy):
         hook.weight = rank_samples / sum(window_sizes)
         hook.micro_weight = sizes[rank] / rank_samples
         # the weight on the loss (see `_register_ddp_hooks`), times n where DDP's own all-reduce averages
-        weight = hook.weight * self._mean_factor if hook.weight_in_loss else 1.0
+        weight = hook.weight * hook.mean_over if hook.weight_in_loss else 1.0
         self._loss_factor = accumulation * hook.micro_weight * weight
 
     @override
@@ -342,14 +319,24 @@ class CannikinStrategy(DDPStrategy):
         if self._loss_factor != 1.0:
             closure_loss = closure_loss * self._loss_factor
         # an accumulation micro-step runs under DDP's `no_sync`: no all-reduce, whichever path reduces
-        self._runtime.timer.will_reduce(getattr(self.model, "require_backward_grad_sync", True))
+        reduces = getattr(self.model, "require_backward_grad_sync", True)
+        self._runtime.timer.will_reduce(reduces)
+        noise = self._runtime.noise
+        capture = self._capture if reduces and noise is not None and noise.measuring else None
+        if capture is not None:
+            capture.arm()
         try:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            loss = super().backward(closure_loss, optimizer, *args, **kwargs)
         except torch.cuda.OutOfMemoryError as error:
             self._out_of_memory(error)
         finally:
             if self._readiness is not None:
                 self._readiness.backward_done()
+            if capture is not None:
+                capture.disarm()
+        if capture is not None:  # rank zero alone sends Y: the others need not see the reduced gradients
+            capture.report(noise, self._runtime.hook, reduced=noise.rank == 0)
+        return loss
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -373,9 +360,7 @@ class CannikinStrategy(DDPStrategy):
         if self._forward_hook is not None:
             self._forward_hook.remove()
             self._forward_hook = None
-        if self._readiness is not None:
-            self._readiness.remove()
-            self._readiness = None
+        self._remove_parameter_hooks()
         self._train_loader = None
         self._runtime.sampler = None
         super().teardown()
@@ -400,4 +385,4 @@ class CannikinStrategy(DDPStrategy):
             )
 
 
-__all__ = ["CannikinStrategy", "validate_local_batch_sizes", "warn_about_sync_batchnorm"]
+__all__ = ["CannikinStrategy"]
