@@ -9,7 +9,10 @@ machine's load hits all of them alike:
 - ``ddp``: Lightning's ``DDPStrategy``, even split (the reference);
 - ``cannikin``: ``strategy="cannikin"`` as a new user would write it (the callback is added, the total batch is
   fixed, the split is balanced on measured speed);
-- ``cannikin_noise``: the same plus the gradient-noise statistics (``Cannikin(track_noise_scale=True)``);
+- ``cannikin_noise``: the same plus the gradient-noise statistics (``Cannikin(track_noise_scale=True)``), every
+  step measured, through the Python comm hook;
+- ``cannikin_noise_every4``: the statistics of one step in four (``noise_every_n_steps=4``): DDP's own all-reduce on
+  every step, parameter hooks capture the local gradient on the measured ones;
 - ``cannikin_even``, ``cannikin_noise_even``: the same two with ``balance=False`` (timing, re-plans and statistics
   all run, the split stays even): the cost of the machinery alone, apart from the split the balancer picks;
 - ``fixed``: ``CannikinStrategy(local_batch_sizes=[32, 32, 32])``, no callback: the loss carries ``n * b_i / B`` and
@@ -52,6 +55,7 @@ VARIANTS = (
     "ddp",
     "cannikin",
     "cannikin_noise",
+    "cannikin_noise_every4",
     "cannikin_even",
     "cannikin_noise_even",
     "fixed",
@@ -75,6 +79,8 @@ def strategy_and_callbacks(variant: str, total_batch: int) -> tuple[Any, list[Ca
     if variant == "fixed_hook":
         return HookedStrategy(local_batch_sizes=even, start_method="fork"), []
     options = {"track_noise_scale": "noise" in variant, "balance": not variant.endswith("_even")}
+    if variant.endswith("_every4"):
+        options["noise_every_n_steps"] = 4
     if variant == "cannikin":
         return "cannikin_fork", []  # as a new user writes it: the strategy adds its default callback
     return "cannikin_fork", [Cannikin(**options)]
