@@ -3,11 +3,12 @@ capture of the local gradient for the noise statistics."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
-from lightning_cannikin.training.comm_hook import WeightedAllReduceState
 from lightning_cannikin.training.grad_capture import GradientCapture
+from lightning_cannikin.training.grad_norms import GradientNorms
 from lightning_cannikin.training.grad_ready import GradientReadiness
 from lightning_cannikin.training.step_timer import StepTimer
 
@@ -81,54 +82,34 @@ def test_the_timer_marks_gradients_and_the_reduction_from_readiness(monkeypatch)
     assert micro.allreduce is None and micro.compute == 13 - 12 and not timer.reduced
 
 
-class SeenBuckets:
-    """A bucket observer that keeps copies of what it is shown."""
-
-    def __init__(self) -> None:
-        self.before: list[tuple[torch.Tensor, list]] = []
-        self.after: list[torch.Tensor] = []
-
-    def before_reduce(self, state, bucket) -> None:
-        assert bucket.is_last()
-        self.before.append((bucket.buffer().clone(), bucket.parameters()))
-
-    def after_reduce(self, state, bucket, reduced) -> None:
-        self.after.append(reduced.clone())
-
-
-def test_the_capture_copies_each_local_gradient_during_an_armed_backward_only():
+def test_the_capture_measures_each_local_gradient_during_an_armed_backward_only():
     model = mlp()
-    unused = nn.Linear(2, 2)  # never in the graph: reads as zeros
-    parameters = [*model.parameters(), *unused.parameters()]
-    capture = GradientCapture(parameters)
-    flat = lambda tensors: torch.cat([t.reshape(-1) for t in tensors])  # noqa: E731
+    unused = nn.Linear(2, 2)  # never in the graph
+    capture = GradientCapture([*model.parameters(), *unused.parameters()], GradientNorms())
 
+    def triple(parameter):
+        parameter.grad.mul_(3.0)
+
+    def backward(module, armed):
+        """A backward whose gradients are overwritten after the capture's hooks ran, as DDP's all-reduce does."""
+        if armed:
+            capture.arm()
+        after = [p.register_post_accumulate_grad_hook(triple) for p in model.parameters()]  # runs after the capture
+        module(torch.randn(4, 8)).sum().backward()
+        for handle in after:
+            handle.remove()
+        if armed:
+            capture.disarm()
+        return sum(float((p.grad / 3.0).pow(2).sum()) for p in module.parameters())
+
+    local = backward(model, armed=True)
+    assert not capture.armed and all(not p._post_accumulate_grad_hooks for p in model.parameters()), "none is left"
+    assert float(capture.local_squared()) == pytest.approx(local, rel=1e-6), "before the reduction, all of them"
+    backward(model, armed=False)  # not armed: nothing is measured
+    assert float(capture.local_squared()) == pytest.approx(local, rel=1e-6)
+    model.zero_grad()
+    first = backward(model[0], armed=True)  # only the first layer gets gradients: only they count
+    assert float(capture.local_squared()) == pytest.approx(first, rel=1e-6)
     capture.arm()
-    assert capture.armed
-    model(torch.randn(4, 8)).sum().backward()
-    local = [p.grad.clone() for p in model.parameters()]
     capture.disarm()
-    assert not capture.armed and all(not p._post_accumulate_grad_hooks for p in parameters), "no hook is left"
-    for p in model.parameters():
-        p.grad.mul_(3.0)  # what the all-reduce does to the gradients after the capture
-    seen = SeenBuckets()
-    capture.report(seen, WeightedAllReduceState(), reduced=True)
-    ((before, listed),), (after,) = seen.before, seen.after
-    zeros = torch.zeros(sum(p.numel() for p in unused.parameters()))
-    assert torch.equal(before, torch.cat([flat(local), zeros])), "the local gradients, in parameter order"
-    assert listed == parameters
-    assert torch.equal(after, torch.cat([flat(local) * 3.0, zeros])), "the gradients as they are after backward"
-
-    model.zero_grad()
-    model(torch.randn(4, 8)).sum().backward()  # not armed: nothing is copied
-    capture.report(seen, WeightedAllReduceState(), reduced=False)
-    assert torch.equal(seen.before[1][0], seen.after[0]) and len(seen.after) == 1
-
-    capture.arm()  # armed again: what an earlier backward left is cleared
-    model.zero_grad()
-    model[0](torch.randn(4, 8)).sum().backward()  # only the first layer gets gradients
-    capture.disarm()
-    capture.report(seen, WeightedAllReduceState(), reduced=False)
-    first = flat([p.grad for p in model[0].parameters()])
-    assert torch.equal(seen.before[2][0][: first.numel()], first)
-    assert not seen.before[2][0][first.numel() :].any()
+    assert capture.local_squared() is None, "no gradient, no measurement"

@@ -78,6 +78,25 @@ class GradientNorms:
             pieces = self._minus_previous(parameters, pieces)
         return self._squared(parameters, pieces, weight)
 
+    def parameter(self, parameter: torch.Tensor, subtract_previous: bool) -> torch.Tensor:
+        """``|g|^2`` of one parameter's gradient as it is now (preconditioned for Adam), less what earlier
+        micro-batches of the window put in it when asked; not divided by any weight (one read of the gradient, no
+        copy: what a hook on the parameter can afford)."""
+        piece = parameter.grad.detach().reshape(-1)
+        previous = self._previous.get(id(parameter)) if subtract_previous and self._previous_valid else None
+        if previous is not None:
+            piece = piece - previous
+        if self.optimizer is None:
+            return torch.linalg.vector_norm(piece, dtype=torch.float32).square()
+        return self._squared([parameter], [piece], 1.0)
+
+    def gradients(self, parameters: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``|g|^2`` of the parameters' gradients as they are now (preconditioned for Adam), fused."""
+        params = [p for p in parameters if p.grad is not None]
+        if not params:
+            return torch.zeros((), dtype=torch.float32)
+        return self._squared(params, [p.grad.detach().reshape(-1) for p in params], 1.0)
+
     def _minus_previous(self, parameters: Sequence[torch.Tensor], pieces: list[torch.Tensor]) -> list[torch.Tensor]:
         previous = [self._previous.get(id(p)) for p in parameters]
         if all(prev is not None for prev in previous):

@@ -169,15 +169,30 @@ class GradientNormObserver:
         sqr = self.norms.bucket(bucket.buffer(), _Parameters(bucket), state.local_scale, subtract_previous=True)
         self._local = sqr if self._local is None else self._local + sqr
         if bucket.is_last():
-            groups = torch.stack([*self._micro, self._local]).double()
-            count = groups.numel()
-            exchange = groups.new_zeros(self.world_size * count + 2)
-            exchange[self.rank * count : (self.rank + 1) * count] = groups
-            if self.rank == 0:
-                exchange[-2] = math.nan if self._last_global is None else self._last_global
-                # the scale this step's gradients carry (the scaler updates it only after the step)
-                exchange[-1] = _scale_of(self.scaler) if self.scaler is not None else 1.0
-            self._block, self._group = exchange, state.process_group
+            self._close_block(state)
+
+    def _close_block(self, state: WeightedAllReduceState) -> None:
+        """This rank's last gradient of the step is measured: build the step's part of the next exchange."""
+        groups = torch.stack([*self._micro, self._local]).double()
+        count = groups.numel()
+        exchange = groups.new_zeros(self.world_size * count + 2)
+        exchange[self.rank * count : (self.rank + 1) * count] = groups
+        if self.rank == 0:
+            exchange[-2] = math.nan if self._last_global is None else self._last_global
+            # the scale this step's gradients carry (the scaler updates it only after the step)
+            exchange[-1] = _scale_of(self.scaler) if self.scaler is not None else 1.0
+        self._block, self._group = exchange, state.process_group
+
+    def captured(self, state: WeightedAllReduceState, local: torch.Tensor, parameters: Sequence[torch.Tensor]) -> None:
+        """A measured backward that DDP's own all-reduce reduced: ``local`` is this rank's squared local gradient
+        (taken by :class:`~lightning_cannikin.training.grad_capture.GradientCapture`), ``parameters`` now hold the
+        reduced gradients (rank zero takes ``Y`` from them)."""
+        if not self.measuring:
+            return
+        self._local = local / state.local_scale**2
+        self._close_block(state)
+        if self.rank == 0:
+            self._global = self.norms.gradients(parameters)
 
     def after_reduce(self, state: WeightedAllReduceState, bucket: dist.GradBucket, reduced: torch.Tensor) -> None:
         if self.rank != 0 or not self.measuring:

@@ -188,7 +188,7 @@ class CannikinStrategy(DDPStrategy):
             # parameter hooks time the gradients
             self._readiness = GradientReadiness(self.model.parameters(), lambda: runtime.timer.gradient_ready())
             if runtime.noise is not None:
-                self._capture = GradientCapture(self.model.parameters())
+                self._capture = GradientCapture(self.model.parameters(), runtime.noise.norms)
         # DDP calls the LightningModule after its pre-forward work (buffer broadcast, a collective that waits for
         # slower ranks): that is where this rank's compute starts
         if self._forward_hook is not None:
@@ -334,8 +334,8 @@ class CannikinStrategy(DDPStrategy):
                 self._readiness.backward_done()
             if capture is not None:
                 capture.disarm()
-        if capture is not None:  # rank zero alone sends Y: the others need not see the reduced gradients
-            capture.report(noise, self._runtime.hook, reduced=noise.rank == 0)
+        if capture is not None and (local := capture.local_squared()) is not None:
+            noise.captured(self._runtime.hook, local, capture.parameters)
         return loss
 
     @override
