@@ -1,10 +1,13 @@
 """Squared gradient norms around the weighted all-reduce, exchanged across the ranks, for the noise-scale estimator.
 
-Rides on the comm hook: each bucket's local squared norm is taken before it is reduced, the global one (on rank zero)
-from the reduced bucket (:mod:`~lightning_cannikin.training.grad_norms` computes them, fused). With gradient
-accumulation every micro-batch is a group of its own. Each step's groups go in a block of ``world_size x
-micro-batches + 2`` floats; every ``exchange_every`` optimizer steps the waiting blocks are exchanged with one
-all-reduce, issued asynchronously at the end of a step.
+On a measured step (every step, or one in ``measure_every``) this rank's local squared norm is taken before the
+reduction and the global one (on rank zero) after it (:mod:`~lightning_cannikin.training.grad_norms` computes them,
+fused): through the comm hook, bucket by bucket; with DDP's own all-reduce, from the norms that
+:class:`~lightning_cannikin.training.grad_capture.GradientCapture`'s parameter hooks took and the reduced gradients
+(:meth:`GradientNormObserver.captured`). With gradient accumulation every micro-batch is a group of its own. Each
+measured step's groups go in a block of ``world_size x micro-batches + 2`` floats; every ``exchange_every`` measured
+steps the waiting blocks are exchanged with one all-reduce, issued asynchronously at the end of a step. Steps in
+this paragraph and below are measured steps.
 
 Every rank folds the statistics into its own estimator, so the learning-rate factor follows the noise scale with no
 collective of its own. For the ranks to agree *bitwise* (heterogeneous GPUs may round a squared norm differently),
