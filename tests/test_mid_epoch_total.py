@@ -181,23 +181,30 @@ def test_mid_epoch_total_change_keeps_every_sample_once_and_lightning_counts_the
     assert extra[0]["validated"] == [0, 1]
 
 
-@pytest.mark.parametrize("stop", ["after_change", "epoch_end"])  # mid-epoch after the change, or that epoch's end
-def test_mid_epoch_total_change_resumes_exactly(tmp_path, monkeypatch, stop):
+@pytest.mark.parametrize(  # mid-epoch after the change, or that epoch's end; the noise of every step or one in two
+    "stop, every", [("after_change", 1), ("epoch_end", 1), ("after_change", 2)]
+)
+def test_mid_epoch_total_change_resumes_exactly(tmp_path, monkeypatch, stop, every):
     known_step_times(monkeypatch)
     for name in ("a", "b", "c"):
         (tmp_path / name).mkdir()
-    _, uninterrupted, _ = fit(tmp_path / "a", total_changing_cannikin(), max_epochs=2)
-    totals = [len(a) + len(b) for a, b in epoch_steps(uninterrupted, 0)]
+    # one step in two measured: exchanged every 2 measured steps, so that what is measured after the resume reaches
+    # the estimator (and the learning rate) before the run ends
+    exchange = 8 if every == 1 else 2
+    cannikin = lambda: total_changing_cannikin(noise_every_n_steps=every, noise_exchange_every=exchange)  # noqa: E731
+    _, uninterrupted, _ = fit(tmp_path / "a", cannikin(), max_epochs=2)
+    per_epoch = [[len(a) + len(b) for a, b in epoch_steps(uninterrupted, epoch)] for epoch in (0, 1)]
+    epoch = next(e for e, totals in enumerate(per_epoch) if 48 in totals)  # epoch 1 with the noise of half the steps
+    totals = per_epoch[epoch]
     changed = totals.index(48)
     assert 0 < changed < len(totals) - 3, f"the total must change mid-epoch: {totals}"
-    stop_step = changed + 2 if stop == "after_change" else len(totals)
+    before = sum(len(t) for t in per_epoch[:epoch])
+    stop_step = before + (changed + 2 if stop == "after_change" else len(totals))
 
     saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=stop_step, save_top_k=-1)
-    _, first, _ = fit(
-        tmp_path / "b", total_changing_cannikin(), max_steps=stop_step, callbacks=[saver], enable_checkpointing=True
-    )
+    _, first, _ = fit(tmp_path / "b", cannikin(), max_steps=stop_step, callbacks=[saver], enable_checkpointing=True)
     (ckpt,) = sorted((tmp_path / "ckpt").glob(f"*step={stop_step}*.ckpt"))
-    _, resumed, extra = fit(tmp_path / "c", total_changing_cannikin(), max_epochs=2, ckpt_path=str(ckpt))
+    _, resumed, extra = fit(tmp_path / "c", cannikin(), max_epochs=2, ckpt_path=str(ckpt))
 
     for epoch in (0, 1):
         seen = sorted(i for records in (first, resumed) for a, b in epoch_steps(records, epoch) for i in a + b)
