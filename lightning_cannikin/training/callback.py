@@ -61,7 +61,7 @@ class Cannikin(Callback):
             steps: the first re-plan probes a second size on every rank (alternating mid-epoch), the next balances.
         half_life: recency half-life of the timing fits, in steps.
         adapt_margin: relative goodput gain required to change the total batch (hysteresis).
-        min_noise_updates: optimizer steps of noise statistics required before the total batch may change.
+        min_noise_updates: measured steps of noise statistics required before the total batch may change.
         track_noise_scale: measure the gradient noise scale. ``None``: only when it can change something, i.e. with
             ``max_batch_size`` or with ``lr_scaling="adascale"`` and a ``base_batch_size``.
         noise_every_n_steps: measure the noise statistics on one optimizer step in this many; the others cost nothing.
