@@ -37,15 +37,21 @@ import numpy as np
 __all__ = ["NoiseScaleEstimator", "pooled_moments"]
 
 
-def _as_inputs(local_sqr_norms: Sequence[float], group_sizes: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
-    z = np.asarray(local_sqr_norms, dtype=np.float64).reshape(-1)
-    b = np.asarray(group_sizes, dtype=np.float64).reshape(-1)
-    if z.shape != b.shape:
-        raise ValueError(f"Got {z.size} local squared norms for {b.size} group sizes; give one norm per group.")
-    if z.size < 2:
-        raise ValueError(f"The noise scale needs at least 2 gradient groups per step, got {z.size}.")
-    if not np.all(np.isfinite(b) & (b > 0)):
-        raise ValueError(f"Group sizes must be positive and finite, got {b.tolist()}.")
+def _floats(values: Sequence[float] | np.ndarray) -> list[float]:
+    """Plain floats, flattened: a step has a handful of groups, and numpy's per-call cost would dominate."""
+    if isinstance(values, np.ndarray):
+        return values.reshape(-1).astype(np.float64).tolist()
+    return [float(v) for v in values]
+
+
+def _as_inputs(local_sqr_norms: Sequence[float], group_sizes: Sequence[float]) -> tuple[list[float], list[float]]:
+    z, b = _floats(local_sqr_norms), _floats(group_sizes)
+    if len(z) != len(b):
+        raise ValueError(f"Got {len(z)} local squared norms for {len(b)} group sizes; give one norm per group.")
+    if len(z) < 2:
+        raise ValueError(f"The noise scale needs at least 2 gradient groups per step, got {len(z)}.")
+    if not all(math.isfinite(size) and size > 0 for size in b):
+        raise ValueError(f"Group sizes must be positive and finite, got {b}.")
     return z, b
 
 
@@ -67,11 +73,14 @@ def pooled_moments(
 
     """
     z, b = _as_inputs(local_sqr_norms, group_sizes)
-    m = z.size
-    total = float(b.sum())
-    y = float(global_sqr_norm)
-    grad_sqr = (m * y - float(np.dot(b / total, z))) / (m - 1)
-    grad_var = (float(np.dot(b, z)) - total * y) / (m - 1)
+    return _moments(z, b, float(global_sqr_norm))
+
+
+def _moments(z: list[float], b: list[float], y: float) -> tuple[float, float]:
+    m, total = len(z), sum(b)
+    weighted = sum(size * norm for size, norm in zip(b, z, strict=True))  # sum_j b_j Z_j
+    grad_sqr = (m * y - weighted / total) / (m - 1)
+    grad_var = (weighted - total * y) / (m - 1)
     return grad_sqr, grad_var
 
 
@@ -123,12 +132,12 @@ class NoiseScaleEstimator:
             ValueError: mismatched lengths or a non-positive group size.
 
         """
-        z = np.asarray(local_sqr_norms, dtype=np.float64).reshape(-1)
-        if z.size < 2 or not (np.all(np.isfinite(z)) and math.isfinite(float(global_sqr_norm))):
+        z = _floats(local_sqr_norms)
+        if len(z) < 2 or not (all(math.isfinite(v) for v in z) and math.isfinite(float(global_sqr_norm))):
             return False
-        grad_sqr, grad_var = pooled_moments(z, group_sizes, global_sqr_norm)
-        total = float(np.sum(np.asarray(group_sizes, dtype=np.float64)))
-        factor = self.decay ** (steps * total / self.base_batch_size)
+        z, b = _as_inputs(z, group_sizes)
+        grad_sqr, grad_var = _moments(z, b, float(global_sqr_norm))
+        factor = self.decay ** (steps * sum(b) / self.base_batch_size)
         self._sqr_biased = factor * self._sqr_biased + (1.0 - factor) * grad_sqr
         self._var_biased = factor * self._var_biased + (1.0 - factor) * grad_var
         self._weight = factor * self._weight + (1.0 - factor)

@@ -13,7 +13,16 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["GradientNorms"]
+__all__ = ["GradientNorms", "squared_norm"]
+
+
+def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
+    """``|x|^2`` as a 0-d float32 tensor: one dot product of a float32 vector with itself (a single pass), or a
+    float32-accumulated norm for other dtypes."""
+    if tensor.dtype == torch.float32:
+        flat = tensor.reshape(-1)
+        return torch.dot(flat, flat)
+    return torch.linalg.vector_norm(tensor, dtype=torch.float32).square()
 
 
 class GradientNorms:
@@ -67,12 +76,12 @@ class GradientNorms:
         flat = flat.detach()
         previous = subtract_previous and self._previous_valid
         if not previous and self.optimizer is None:
-            return torch.linalg.vector_norm(flat, dtype=torch.float32).square() / weight**2
+            return squared_norm(flat) / weight**2
         parameters = bucket_parameters()
         numels = [p.numel() for p in parameters]
         if sum(numels) != flat.numel():
             # an unexpected bucket layout: measure it whole and raw rather than guess
-            return torch.linalg.vector_norm(flat, dtype=torch.float32).square() / weight**2
+            return squared_norm(flat) / weight**2
         pieces = list(torch.split(flat, numels))
         if previous:
             pieces = self._minus_previous(parameters, pieces)
@@ -87,7 +96,7 @@ class GradientNorms:
         if previous is not None:
             piece = piece - previous
         if self.optimizer is None:
-            return torch.linalg.vector_norm(piece, dtype=torch.float32).square()
+            return squared_norm(piece)
         return self._squared([parameter], [piece], 1.0)
 
     def gradients(self, parameters: Sequence[torch.Tensor]) -> torch.Tensor:

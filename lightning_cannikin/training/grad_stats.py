@@ -176,10 +176,12 @@ class GradientNormObserver:
 
     def _close_block(self, state: WeightedAllReduceState) -> None:
         """This rank's last gradient of the step is measured: build the step's part of the next exchange."""
-        groups = torch.stack([*self._micro, self._local]).double()
+        local = self._local
+        assert local is not None
+        groups = torch.stack([*self._micro, local]) if self._micro else local.reshape(1)
         count = groups.numel()
-        exchange = groups.new_zeros(self.world_size * count + 2)
-        exchange[self.rank * count : (self.rank + 1) * count] = groups
+        exchange = torch.zeros(self.world_size * count + 2, dtype=torch.float64, device=groups.device)
+        exchange[self.rank * count : (self.rank + 1) * count] = groups  # to float64 in the same copy
         if self.rank == 0:
             exchange[-2] = math.nan if self._last_global is None else self._last_global
             # the scale this step's gradients carry (the scaler updates it only after the step)
