@@ -69,6 +69,23 @@ class RecordingRegressor(pl.LightningModule):
         Path(self.record_dir, f"rank{self.global_rank}.json").write_text(json.dumps(record))
 
 
+class ManualRegressor(RecordingRegressor):
+    """Manual optimization (``manual_backward``; Lightning's DDP reduces nothing after a bare ``loss.backward()``)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y, index = batch
+        self.steps.append(index.tolist())
+        self.epochs.append(self.current_epoch)
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(nn.functional.mse_loss(self.layer(x), y))
+        optimizer.step()
+
+
 def read_records(record_dir: Path, world_size: int) -> list[dict]:
     return [json.loads((Path(record_dir) / f"rank{r}.json").read_text()) for r in range(world_size)]
 

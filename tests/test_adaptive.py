@@ -12,7 +12,14 @@ from torch import nn
 
 from lightning_cannikin import Cannikin, CannikinStrategy, EmulatedCluster
 from lightning_cannikin.training.grad_stats import FOLD_DELAY
-from tests.models import IndexedRegression, RecordingRegressor, quiet_trainer, read_records, record_estimator_inputs
+from tests.models import (
+    IndexedRegression,
+    ManualRegressor,
+    RecordingRegressor,
+    quiet_trainer,
+    read_records,
+    record_estimator_inputs,
+)
 
 
 class RecordingSGD(torch.optim.SGD):
@@ -198,11 +205,12 @@ def test_adam_noise_statistics_use_the_preconditioned_gradient(tmp_path, every):
         optimizer.step()
 
 
-def fit_recording_noise(tmp_path, sizes, model_class=RecordingRegressor, noise_every=1, **trainer_kwargs):
+def fit_recording_noise(tmp_path, sizes, model_class=RecordingRegressor, noise_every=1, hooked=None, **trainer_kwargs):
     """A fixed-split run that records what the noise-scale estimator is fed; returns what a replay needs.
 
     Statistics of every step go through the comm hook; of one step in ``noise_every > 1``, DDP's own all-reduce
-    reduces and parameter hooks capture the local gradients (the records say which ran).
+    reduces and parameter hooks capture the local gradients (the records say which ran; ``hooked`` overrides the
+    expectation, e.g. under manual optimization, which always takes the hook).
     """
     torch.manual_seed(0)
     dataset = IndexedRegression(256)
@@ -218,7 +226,8 @@ def fit_recording_noise(tmp_path, sizes, model_class=RecordingRegressor, noise_e
     )
     trainer.fit(model)
     records = read_records(tmp_path, len(sizes))
-    assert all((r["hook_calls"] > 0) is (noise_every == 1) for r in records), "the statistics took the path named"
+    hooked = noise_every == 1 if hooked is None else hooked
+    assert all((r["hook_calls"] > 0) is hooked for r in records), "the statistics took the path named"
     return dataset, initial, records, json.loads(out.read_text())
 
 
@@ -240,6 +249,19 @@ def test_noise_statistics_match_a_single_process_replay(tmp_path, sizes, every):
     ((local, group_sizes, global_sqr, _),) = fed  # step 0's, folded in at step FOLD_DELAY
     groups = [r["steps"][0] for r in records]
     assert group_sizes == sizes
+    assert local == pytest.approx([squared_gradient_norm(dataset, initial, g) for g in groups], rel=1e-4)
+    union = [i for g in groups for i in g]
+    assert global_sqr == pytest.approx(squared_gradient_norm(dataset, initial, union), rel=1e-4)
+
+
+def test_manual_optimization_measures_one_step_in_k_through_the_hook(tmp_path):
+    # the loss cannot carry the weight: the hook applies it, and the statistics see each bucket before it does
+    dataset, initial, records, fed = fit_recording_noise(
+        tmp_path, [20, 8, 4], ManualRegressor, noise_every=2, hooked=True, max_steps=1 + FOLD_DELAY * 2
+    )
+    ((local, group_sizes, global_sqr, steps),) = fed  # step 0's, folded in at step 2 * FOLD_DELAY
+    groups = [r["steps"][0] for r in records]
+    assert group_sizes == [20, 8, 4] and steps == 2
     assert local == pytest.approx([squared_gradient_norm(dataset, initial, g) for g in groups], rel=1e-4)
     union = [i for g in groups for i in g]
     assert global_sqr == pytest.approx(squared_gradient_norm(dataset, initial, union), rel=1e-4)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_cannikin import CannikinStrategy, EmulatedCluster
-from tests.models import IndexedRegression, RecordingRegressor, read_records
+from tests.models import IndexedRegression, ManualRegressor, RecordingRegressor, read_records
 
 
 def fit_forked(
@@ -98,23 +98,6 @@ def test_one_step_equals_single_process_on_consumed_samples(tmp_path, sizes, acc
     assert max_error(records, exact) < 1e-5
     # the check is sharp: plain DDP's mean of per-rank means lands measurably elsewhere
     assert max_error(records, replay(dataset, initial, records, accumulate, weighting="ddp")) > 1e-3
-
-
-class ManualRegressor(RecordingRegressor):
-    """Manual optimization (``manual_backward``; Lightning's DDP reduces nothing after a bare ``loss.backward()``)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.automatic_optimization = False
-
-    def training_step(self, batch, batch_idx):
-        x, y, index = batch
-        self.steps.append(index.tolist())
-        self.epochs.append(self.current_epoch)
-        optimizer = self.optimizers()
-        optimizer.zero_grad()
-        self.manual_backward(nn.functional.mse_loss(self.layer(x), y))
-        optimizer.step()
 
 
 def test_manual_optimization_is_weighted_exactly(tmp_path):
