@@ -199,6 +199,7 @@ class CannikinStrategy(DDPStrategy):
         warn_about_sync_batchnorm(self.model)
 
     def _remove_parameter_hooks(self) -> None:
+        """Remove the timing and noise-capture hooks (a model wrapped again, or the fit's end)."""
         if self._readiness is not None:
             self._readiness.remove()
             self._readiness = None
