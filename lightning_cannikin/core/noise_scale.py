@@ -46,13 +46,17 @@ def _floats(values: Sequence[float] | np.ndarray) -> list[float]:
 
 def _as_inputs(local_sqr_norms: Sequence[float], group_sizes: Sequence[float]) -> tuple[list[float], list[float]]:
     z, b = _floats(local_sqr_norms), _floats(group_sizes)
+    _check(z, b)
+    return z, b
+
+
+def _check(z: list[float], b: list[float]) -> None:
     if len(z) != len(b):
         raise ValueError(f"Got {len(z)} local squared norms for {len(b)} group sizes; give one norm per group.")
     if len(z) < 2:
         raise ValueError(f"The noise scale needs at least 2 gradient groups per step, got {len(z)}.")
     if not all(math.isfinite(size) and size > 0 for size in b):
         raise ValueError(f"Group sizes must be positive and finite, got {b}.")
-    return z, b
 
 
 def pooled_moments(
@@ -135,7 +139,8 @@ class NoiseScaleEstimator:
         z = _floats(local_sqr_norms)
         if len(z) < 2 or not (all(math.isfinite(v) for v in z) and math.isfinite(float(global_sqr_norm))):
             return False
-        z, b = _as_inputs(z, group_sizes)
+        b = _floats(group_sizes)
+        _check(z, b)
         grad_sqr, grad_var = _moments(z, b, float(global_sqr_norm))
         factor = self.decay ** (steps * sum(b) / self.base_batch_size)
         self._sqr_biased = factor * self._sqr_biased + (1.0 - factor) * grad_sqr

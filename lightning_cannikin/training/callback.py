@@ -255,7 +255,7 @@ class Cannikin(Callback):
                 log_prediction_error(pl_module, error)
         reduced = runtime.timer.reduced  # no re-plan mid-window: a window's micro-batches share one layout
         if reduced:
-            self._after_optimizer_step(trainer, pl_module)
+            self._after_optimizer_step(pl_module, logging)
         self._step += 1
         if not reduced or runtime.fixed_split:
             return
@@ -273,8 +273,9 @@ class Cannikin(Callback):
         if not self._runtime.fixed_split:
             self._replan(trainer, mid_epoch=False, adapt_total=True)
 
-    def _after_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """The step's noise statistics, and from them the LR factor and gain of the next step."""
+    def _after_optimizer_step(self, pl_module: pl.LightningModule, logging: bool) -> None:
+        """The step's noise statistics, and from them the LR factor and gain of the next step (``logging``: this
+        step's values are logged)."""
         assert self._runtime is not None and self._estimator is not None
         if self._observer is None:
             return
@@ -286,7 +287,6 @@ class Cannikin(Callback):
             self.lr_factor, self.gain = learning_rate_scale(self.policy.lr_scaling, total, base, phi, self._adam)
             self._runtime.lr_factor = self.lr_factor
         phi = self._estimator.noise_scale
-        logging = self._logging and (self._step + 1) % trainer.log_every_n_steps == 0
         if logging and updated and phi is not None:
             base = self._estimator.base_batch_size
             log_noise_scale(pl_module, phi, self.plan.total_batch_size if self.plan is not None else base, base)
