@@ -205,12 +205,14 @@ def test_adam_noise_statistics_use_the_preconditioned_gradient(tmp_path, every):
         optimizer.step()
 
 
-def fit_recording_noise(tmp_path, sizes, model_class=RecordingRegressor, noise_every=1, hooked=None, **trainer_kwargs):
+def fit_recording_noise(
+    tmp_path, sizes, model_class=RecordingRegressor, noise_every=1, hooked=None, ddp_kwargs=None, **trainer_kwargs
+):
     """A fixed-split run that records what the noise-scale estimator is fed; returns what a replay needs.
 
     Statistics of every step go through the comm hook; of one step in ``noise_every > 1``, DDP's own all-reduce
     reduces and parameter hooks capture the local gradients (the records say which ran; ``hooked`` overrides the
-    expectation, e.g. under manual optimization, which always takes the hook).
+    expectation, e.g. under manual optimization, which always takes the hook); ``ddp_kwargs`` go to DDP.
     """
     torch.manual_seed(0)
     dataset = IndexedRegression(256)
@@ -219,7 +221,7 @@ def fit_recording_noise(tmp_path, sizes, model_class=RecordingRegressor, noise_e
     out = tmp_path / "inputs.json"
     cannikin = Cannikin(track_noise_scale=True, noise_exchange_every=1, noise_every_n_steps=noise_every)
     trainer = quiet_trainer(
-        CannikinStrategy(local_batch_sizes=sizes, start_method="fork"),
+        CannikinStrategy(local_batch_sizes=sizes, start_method="fork", **(ddp_kwargs or {})),
         len(sizes),
         [cannikin, RecordNoiseInputs(out)],  # one exchange per measured step: FOLD_DELAY holds
         **trainer_kwargs,
@@ -240,11 +242,19 @@ def squared_gradient_norm(dataset, parameters, index: list[int]) -> float:
     return sum(float(p.grad.pow(2).sum()) for p in layer.parameters())
 
 
-@pytest.mark.parametrize("sizes, every", [([24, 8], 1), ([20, 8, 4], 1), ([20, 8, 4], 3)])
-def test_noise_statistics_match_a_single_process_replay(tmp_path, sizes, every):
-    # every bucket through the comm hook, or (every=3) DDP's own all-reduce and the local gradients captured
+@pytest.mark.parametrize(
+    "sizes, every, bucket_view",
+    [([24, 8], 1, False), ([20, 8, 4], 1, False), ([20, 8, 4], 3, False), ([20, 8, 4], 3, True)],
+)
+def test_noise_statistics_match_a_single_process_replay(tmp_path, sizes, every, bucket_view):
+    # every bucket through the comm hook, or (every=3) DDP's own all-reduce and the local gradients captured: before
+    # DDP copies the reduced buckets back, or (gradient_as_bucket_view, buckets reduced in place) parameter by parameter
     dataset, initial, records, fed = fit_recording_noise(
-        tmp_path, sizes, noise_every=every, max_steps=1 + FOLD_DELAY * every
+        tmp_path,
+        sizes,
+        noise_every=every,
+        ddp_kwargs={"gradient_as_bucket_view": bucket_view},
+        max_steps=1 + FOLD_DELAY * every,
     )
     ((local, group_sizes, global_sqr, _),) = fed  # step 0's, folded in at step FOLD_DELAY
     groups = [r["steps"][0] for r in records]

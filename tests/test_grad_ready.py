@@ -82,20 +82,36 @@ def test_the_timer_marks_gradients_and_the_reduction_from_readiness(monkeypatch)
     assert micro.allreduce is None and micro.compute == 13 - 12 and not timer.reduced
 
 
-def test_the_capture_measures_each_local_gradient_during_an_armed_backward_only():
+@pytest.mark.parametrize("in_place_buckets", [False, True], ids=["final-callback", "parameter-hooks"])
+def test_the_capture_measures_each_local_gradient_during_an_armed_backward_only(in_place_buckets):
     model = mlp()
     unused = nn.Linear(2, 2)  # never in the graph
-    capture = GradientCapture([*model.parameters(), *unused.parameters()], GradientNorms())
+    capture = GradientCapture([*model.parameters(), *unused.parameters()], GradientNorms(), in_place_buckets)
 
-    def triple(parameter):
+    def reduce_all():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(3.0)
+
+    queued = []
+
+    def reduce_later(parameter):
+        if not queued:  # as DDP's reducer: at the first gradient, a final callback that overwrites them all
+            queued.append(True)
+            torch.autograd.Variable._execution_engine.queue_callback(reduce_all)
+
+    def triple(parameter):  # as DDP's reducer with gradient_as_bucket_view: each bucket reduced in place
         parameter.grad.mul_(3.0)
 
     def backward(module, armed):
-        """A backward whose gradients are overwritten after the capture's hooks ran, as DDP's all-reduce does."""
+        """A backward whose gradients are overwritten after the capture ran, as DDP's all-reduce does."""
+        queued.clear()
+        loss = module(torch.randn(4, 8)).sum()
         if armed:
-            capture.arm()
-        after = [p.register_post_accumulate_grad_hook(triple) for p in model.parameters()]  # runs after the capture
-        module(torch.randn(4, 8)).sum().backward()
+            capture.arm(loss)
+        overwrite = triple if in_place_buckets else reduce_later
+        after = [p.register_post_accumulate_grad_hook(overwrite) for p in model.parameters()]  # after the capture's
+        loss.backward()
         for handle in after:
             handle.remove()
         if armed:
@@ -110,6 +126,6 @@ def test_the_capture_measures_each_local_gradient_during_an_armed_backward_only(
     model.zero_grad()
     first = backward(model[0], armed=True)  # only the first layer gets gradients: only they count
     assert float(capture.local_squared()) == pytest.approx(first, rel=1e-6)
-    capture.arm()
+    capture.arm(torch.zeros((), requires_grad=True))
     capture.disarm()
     assert capture.local_squared() is None, "no gradient, no measurement"

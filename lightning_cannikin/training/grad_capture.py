@@ -1,15 +1,19 @@
 """This rank's local gradient, measured before DDP's own C++ all-reduce replaces it: the noise statistics' input.
 
 The noise statistics need each rank's gradient before the reduction and the reduced one after. Through the Python
-comm hook they see every bucket; DDP's own all-reduce has no Python seam. A post-accumulate-grad hook runs when a
-parameter's gradient is accumulated, before DDP's reducer copies it into its bucket (and, at the end of backward,
-the reduced values back over it), so on a measured step every parameter carries a hook that takes its local squared
-norm there: one read of the gradient, no copy, no buffer. After backward the parameters hold the reduced gradients,
-whose norm the observer takes in one fused pass.
+comm hook they see every bucket; DDP's own all-reduce has no Python seam, but it leaves one. DDP copies each
+gradient into its bucket when the gradient is ready, all-reduces the bucket on its own, and only when backward ends
+(in the autograd engine's final callback) copies the reduced values back over the gradients. Until then every
+``.grad`` still holds the local gradient. So on a measured step a hook on the loss, the first node backward runs,
+queues a final callback ahead of DDP's: it runs after the last bucket's all-reduce has started and before any result
+is copied back, and takes the local squared norm of every gradient in one fused pass while the all-reduce is in
+flight (off the critical path, not in front of the buckets).
+
+With ``gradient_as_bucket_view=True`` the gradients *are* the buckets, reduced in place while that callback would
+read them: there a post-accumulate-grad hook on every parameter takes its norm before the bucket goes out (one read
+of the gradient, on the critical path of backward).
 
 The hooks exist only during measured backwards (registered before, removed after): an unmeasured step costs nothing.
-On a measured step the norms run inside backward, so that step's measured compute time carries them (one norm per
-parameter; on CUDA, kernels on the stream).
 """
 
 from __future__ import annotations
@@ -25,16 +29,21 @@ __all__ = ["GradientCapture"]
 
 
 class GradientCapture:
-    """Squared norms of the local gradients, taken by parameter hooks during one backward.
+    """Squared norm of the local gradient of one backward, taken before DDP's all-reduce replaces it.
 
     Args:
         parameters: the model's parameters (those that do not require a gradient are left out).
-        norms: how a parameter's squared norm is taken (Adam's preconditioning, accumulation's earlier micro-batches).
+        norms: how the squared norm is taken (Adam's preconditioning, accumulation's earlier micro-batches).
+        in_place_buckets: the gradients are views of DDP's buckets (``gradient_as_bucket_view=True``): each
+            parameter is measured by its own hook, before its bucket is reduced in place.
 
     """
 
-    def __init__(self, parameters: Iterable[torch.nn.Parameter], norms: GradientNorms) -> None:
+    def __init__(
+        self, parameters: Iterable[torch.nn.Parameter], norms: GradientNorms, in_place_buckets: bool = False
+    ) -> None:
         self.parameters = [p for p in parameters if p.requires_grad]
+        self.in_place_buckets = in_place_buckets
         self._norms = norms
         self._squares: list[torch.Tensor] = []
         self._handles: list[Any] = []
@@ -44,10 +53,13 @@ class GradientCapture:
         """Whether the hooks are in place (between :meth:`arm` and :meth:`disarm`)."""
         return bool(self._handles)
 
-    def arm(self) -> None:
-        """Hook every parameter for the next backward."""
+    def arm(self, loss: torch.Tensor) -> None:
+        """Measure the backward of ``loss`` that comes next."""
         self._squares = []
-        self._handles = [p.register_post_accumulate_grad_hook(self._measure) for p in self.parameters]
+        if self.in_place_buckets:
+            self._handles = [p.register_post_accumulate_grad_hook(self._measure) for p in self.parameters]
+        else:
+            self._handles = [loss.register_hook(self._queue)]
 
     def disarm(self) -> None:
         """Remove the hooks (after the backward, or at teardown)."""
@@ -61,6 +73,16 @@ class GradientCapture:
         if not self._squares:
             return None
         return torch.stack(self._squares).sum() if len(self._squares) > 1 else self._squares[0]
+
+    def _queue(self, grad: torch.Tensor) -> None:
+        # the loss's gradient comes before any parameter's, so DDP has queued nothing yet: this runs before its
+        # final callback copies the reduced buckets back
+        torch.autograd.Variable._execution_engine.queue_callback(self._measure_all)
+
+    def _measure_all(self) -> None:
+        squared = self._norms.accumulated(self.parameters)
+        if squared is not None:
+            self._squares.append(squared)
 
     def _measure(self, parameter: torch.Tensor) -> None:
         self._squares.append(self._norms.parameter(parameter, subtract_previous=True))

@@ -188,7 +188,8 @@ class CannikinStrategy(DDPStrategy):
             # parameter hooks time the gradients
             self._readiness = GradientReadiness(self.model.parameters(), lambda: runtime.timer.gradient_ready())
             if runtime.noise is not None:
-                self._capture = GradientCapture(self.model.parameters(), runtime.noise.norms)
+                in_place = bool(getattr(self.model, "gradient_as_bucket_view", False))
+                self._capture = GradientCapture(self.model.parameters(), runtime.noise.norms, in_place)
         # DDP calls the LightningModule after its pre-forward work (buffer broadcast, a collective that waits for
         # slower ranks): that is where this rank's compute starts
         if self._forward_hook is not None:
@@ -325,7 +326,7 @@ class CannikinStrategy(DDPStrategy):
         noise = self._runtime.noise
         capture = self._capture if reduces and noise is not None and noise.measuring else None
         if capture is not None:
-            capture.arm()
+            capture.arm(closure_loss)
         try:
             loss = super().backward(closure_loss, optimizer, *args, **kwargs)
         except torch.cuda.OutOfMemoryError as error:
