@@ -12,7 +12,7 @@ machine's load hits all of them alike:
 - ``cannikin_noise``: the same plus the gradient-noise statistics (``Cannikin(track_noise_scale=True)``), every
   step measured, through the Python comm hook;
 - ``cannikin_noise_every4``: the statistics of one step in four (``noise_every_n_steps=4``): DDP's own all-reduce on
-  every step, parameter hooks capture the local gradient on the measured ones;
+  every step, the local gradient's norm is captured before DDP copies the result back on the measured ones;
 - ``cannikin_even``, ``cannikin_noise_even``: the same two with ``balance=False`` (timing, re-plans and statistics
   all run, the split stays even): the cost of the machinery alone, apart from the split the balancer picks;
 - ``fixed``: ``CannikinStrategy(local_batch_sizes=[32, 32, 32])``, no callback: the loss carries ``n * b_i / B`` and

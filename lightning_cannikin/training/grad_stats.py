@@ -3,7 +3,7 @@
 On a measured step (every step, or one in ``measure_every``) this rank's local squared norm is taken before the
 reduction and the global one (on rank zero) after it (:mod:`~lightning_cannikin.training.grad_norms` computes them,
 fused): through the comm hook, bucket by bucket; with DDP's own all-reduce, from the norms that
-:class:`~lightning_cannikin.training.grad_capture.GradientCapture`'s parameter hooks took and the reduced gradients
+:class:`~lightning_cannikin.training.grad_capture.GradientCapture` took before the reduction and the reduced gradients
 (:meth:`GradientNormObserver.captured`). With gradient accumulation every micro-batch is a group of its own. Each
 measured step's groups go in a block of ``world_size x micro-batches + 2`` floats; every ``exchange_every`` measured
 steps the waiting blocks are exchanged with one all-reduce, issued asynchronously at the end of a step. Steps in

@@ -153,8 +153,8 @@ class CannikinStrategy(DDPStrategy):
     def _comm_hook_needed(self) -> bool:
         """The Python hook is needed where something must see each bucket, where the loss cannot carry the weight
         (manual optimization) and where a ``ddp_comm_wrapper`` wraps it. Noise statistics of every step see the
-        buckets; measured on one step in k, they capture the local gradient with parameter hooks on those steps and
-        leave the others to DDP's own all-reduce."""
+        buckets; measured on one step in k, they capture the local gradient's norm on those steps (``grad_capture``)
+        and leave every step's reduction to DDP's own all-reduce."""
         runtime = self._runtime
         noise = runtime.noise
         observers = [o for o in runtime.hook.observers if o is not runtime.timer and o is not noise]

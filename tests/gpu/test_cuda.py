@@ -1,5 +1,6 @@
-"""On one CUDA device: the event timer against synchronised truth, the weighted hook on NCCL (world size 1), the full
-strategy in 32-bit, 16-mixed and bf16-mixed, and the memory model against a measured peak and ``mem_get_info``.
+"""On one CUDA device: the event timer against synchronised truth, the weighted hook on NCCL (world size 1), the noise
+capture before DDP replaces the gradients, the full strategy in 32-bit, 16-mixed and bf16-mixed, and the memory model
+against a measured peak and ``mem_get_info``.
 
 Run with ``python -m pytest tests/gpu -q``; every test here is skipped where no CUDA device is present.
 """
@@ -24,6 +25,7 @@ from lightning_cannikin.core.memory import MemoryFitter
 from lightning_cannikin.training.comm_hook import WeightedAllReduceState, weighted_allreduce_hook
 from lightning_cannikin.training.device_memory import DeviceMemory
 from lightning_cannikin.training.step_timer import CudaEventClock, StepTimer
+from tests.test_grad_ready import reduced_by_ddp_after_the_capture
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -105,6 +107,14 @@ def test_weighted_hook_on_nccl_scales_and_is_timed():
     finally:
         if created:
             dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("in_place_buckets", [False, True], ids=["final-callback", "bucket-view"])
+def test_the_capture_reads_the_local_gradient_on_cuda_before_ddp_replaces_it(in_place_buckets):
+    # the final callback's norms are queued on the stream between DDP's copy into the buckets and its copy back
+    captured, local, after = reduced_by_ddp_after_the_capture(DEVICE, in_place_buckets)
+    assert after == pytest.approx(9 * local, rel=1e-4), "DDP did replace the gradients"
+    assert captured == pytest.approx(local, rel=1e-4)
 
 
 class Wide(pl.LightningModule):
