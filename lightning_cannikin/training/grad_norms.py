@@ -60,15 +60,6 @@ class GradientNorms:
         self._previous_valid = True
         return squared
 
-    def accumulated(self, parameters: Sequence[torch.Tensor]) -> torch.Tensor | None:
-        """``|g|^2`` of what the window's last micro-batch put in the parameters' gradients (all of them, when there
-        is no accumulation), preconditioned for Adam, fused (``None``: no gradient)."""
-        params = [p for p in parameters if p.grad is not None]
-        if not params:
-            return None
-        grads = [p.grad.detach().reshape(-1) for p in params]
-        return self._squared(params, self._since_previous(params, grads), 1.0)
-
     def bucket(
         self,
         flat: torch.Tensor,
@@ -107,12 +98,14 @@ class GradientNorms:
             return squared_norm(piece)
         return self._squared([parameter], [piece], 1.0)
 
-    def gradients(self, parameters: Sequence[torch.Tensor]) -> torch.Tensor:
-        """``|g|^2`` of the parameters' gradients as they are now (preconditioned for Adam), fused."""
+    def gradients(self, parameters: Sequence[torch.Tensor], since_previous: bool = False) -> torch.Tensor:
+        """``|g|^2`` of the parameters' gradients as they are now (preconditioned for Adam), fused; with
+        ``since_previous``, of what the window's last micro-batch put in them. No gradient counts as zero."""
         params = [p for p in parameters if p.grad is not None]
         if not params:
-            return torch.zeros((), dtype=torch.float32)
-        return self._squared(params, [p.grad.detach().reshape(-1) for p in params], 1.0)
+            return torch.zeros((), dtype=torch.float32, device=parameters[0].device if parameters else None)
+        grads = [p.grad.detach().reshape(-1) for p in params]
+        return self._squared(params, self._since_previous(params, grads) if since_previous else grads, 1.0)
 
     def _since_previous(self, parameters: Sequence[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
         return self._minus_previous(parameters, grads) if self._previous_valid else grads
@@ -127,10 +120,10 @@ class GradientNorms:
         pieces = [piece if piece.dtype == torch.float32 else piece.float() for piece in pieces]
         if self.optimizer is not None:
             pieces = self._preconditioned(parameters, pieces)
-        if pieces[0].is_cuda:  # one kernel for every piece
-            squared = torch.stack(torch._foreach_norm(pieces)).square().sum()
-        else:  # a dot product is one vectorized pass on a CPU, about twice as fast as a norm
+        if pieces[0].device.type == "cpu":  # a dot product is one vectorized pass, about twice as fast as a norm
             squared = torch.stack([torch.dot(piece, piece) for piece in pieces]).sum()
+        else:  # one kernel for every piece
+            squared = torch.stack(torch._foreach_norm(pieces)).square().sum()
         return squared if weight == 1.0 else squared / weight**2
 
     def _preconditioned(self, parameters: Sequence[torch.Tensor], pieces: list[torch.Tensor]) -> list[torch.Tensor]:
