@@ -57,10 +57,9 @@ class GradientCapture:
     def arm(self, loss: torch.Tensor) -> None:
         """Measure the backward of ``loss`` that comes next."""
         self._squares = []
+        self._handles = [loss.register_hook(self._queue)]
         if self.in_place_buckets:
-            self._handles = [p.register_post_accumulate_grad_hook(self._measure) for p in self.parameters]
-        else:
-            self._handles = [loss.register_hook(self._queue)]
+            self._handles += [p.register_post_accumulate_grad_hook(self._measure) for p in self.parameters]
 
     def disarm(self) -> None:
         """Remove the hooks (after the backward, or at teardown)."""
@@ -83,7 +82,10 @@ class GradientCapture:
     def _measure_all(self) -> None:
         # a rank whose parameters got no gradient measures a zero, as every other rank measures something: the
         # exchange that follows needs every rank's block
-        self._squares.append(self._norms.gradients(self.parameters, since_previous=True))
+        if not self.in_place_buckets:
+            self._squares.append(self._norms.gradients(self.parameters, since_previous=True))
+        elif not self._squares:  # the parameters' own hooks measured them during backward, if any got a gradient
+            self._squares.append(self._norms.gradients([]))
 
     def _measure(self, parameter: torch.Tensor) -> None:
         self._squares.append(self._norms.parameter(parameter, subtract_previous=True))
