@@ -26,7 +26,7 @@ shared machine wall time moves with other people's load, so the report also give
 sample (``time.process_time``, every thread of every rank) over the same span, as a ratio to DDP's: the machinery's
 own cost, less disturbed by the machine's load (gloo waits in the kernel, not spinning).
 
-    python benchmarks/overhead.py [--repeats 7] [--epochs 4]
+    python benchmarks/overhead.py [--repeats 7] [--epochs 4] [--model deep] [--variants ...]
 """
 
 from __future__ import annotations
@@ -87,11 +87,18 @@ def strategy_and_callbacks(variant: str, total_batch: int) -> tuple[Any, list[Ca
 
 
 class MLP(pl.LightningModule):
-    def __init__(self, lr: float = 0.05) -> None:
+    """784-256-256-10 (6 parameter tensors, 1 MB); ``deep``: 784-128, 24 x 128-128, -10 (52 tensors, 2 MB), where
+    whatever a measured step does per parameter shows."""
+
+    def __init__(self, lr: float = 0.05, deep: bool = False) -> None:
         super().__init__()
-        self.net = nn.Sequential(
-            nn.Flatten(), nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)
-        )
+        if deep:
+            hidden = [layer for _ in range(24) for layer in (nn.Linear(128, 128), nn.ReLU())]
+            self.net = nn.Sequential(nn.Flatten(), nn.Linear(784, 128), nn.ReLU(), *hidden, nn.Linear(128, 10))
+        else:
+            self.net = nn.Sequential(
+                nn.Flatten(), nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)
+            )
         self.lr = lr
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -139,7 +146,9 @@ class Clock(Callback):
             (self.out / "clock.json").write_text(json.dumps(result))
 
 
-def run(variant: str, dataset: TensorDataset, total_batch: int, epochs: int, seed: int) -> dict[str, Any]:
+def run(
+    variant: str, dataset: TensorDataset, total_batch: int, epochs: int, seed: int, deep: bool = False
+) -> dict[str, Any]:
     """One fit of ``variant``; rank zero's epoch times, samples and splits."""
     torch.set_num_threads(1)
     pl.seed_everything(seed, verbose=False)
@@ -158,7 +167,7 @@ def run(variant: str, dataset: TensorDataset, total_batch: int, epochs: int, see
             enable_model_summary=False,
         )
         loader = DataLoader(dataset, batch_size=total_batch // WORLD_SIZE, shuffle=True)
-        trainer.fit(MLP(), loader)
+        trainer.fit(MLP(deep=deep), loader)
         result = json.loads((out / "clock.json").read_text())
         result["cpu"] = [json.loads((out / f"cpu{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
         return result
@@ -211,8 +220,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--total-batch", type=int, default=96)
     parser.add_argument("--samples", type=int, default=12288, help="training samples (128 global batches of 96)")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="ddp is always run")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "overhead.json")
+    parser.add_argument("--model", choices=("mlp", "deep"), default="mlp", help="deep: 52 parameter tensors, not 6")
+    parser.add_argument("--out", type=Path, help="default: results/overhead.json (overhead_deep.json for --model deep)")
     args = parser.parse_args(argv)
+    deep = args.model == "deep"
+    if args.out is None:
+        args.out = Path(__file__).parent / "results" / ("overhead_deep.json" if deep else "overhead.json")
     variants = ("ddp", *(v for v in VARIANTS if v in args.variants and v != "ddp"))
     generator = torch.Generator().manual_seed(0)
     dataset = TensorDataset(
@@ -227,7 +240,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # rotate the order too, so that no variant always runs first (or right after another one) in a repeat
         order = variants[repeat % len(variants) :] + variants[: repeat % len(variants)]
         for variant in order:
-            result = run(variant, dataset, args.total_batch, args.epochs, seed=repeat)
+            result = run(variant, dataset, args.total_batch, args.epochs, seed=repeat, deep=deep)
             throughput[variant].append(steady_throughput(result, args.skip_epochs))
             cpu[variant].append(cpu_per_sample(result, args.skip_epochs))
             splits[variant].append(result["splits"][-1])
@@ -244,7 +257,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "epochs": args.epochs,
             "skip_epochs": args.skip_epochs,
             "repeats": args.repeats,
-            "model": "MLP 784-256-256-10, SGD, random 28x28 inputs, CPU, gloo, one thread per rank",
+            "model": ("MLP 784-128-(24 x 128)-10" if deep else "MLP 784-256-256-10")
+            + ", SGD, random 28x28 inputs, CPU, gloo, one thread per rank",
             "wall_time_s": time.perf_counter() - started,
         },
         "samples_per_s_median": {v: statistics.median(throughput[v]) for v in variants},
