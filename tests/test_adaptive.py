@@ -243,18 +243,23 @@ def squared_gradient_norm(dataset, parameters, index: list[int]) -> float:
 
 
 @pytest.mark.parametrize(
-    "sizes, every, bucket_view",
-    [([24, 8], 1, False), ([20, 8, 4], 1, False), ([20, 8, 4], 3, False), ([20, 8, 4], 3, True)],
+    "sizes, every, ddp_kwargs",
+    [
+        ([24, 8], 1, {}),
+        ([20, 8, 4], 1, {}),
+        ([20, 8, 4], 3, {}),
+        ([20, 8, 4], 3, {"gradient_as_bucket_view": True}),
+        ([20, 8, 4], 3, {"find_unused_parameters": True}),
+        ([20, 8, 4], 3, {"static_graph": True}),
+    ],
+    ids=["hook-2", "hook-3", "capture", "capture-bucket-view", "capture-find-unused", "capture-static-graph"],
 )
-def test_noise_statistics_match_a_single_process_replay(tmp_path, sizes, every, bucket_view):
+def test_noise_statistics_match_a_single_process_replay(tmp_path, sizes, every, ddp_kwargs):
     # every bucket through the comm hook, or (every=3) DDP's own all-reduce and the local gradients captured: before
-    # DDP copies the reduced buckets back, or (gradient_as_bucket_view, buckets reduced in place) parameter by parameter
+    # DDP copies the reduced buckets back, or (gradient_as_bucket_view, buckets reduced in place) parameter by
+    # parameter; the static graph's first step reduces in a callback of DDP's own, after the capture's
     dataset, initial, records, fed = fit_recording_noise(
-        tmp_path,
-        sizes,
-        noise_every=every,
-        ddp_kwargs={"gradient_as_bucket_view": bucket_view},
-        max_steps=1 + FOLD_DELAY * every,
+        tmp_path, sizes, noise_every=every, ddp_kwargs=ddp_kwargs, max_steps=1 + FOLD_DELAY * every
     )
     ((local, group_sizes, global_sqr, _),) = fed  # step 0's, folded in at step FOLD_DELAY
     groups = [r["steps"][0] for r in records]
@@ -290,12 +295,16 @@ def test_accumulation_micro_batches_are_noise_groups_of_their_own(tmp_path, ever
     assert global_sqr == pytest.approx(squared_gradient_norm(dataset, initial, union), rel=1e-4)
 
 
-def test_measuring_one_step_in_two_feeds_the_estimator_exactly_those_steps(tmp_path):
-    # a measured step's numbers are the every-step run's (which the replay tests check); the step between is skipped
+@pytest.mark.parametrize("ddp_kwargs", [{}, {"static_graph": True}], ids=["dynamic", "static-graph"])
+def test_measuring_one_step_in_two_feeds_the_estimator_exactly_those_steps(tmp_path, ddp_kwargs):
+    # a measured step's numbers are the every-step run's (which the replay tests check); the step between is skipped.
+    # Under a static graph step 2 is past DDP's first, delayed reduction: the steady state is captured right too
     (tmp_path / "every").mkdir()
     (tmp_path / "half").mkdir()
-    *_, every_step = fit_recording_noise(tmp_path / "every", [24, 8], max_steps=3 + FOLD_DELAY)
-    *_, sampled = fit_recording_noise(tmp_path / "half", [24, 8], max_steps=3 + 2 * FOLD_DELAY, noise_every=2)
+    *_, every_step = fit_recording_noise(tmp_path / "every", [24, 8], ddp_kwargs=ddp_kwargs, max_steps=3 + FOLD_DELAY)
+    *_, sampled = fit_recording_noise(
+        tmp_path / "half", [24, 8], ddp_kwargs=ddp_kwargs, max_steps=3 + 2 * FOLD_DELAY, noise_every=2
+    )
     assert len(every_step) == 3 and len(sampled) == 2
     for got, want in zip(sampled, [every_step[0], every_step[2]], strict=True):
         assert got[1] == want[1] and got[0] == pytest.approx(want[0], rel=1e-6)
