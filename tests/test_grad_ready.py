@@ -131,6 +131,8 @@ def test_the_capture_measures_each_local_gradient_during_an_armed_backward_only(
     capture.arm(torch.zeros((), requires_grad=True))
     capture.disarm()
     assert capture.local_squared() is None, "no backward, no measurement"
+    capture.arm(torch.zeros(()))  # a loss without a gradient: backward will raise its own error, arming none
+    assert not capture.armed
     model.zero_grad()  # a backward that gives none of them a gradient measures zero (the exchange needs it)
     loss = (2 * torch.ones(2, requires_grad=True)).sum()
     capture.arm(loss)

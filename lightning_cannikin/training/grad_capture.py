@@ -57,7 +57,8 @@ class GradientCapture:
     def arm(self, loss: torch.Tensor) -> None:
         """Measure the backward of ``loss`` that comes next."""
         self._squares = []
-        self._handles = [loss.register_hook(self._queue)]
+        # a loss without a gradient gets none: backward then raises its own error, not a hook's
+        self._handles = [loss.register_hook(self._queue)] if loss.requires_grad else []
         if self.in_place_buckets:
             self._handles += [p.register_post_accumulate_grad_hook(self._measure) for p in self.parameters]
 
