@@ -57,8 +57,9 @@ class GradientCapture:
     def arm(self, loss: torch.Tensor) -> None:
         """Measure the backward of ``loss`` that comes next."""
         self._squares = []
-        # a loss without a gradient gets none: backward then raises its own error, not a hook's
-        self._handles = [loss.register_hook(self._queue)] if loss.requires_grad else []
+        if not loss.requires_grad:
+            return  # no backward will run: it raises its own error, not a hook's
+        self._handles = [loss.register_hook(self._queue)]
         if self.in_place_buckets:
             self._handles += [p.register_post_accumulate_grad_hook(self._measure) for p in self.parameters]
 
