@@ -223,7 +223,9 @@ def fit_network_model(
     return NetworkModel(float(p[0]), float(p[1]), float(p[2]), float(p[3]), float(p[4]), scaling)
 
 
-def library_step_time(compute: np.ndarray, network: np.ndarray, share: float, exposed: float) -> np.ndarray:
+def library_step_time(
+    compute: np.ndarray, network: np.ndarray, share: float | np.ndarray, exposed: float | np.ndarray
+) -> np.ndarray:
     """The library's two-regime step model (``core.timing.step_time_pieces``) for one device.
 
     Compute-bound, the step ends when backward ends plus the exposed part of the all-reduce (``exposed x c``);
@@ -244,7 +246,7 @@ def fit_library_model(compute: np.ndarray, network: np.ndarray, step_time: np.nd
     share, exposed = np.meshgrid(grid, grid, indexing="ij")
     t = np.asarray(compute, dtype=np.float64)[None, None, :]
     c = np.asarray(network, dtype=np.float64)[None, None, :]
-    predicted = np.maximum(t + exposed[..., None] * c, share[..., None] * t + c)
+    predicted = library_step_time(t, c, share[..., None], exposed[..., None])  # every grid point at once
     cost = ((np.log(predicted) - np.log(np.asarray(step_time))[None, None, :]) ** 2).sum(axis=-1)
     i, j = np.unravel_index(int(np.argmin(cost)), cost.shape)
     return float(share[i, j]), float(exposed[i, j])

@@ -82,12 +82,10 @@ class GradientCapture:
         torch.autograd.Variable._execution_engine.queue_callback(self._measure_all)
 
     def _measure_all(self) -> None:
-        # a rank whose parameters got no gradient measures a zero, as every other rank measures something: the
-        # exchange that follows needs every rank's block
-        if not self.in_place_buckets:
+        # with in-place buckets the parameters' own hooks measured every gradient during backward; a rank whose
+        # parameters got none measures a zero either way (the exchange that follows needs every rank's block)
+        if not self.in_place_buckets or not self._squares:
             self._squares.append(self._norms.gradients(self.parameters, since_previous=True))
-        elif not self._squares:  # the parameters' own hooks measured them during backward, if any got a gradient
-            self._squares.append(self._norms.gradients([]))
 
     def _measure(self, parameter: torch.Tensor) -> None:
         self._squares.append(self._norms.parameter(parameter, subtract_previous=True))
