@@ -77,7 +77,17 @@ def train(rank: int, world_size: int, args: argparse.Namespace, store_port: int 
     # alive: gloo work still referenced at interpreter shutdown can abort the process after all the work is done.
     del model, optimizer, loss
     gc.collect()
+    dist.barrier()  # no rank tears its process group down while another still talks to it
     dist.destroy_process_group()
+
+
+def _spawned(rank: int, world_size: int, args: argparse.Namespace, store_port: int) -> None:
+    train(rank, world_size, args, store_port)
+    # A spawned worker's work is done and written; its interpreter shutdown can still abort ("terminate called without
+    # an active exception": a gloo thread torn down by a C++ destructor), which spawn reports as a failed rank. Leave
+    # without running those destructors.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -101,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     # The rendezvous store lives in this process, as torchrun's does in its agent, not in rank 0: a rank that leaves
     # first must not take the store away from ranks still shutting down their process group.
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
-    mp.spawn(train, args=(world_size, args, store.port), nprocs=world_size, join=True)
+    mp.spawn(_spawned, args=(world_size, args, store.port), nprocs=world_size, join=True)
 
 
 if __name__ == "__main__":

@@ -240,12 +240,18 @@ def test_a_split_is_kept_while_the_best_one_gains_less_than_the_split_margin():
     settings = PolicySettings(split_margin=0.02)
     optimum = optimal_split(*far.pieces(), 96).local_batch_sizes
     assert decide(far, Plan((32, 32, 32)), settings, None, 96).plan.local_batch_sizes == optimum
-    # and once balanced, a split the model finds a hair slower than its best (within the margin) is kept
-    near_optimum = (optimum[0] - 1, optimum[1] + 1, optimum[2])
-    assert far.predict(near_optimum) > far.predict(optimum)
+    # and once balanced, a split the model finds a hair slower than its best (within the margin) is kept. Several
+    # splits tie for the optimum here, so the near one is chosen by its predicted time, not by its distance to the
+    # solver's pick, and well inside the margin (0.5% to 1.5% slower), so no floating-point tie decides the outcome.
+    best = far.predict(optimum)
+    nearby = [(b0, b1, 96 - b0 - b1) for b0 in range(optimum[0] - 3, optimum[0] + 4) for b1 in range(1, 96 - b0)]
+    inside = [s for s in nearby if 1.005 * best < far.predict(s) < 1.015 * best]
+    assert inside, "the check must be able to fail: some split must be slower than the best but within the margin"
+    near_optimum = inside[0]
     assert decide(far, Plan(near_optimum), settings, None, 96).plan.local_batch_sizes == near_optimum
     exact = PolicySettings(split_margin=0.0)
-    assert decide(far, Plan(near_optimum), exact, None, 96).plan.local_batch_sizes == optimum
+    taken = decide(far, Plan(near_optimum), exact, None, 96).plan.local_batch_sizes
+    assert taken != near_optimum and far.predict(taken) <= best * (1 + 1e-9)
 
 
 def test_split_margin_must_not_be_negative():
