@@ -423,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / "simulate.md").write_text(markdown(report))
     figure = plot_or_skip(lambda path: plot(report, path), out / "simulate.png")
     print(markdown(report))
-    print(f"wrote {out / 'simulate.json'}, simulate.md{', simulate.png' if figure else ''} in {report['wall_seconds']:.0f} s")
+    written = "simulate.md, simulate.png" if figure else "simulate.md"
+    print(f"wrote {out / 'simulate.json'}, {written} in {report['wall_seconds']:.0f} s")
     return 0
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from lightning_cannikin.tools.cli import main as cli_main
 from lightning_cannikin.tools.report import PLOTS_INSTALL, plot_or_skip
-from tests.test_packaging import _pyproject, _requirement_names
 from tests.test_packaging import _profile as write_profile
+from tests.test_packaging import _pyproject, _requirement_names
 from tests.without import run_without
 
 NO_MATPLOTLIB = {"matplotlib", "mpl-toolkits", "pylab"}
