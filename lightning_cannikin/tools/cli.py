@@ -1,6 +1,7 @@
 """The ``cannikin`` console script.
 
     cannikin simulate --cluster "4xV100,4xRTX6000,8xT4" --job imagenet
+    cannikin simulate --profile lightning_logs/version_0/cannikin_profile.json --devices 0:3 --batch-size 192
     cannikin plan lightning_logs/version_0/cannikin_profile.json --batch-size 512
     cannikin report lightning_logs/version_0/cannikin_profile.json -o report/
 
@@ -18,7 +19,9 @@ from typing import Any
 USAGE = """usage: cannikin COMMAND [ARGS]
 
 commands:
-  simulate   time-to-target of DDP, AdaptDL-like and Cannikin on a simulated heterogeneous GPU cluster
+  simulate   time-to-target of DDP, AdaptDL-like and Cannikin on a simulated heterogeneous GPU cluster;
+             with --profile PROFILE, what-if on the cluster a run measured (more or fewer of its devices, other
+             total batches, the adaptive batch on or off)
   plan       the optimal split of a total batch for a profiled cluster, beside the even and proportional splits
   report     plots (PNG) of a profile: device models, predicted vs measured step time, the adaptive schedule
 
@@ -26,12 +29,37 @@ Run `cannikin COMMAND --help` for a command's options."""
 
 # A profile that cannot be read and a batch size that cannot be planned are both bad input, like a bad option.
 EXIT_BAD_INPUT = 2
+# An error is one line; a longer message quotes the input rather than explains it.
+ERROR_CHARS = 400
 
 
 def _simulate(argv: list[str]) -> int:
+    if any(arg == "--profile" or arg.startswith("--profile=") for arg in argv):
+        return _what_if(argv)
     from lightning_cannikin.simulation.cli import main as simulate_main
 
     return simulate_main(argv)
+
+
+def _what_if(argv: list[str]) -> int:
+    """``cannikin simulate --profile``: what-if on the cluster a run measured (see :mod:`.what_if`)."""
+    from lightning_cannikin.tools.what_if import print_what_if, run, what_if_parser
+
+    args = _parse(what_if_parser(), argv)
+    if isinstance(args, int):
+        return args
+    profile = _load("simulate", args.profile)
+    if isinstance(profile, int):
+        return profile
+    try:
+        result, notes = run(profile, args)
+    except ValueError as err:
+        return _error("simulate", str(err))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_what_if(result, notes)
+    return 0
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace | int:
@@ -43,7 +71,11 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
 
 
 def _error(command: str, message: str) -> int:
-    print(f"cannikin {command}: error: {message}", file=sys.stderr)
+    """Print one line of error (a parser's or a file's message can span lines or quote a file) and return 2."""
+    line = " ".join(message.split())
+    if len(line) > ERROR_CHARS:
+        line = line[: ERROR_CHARS - 3] + "..."
+    print(f"cannikin {command}: error: {line}", file=sys.stderr)
     return EXIT_BAD_INPUT
 
 

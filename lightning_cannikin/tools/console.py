@@ -34,9 +34,11 @@ def print_table(title: str, columns: Sequence[tuple[str, bool]], rows: Sequence[
     """
     console = _rich_console()
     if console is not None:
+        from rich.box import SIMPLE_HEAD
         from rich.table import Table
 
-        table = Table(title=title, title_justify="left")
+        # a rule under the header and no frame: two columns' width more for the cells at 80 columns
+        table = Table(title=title, title_justify="left", box=SIMPLE_HEAD, pad_edge=False)
         for header, right in columns:
             table.add_column(header, justify="right" if right else "left")
         for row in rows:
