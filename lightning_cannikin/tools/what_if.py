@@ -17,7 +17,7 @@ Pure: numpy and the project's maths modules only (no torch, no Lightning).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -279,6 +279,40 @@ def describe(devices: Sequence[int]) -> str:
     return ", ".join(f"rank {r}" + (f" x{c}" if c > 1 else "") for r, c in counts.items())
 
 
+def _ms(key: str) -> Callable[[Mapping[str, Any]], str]:
+    return lambda row: f"{1000 * row[key]:.2f}"
+
+
+def _number(key: str, digits: int = 0, suffix: str = "") -> Callable[[Mapping[str, Any]], str]:
+    return lambda row: f"{row[key]:.{digits}f}{suffix}"
+
+
+def _split(row: Mapping[str, Any]) -> str:
+    return " ".join(map(str, row["local_batch_sizes"]))
+
+
+# (header, right-aligned, cell) per column of each table
+_FIXED_COLUMNS = (
+    ("cluster", False, lambda row: row["cluster"]),
+    ("B", True, lambda row: str(row["total_batch_size"])),
+    ("split", False, _split),
+    ("step ms", True, _ms("predicted_step_time")),
+    ("samples/s", True, _number("throughput")),
+    ("even ms", True, _ms("even_step_time")),
+    ("gain", True, _number("optperf_speedup", 2, "x")),
+)
+_ADAPTIVE_COLUMNS = (
+    ("cluster", False, lambda row: row["cluster"]),
+    ("from B", True, lambda row: str(row["from_batch_size"])),
+    ("to B", True, lambda row: str(row["total_batch_size"])),
+    ("split", False, _split),
+    ("step ms", True, _ms("predicted_step_time")),
+    ("LR x", True, _number("lr_factor", 2)),
+    ("goodput", True, _number("goodput")),
+    ("kept", True, _number("fixed_goodput")),
+)
+
+
 def print_what_if(result: Mapping[str, list[dict[str, Any]]], notes: Sequence[str]) -> None:
     """The tables of :func:`evaluate`'s result, after the notes that say what was assumed."""
     from lightning_cannikin.tools.console import print_line, print_table
@@ -286,44 +320,15 @@ def print_what_if(result: Mapping[str, list[dict[str, Any]]], notes: Sequence[st
     for note in notes:
         print_line(note)
     print_line("")
-    print_table(
-        "Fixed total batch: the OptPerf split, and the even split of plain DDP",
-        [
-            *(("cluster", False), ("B", True), ("split", False), ("step ms", True), ("samples/s", True)),
-            *(("even ms", True), ("gain", True)),
-        ],
-        [
-            [
-                row["cluster"],
-                str(row["total_batch_size"]),
-                " ".join(map(str, row["local_batch_sizes"])),
-                f"{1000 * row['predicted_step_time']:.2f}",
-                f"{row['throughput']:.0f}",
-                f"{1000 * row['even_step_time']:.2f}",
-                f"{row['optperf_speedup']:.2f}x",
-            ]
-            for row in result["fixed"]
-        ],
+    tables = (
+        ("Fixed total: OptPerf split vs the even split (DDP)", _FIXED_COLUMNS, result["fixed"]),
+        (
+            "Adaptive batch: the total chosen (goodput in B0-samples/s; kept: at from B)",
+            _ADAPTIVE_COLUMNS,
+            result["adaptive"],
+        ),
     )
-    if not result["adaptive"]:
-        return
-    print_table(
-        "Adaptive batch: the total the run would choose (goodput: B0-samples/s at it, and at the total kept)",
-        [
-            *(("cluster", False), ("from B", True), ("to B", True), ("split", False), ("step ms", True)),
-            *(("LR x", True), ("goodput", True), ("kept", True)),
-        ],
-        [
-            [
-                row["cluster"],
-                str(row["from_batch_size"]),
-                str(row["total_batch_size"]),
-                " ".join(map(str, row["local_batch_sizes"])),
-                f"{1000 * row['predicted_step_time']:.2f}",
-                f"{row['lr_factor']:.2f}",
-                f"{row['goodput']:.0f}",
-                f"{row['fixed_goodput']:.0f}",
-            ]
-            for row in result["adaptive"]
-        ],
-    )
+    for title, columns, rows in tables:
+        if rows:
+            cells = [[cell(row) for _, _, cell in columns] for row in rows]
+            print_table(title, [(header, right) for header, right, _ in columns], cells)
