@@ -126,7 +126,7 @@ def test_tables_without_json(profile_path, capsys):
     out = capsys.readouterr().out
     assert "what-if: 5 devices (rank 0 x3, rank 1, rank 2)" in out
     assert "keeps the measured step tail and all-reduce time" in out
-    assert "Fixed total batch" in out and "Adaptive batch" in out and "noise scale" in out
+    assert "Fixed total" in out and "Adaptive batch" in out and "noise scale" in out
 
 
 def _one_error_line(capsys, args: list[str]) -> str:
