@@ -42,6 +42,7 @@ from lightning_cannikin.simulation import (
 )
 from lightning_cannikin.simulation.cli import run
 from lightning_cannikin.simulation.validation import validate
+from lightning_cannikin.tools.report import plot_or_skip
 
 SIA_MIXES = ("4xA100,4xV100,8xT4", "4xA100,4xRTX6000,4x2080Ti,4xT4")
 """16-GPU mixes that need the local-only Sia profiles (A100, RTX 2080 Ti, and V100/RTX 6000 for most jobs)."""
@@ -420,9 +421,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "simulate.json").write_text(json.dumps(report, indent=1, default=float) + "\n")
     (out / "simulate.md").write_text(markdown(report))
-    plot(report, out / "simulate.png")
+    figure = plot_or_skip(lambda path: plot(report, path), out / "simulate.png")
     print(markdown(report))
-    print(f"wrote {out / 'simulate.json'}, simulate.md, simulate.png in {report['wall_seconds']:.0f} s")
+    written = "simulate.md, simulate.png" if figure else "simulate.md"
+    print(f"wrote {out / 'simulate.json'}, {written} in {report['wall_seconds']:.0f} s")
     return 0
 
 

@@ -37,6 +37,7 @@ from lightning_cannikin import Cannikin
 from lightning_cannikin.core.goodput import candidate_batch_sizes, goodput
 from lightning_cannikin.core.optperf import optperf, step_time
 from lightning_cannikin.core.plan import even_split
+from lightning_cannikin.tools.report import plot_or_skip
 
 PER_SAMPLE_MS = [0.5, 1.0, 2.0]
 RESULTS = Path(__file__).parent / "results"
@@ -305,9 +306,9 @@ def main(argv: list[str] | None = None) -> dict:
     subset = args.train_samples or "all"
     title = f"# Time to {target:.0%} test accuracy ({args.scenario}: {options['data']}, {subset} training samples)"
     out.with_suffix(".md").write_text(f"{title}\n\n{table}\n")
-    plot(runs, out.with_suffix(".png"), base_batch)
+    figure = plot_or_skip(lambda path: plot(runs, path, base_batch), out.with_suffix(".png"))
     print(table)
-    print(f"saved {out.with_suffix('.json')}, .md, .png")
+    print(f"saved {out.with_suffix('.json')}, .md" + (", .png" if figure else ""))
     return report
 
 

@@ -46,6 +46,14 @@ def test_metrics_reach_a_csv_logger_and_the_profile_round_trips(tmp_path, capsys
     assert cli_main(["plan", str(log_dir / PROFILE_FILENAME), "--batch-size", "32", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert tuple(printed["optimal"]["local_batch_sizes"]) == split.local_batch_sizes
+    # what-if on the cluster this run measured: one more device like the 3x faster rank 0
+    args = ["simulate", "--profile", str(log_dir / PROFILE_FILENAME), "--devices", "0:2", "-b", "32", "--json"]
+    assert cli_main(args) == 0
+    rows = {row["cluster"]: row for row in json.loads(capsys.readouterr().out)["fixed"]}
+    assert tuple(rows["measured"]["local_batch_sizes"]) == split.local_batch_sizes
+    sizes = rows["what-if"]["local_batch_sizes"]
+    assert len(sizes) == 3 and sum(sizes) == 32 and min(sizes[0], sizes[1]) > sizes[2], sizes
+    assert rows["what-if"]["predicted_step_time"] < rows["measured"]["predicted_step_time"]
 
 
 def test_the_allreduce_and_its_exposed_part_are_measured(tmp_path):

@@ -65,12 +65,13 @@ def _distribution(module: str) -> str:
 def test_every_import_of_the_package_is_declared():
     project = _pyproject()["project"]
     required = _requirement_names(project["dependencies"])
-    plots = _requirement_names(project["optional-dependencies"]["plots"])
+    # the user-facing extras (`test` and `dev` are for working on the package, not for using it)
+    optional = set().union(*(_requirement_names(project["optional-dependencies"][x]) for x in ("plots", "cli")))
     imports = _imports(sorted(PACKAGE.rglob("*.py")))
-    undeclared = {m: _distribution(m) for m in imports if _distribution(m) not in required | plots}
+    undeclared = {m: _distribution(m) for m in imports if _distribution(m) not in required | optional}
     assert not undeclared, f"imported but not declared in pyproject.toml: {undeclared}"
     # an optional dependency may only be imported lazily, so that the package works without it
-    eager_optional = [m for m, eager in imports.items() if eager and _distribution(m) in plots - required]
+    eager_optional = [m for m, eager in imports.items() if eager and _distribution(m) in optional - required]
     assert not eager_optional, f"optional dependencies imported at module level: {eager_optional}"
 
 

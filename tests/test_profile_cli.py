@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import stat
 import subprocess
 from pathlib import Path
 
@@ -191,6 +193,19 @@ def test_save_is_atomic_strict_json_and_overwrites(fitted: SpeedModel, tmp_path:
     with pytest.raises(ValueError, match="not a Cannikin profile"):
         save_profile(tmp_path / "other.json", {"world_size": 3})
     assert not (tmp_path / "other.json").exists()
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_save_gives_the_mode_of_any_log_file(fitted: SpeedModel, tmp_path: Path, umask: int, mode: int) -> None:
+    # a teammate on a shared cluster reads it like the run's other logs: 0666 less the umask, as open() creates files
+    previous = os.umask(umask)
+    try:
+        path = save_profile(tmp_path / "run" / "cannikin_profile.json", build_profile(fitted, []))
+        path = save_profile(path, build_profile(fitted, []))  # the overwrite (a later re-plan) keeps it
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(path.stat().st_mode) == mode
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
 
 
 def _profile_text(profile_path: Path, change: str) -> str:

@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cannikin simulate",
         description="Simulate training to target on a heterogeneous GPU cluster driven by measured GPU profiles.",
+        epilog="What-if on the cluster a run measured, from its cannikin_profile.json: `cannikin simulate --profile"
+        " PROFILE` (options: `cannikin simulate --profile PROFILE --help`).",
     )
     parser.add_argument(
         "--cluster",

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,8 @@ from lightning_cannikin.simulation.gpu_profiles import GPU_TYPES, canonical_gpu
 
 __all__ = ["Cluster", "DeviceGroup", "parse_cluster"]
 
+# The ``format`` of a run's profile (``tools/run_profile.py``, a floor above): named to point at --profile instead.
+RUN_PROFILE_FORMAT = "lightning-cannikin/profile"
 _TERM = re.compile(r"^\s*(?:(\d+)\s*[x*]\s*)?([A-Za-z0-9 _\-]+?)\s*$")
 
 
@@ -160,10 +163,10 @@ def _parse_mapping(data: Any) -> Cluster:
             elif isinstance(item, Mapping):
                 gpu = item.get("gpu", item.get("type"))
                 if gpu is None:
-                    raise ValueError(f"Device group {item!r} needs a 'gpu' key.")
+                    raise ValueError(f"Device group {reprlib.repr(item)} needs a 'gpu' key.")
                 groups.append(_group(gpu, item.get("count", 1), item.get("gpus_per_node")))
             else:
-                raise ValueError(f"Cannot read device group {item!r}.")
+                raise ValueError(f"Cannot read device group {reprlib.repr(item)}.")
         return Cluster(tuple(groups))
     raise ValueError(f"Cannot read a cluster from {type(data).__name__}.")
 
@@ -189,11 +192,22 @@ def parse_cluster(spec: str | os.PathLike[str] | Mapping[str, Any] | Sequence[An
         if path.suffix.lower() in {".json", ".yaml", ".yml"}:
             text = path.read_text()
             if path.suffix.lower() == ".json":
-                return _parse_mapping(json.loads(text))
-            try:
-                import yaml
-            except ImportError as err:  # PyYAML is not a dependency of the package
-                raise ValueError(f"Reading {path} needs PyYAML (pip install pyyaml); JSON works without it.") from err
-            return _parse_mapping(yaml.safe_load(text))
+                try:
+                    data = json.loads(text)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path} is not a cluster spec: not valid JSON ({err}).") from None
+            else:
+                try:
+                    import yaml
+                except ImportError as err:  # PyYAML is not a dependency of the package
+                    raise ValueError(
+                        f"Reading {path} needs PyYAML (pip install pyyaml); JSON works without it."
+                    ) from err
+                data = yaml.safe_load(text)
+            if isinstance(data, Mapping) and data.get("format") == RUN_PROFILE_FORMAT:
+                raise ValueError(
+                    f"{path} is a run's profile, not a cluster spec: use `cannikin simulate --profile {path}`."
+                )
+            return _parse_mapping(data)
         return _parse_string(str(spec))
     return _parse_mapping(spec)

@@ -1,6 +1,7 @@
 """The ``cannikin`` console script.
 
     cannikin simulate --cluster "4xV100,4xRTX6000,8xT4" --job imagenet
+    cannikin simulate --profile lightning_logs/version_0/cannikin_profile.json --devices 0:3 --batch-size 192
     cannikin plan lightning_logs/version_0/cannikin_profile.json --batch-size 512
     cannikin report lightning_logs/version_0/cannikin_profile.json -o report/
 
@@ -10,7 +11,6 @@ Exit codes: 0 success, 2 bad input (unknown command or option, unreadable profil
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -19,7 +19,9 @@ from typing import Any
 USAGE = """usage: cannikin COMMAND [ARGS]
 
 commands:
-  simulate   time-to-target of DDP, AdaptDL-like and Cannikin on a simulated heterogeneous GPU cluster
+  simulate   time-to-target of DDP, AdaptDL-like and Cannikin on a simulated heterogeneous GPU cluster;
+             with --profile PROFILE, what-if on the cluster a run measured (more or fewer of its devices, other
+             total batches, the adaptive batch on or off)
   plan       the optimal split of a total batch for a profiled cluster, beside the even and proportional splits
   report     plots (PNG) of a profile: device models, predicted vs measured step time, the adaptive schedule
 
@@ -27,12 +29,37 @@ Run `cannikin COMMAND --help` for a command's options."""
 
 # A profile that cannot be read and a batch size that cannot be planned are both bad input, like a bad option.
 EXIT_BAD_INPUT = 2
+# An error is one line; a longer message quotes the input rather than explains it.
+ERROR_CHARS = 400
 
 
 def _simulate(argv: list[str]) -> int:
+    if any(arg == "--profile" or arg.startswith("--profile=") for arg in argv):
+        return _what_if(argv)
     from lightning_cannikin.simulation.cli import main as simulate_main
 
     return simulate_main(argv)
+
+
+def _what_if(argv: list[str]) -> int:
+    """``cannikin simulate --profile``: what-if on the cluster a run measured (see :mod:`.what_if`)."""
+    from lightning_cannikin.tools.what_if import print_what_if, run, what_if_parser
+
+    args = _parse(what_if_parser(), argv)
+    if isinstance(args, int):
+        return args
+    profile = _load("simulate", args.profile)
+    if isinstance(profile, int):
+        return profile
+    try:
+        result, notes = run(profile, args)
+    except ValueError as err:
+        return _error("simulate", str(err))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_what_if(result, notes)
+    return 0
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace | int:
@@ -44,7 +71,11 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
 
 
 def _error(command: str, message: str) -> int:
-    print(f"cannikin {command}: error: {message}", file=sys.stderr)
+    """Print one line of error (a parser's or a file's message can span lines or quote a file) and return 2."""
+    line = " ".join(message.split())
+    if len(line) > ERROR_CHARS:
+        line = line[: ERROR_CHARS - 3] + "..."
+    print(f"cannikin {command}: error: {line}", file=sys.stderr)
     return EXIT_BAD_INPUT
 
 
@@ -158,53 +189,47 @@ def _plan(argv: list[str]) -> int:
 
 
 def _print_plan(path: str, total: int, balancer: Any, models: Sequence[Any], splits: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from lightning_cannikin.tools.console import print_line, print_table
 
-    console = Console(highlight=False)
     names = {"optimal": "Optimal (OptPerf)", "even": "Even (DDP)", "proportional": "Speed-proportional"}
     headers = {"optimal": "optimal b (ms)", "even": "even b (ms)", "proportional": "proport. b (ms)"}
     shown = [key for key in names if splits[key] is not None]
-    devices = Table(
-        title=f"Split of B = {total} across {balancer.world_size} devices: local batch (that rank's compute ms)",
-        title_justify="left",
-    )
-    devices.add_column("rank", justify="right")
-    devices.add_column("ms/sample", justify="right")
-    devices.add_column("fixed ms", justify="right")
-    for key in shown:
-        devices.add_column(headers[key], justify="right")
+    rows = []
     for rank, model in enumerate(models):
         cells = [str(rank), f"{1000 * model.slope:.4g}", f"{1000 * model.intercept:.4g}"]
         for key in shown:
             b = splits[key]["local_batch_sizes"][rank]
             # The rank's own predicted time shows who waits for whom under that split.
             cells.append(f"{b} ({1000 * (model.slope * b + model.intercept):.1f})")
-        devices.add_row(*cells)
-    console.print(devices)
-
-    summary = Table(title=f"Predicted step time (step tail {1000 * balancer.tail():.3g} ms included)")
-    summary.add_column("split")
-    summary.add_column("step ms", justify="right")
-    summary.add_column("samples/s", justify="right")
-    summary.add_column("optimal is faster by", justify="right")
+        rows.append(cells)
+    print_table(
+        f"Split of B = {total} across {balancer.world_size} devices: local batch (that rank's compute ms)",
+        [("rank", True), ("ms/sample", True), ("fixed ms", True), *((headers[key], True) for key in shown)],
+        rows,
+    )
+    summary = []
     for key in shown:
         row = splits[key]
         speedup = row.get("optimal_speedup")
         note = "" if row["within_bounds"] else " (violates bounds)"
-        summary.add_row(
-            names[key] + note,
-            f"{1000 * row['predicted_step_time']:.2f}",
-            "-" if row["throughput"] is None else f"{row['throughput']:.1f}",
-            "-" if speedup is None else f"{speedup:.3f}x",
+        summary.append(
+            [
+                names[key] + note,
+                f"{1000 * row['predicted_step_time']:.2f}",
+                "-" if row["throughput"] is None else f"{row['throughput']:.1f}",
+                "-" if speedup is None else f"{speedup:.3f}x",
+            ]
         )
-    console.print(summary)
+    print_table(
+        f"Predicted step time (step tail {1000 * balancer.tail():.3g} ms included)",
+        [("split", False), ("step ms", True), ("samples/s", True), ("optimal is faster by", True)],
+        summary,
+    )
     optimal = splits["optimal"]
-    # One plain line that scripts can grep; soft_wrap keeps it on one line at any terminal width.
-    console.print(
+    # One plain line that scripts can grep.
+    print_line(
         f"optimal split: {optimal['local_batch_sizes']}  predicted step {1000 * optimal['predicted_step_time']:.2f} ms"
-        f"  ({path})",
-        soft_wrap=True,
+        f"  ({path})"
     )
 
 
@@ -224,23 +249,22 @@ def _report(argv: list[str]) -> int:
     args = _parse(report_parser(), argv)
     if isinstance(args, int):
         return args
-    if importlib.util.find_spec("matplotlib") is None:
-        return _error("report", 'needs matplotlib: pip install "lightning-cannikin[plots]"')
+    from lightning_cannikin.tools.console import print_line
+    from lightning_cannikin.tools.report import PLOTS_INSTALL, matplotlib_available, write_report
+
+    if not matplotlib_available():
+        return _error("report", f"needs matplotlib: {PLOTS_INSTALL}")
     profile = _load("report", args.profile)
     if isinstance(profile, int):
         return profile
-    from rich.console import Console
-
-    from lightning_cannikin.tools.report import write_report
 
     try:
         written = write_report(profile, args.output_dir)
     except OSError as err:
         return _error("report", f"cannot write to {args.output_dir}: {err.strerror or err}")
-    console = Console(highlight=False)
-    console.print(f"Report of {args.profile} ({profile.world_size} devices, {len(profile.history)} re-plans):")
+    print_line(f"Report of {args.profile} ({profile.world_size} devices, {len(profile.history)} re-plans):")
     for path in written:
-        console.print(f"  [bold]{path}[/bold]  ({path.stat().st_size // 1024} KiB)", soft_wrap=True)
+        print_line(f"  {path}  ({path.stat().st_size // 1024} KiB)")
     return 0
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,9 +22,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COMPUTE_TIME_PNG",
+    "PLOTS_INSTALL",
     "STEP_TIME_PNG",
     "TRAINING_PNG",
+    "matplotlib_available",
     "plot_compute_time",
+    "plot_or_skip",
     "plot_step_time",
     "plot_training",
     "write_report",
@@ -35,6 +38,31 @@ STEP_TIME_PNG = "step_time.png"
 TRAINING_PNG = "training.png"
 
 _DPI = 110
+# How to get matplotlib: the one fix every "no plot" message gives.
+PLOTS_INSTALL = 'pip install "lightning-cannikin[plots]"'
+
+
+def matplotlib_available() -> bool:
+    """Whether matplotlib can be imported (it is the optional ``plots`` extra)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def plot_or_skip(plot: Callable[[Path], object], path: str | os.PathLike[str]) -> Path | None:
+    """``plot(path)`` and return ``path``; without matplotlib, print one line saying how to get the plot instead.
+
+    For scripts whose plot comes last (the benchmarks): their results are already saved, and a missing optional
+    package must not turn a finished run into a failed one.
+    """
+    path = Path(path)
+    if not matplotlib_available():
+        print(f"skipped the plot {path}: matplotlib is not installed ({PLOTS_INSTALL} to get it)")
+        return None
+    plot(path)
+    return path
 
 
 def write_report(profile: Profile, out_dir: str | os.PathLike[str]) -> list[Path]:
