@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_cannikin import CannikinFabricStrategy
+from lightning_cannikin import CannikinFabricStrategy, CannikinSettings
 from tests.models import IndexedRegression
 
 NUM_SAMPLES = 200
@@ -61,7 +61,7 @@ def _mean_gradient(dataset: IndexedRegression, indices: list[int], params: list[
 
 
 def test_a_fabric_loop_gets_uneven_batches_the_exact_mean_gradient_and_a_balanced_split(tmp_path):
-    strategy = CannikinFabricStrategy(start_method="fork", warmup_steps=4)
+    strategy = CannikinFabricStrategy(start_method="fork", settings=CannikinSettings(warmup_steps=4))
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch(_train, strategy, tmp_path)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

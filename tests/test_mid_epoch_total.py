@@ -20,7 +20,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 
-from lightning_cannikin import Cannikin, CannikinStrategy, EmulatedCluster
+from lightning_cannikin import Cannikin, CannikinSettings, CannikinStrategy, EmulatedCluster
 from lightning_cannikin.core.goodput import adascale_gain
 from lightning_cannikin.core.noise_scale import NoiseScaleEstimator
 from lightning_cannikin.core.speed_model import SpeedModel
@@ -123,8 +123,11 @@ def test_per_step_gain_and_progress_schedule_equal_the_formula_on_a_replay(tmp_p
     def schedule(progress):
         return 1.0 / (1.0 + 0.05 * progress)
 
+    settings = CannikinSettings(
+        min_noise_updates=3, warmup_steps=1000, adapt_every_n_steps=None, noise_exchange_every=1, noise_every_n_steps=1
+    )
     cannikin = Cannikin(
-        base_batch_size=8, min_noise_updates=3, warmup_steps=1000, adapt_every_n_steps=None, noise_exchange_every=1
+        base_batch_size=8, settings=settings
     )  # one step per exchange: each step's statistics arrive FOLD_DELAY steps later
     _, _, extra = fit(tmp_path, cannikin, schedule=schedule, max_steps=25)
     assert extra[0]["stepped_lrs"] == extra[1]["stepped_lrs"], "the ranks stepped with different learning rates"
@@ -160,9 +163,8 @@ def known_step_times(monkeypatch, accumulation_is_free: bool = False) -> None:
 
 
 def total_changing_cannikin(**kwargs) -> Cannikin:
-    options = {"max_batch_size": 48, "balance": False, "min_noise_updates": 3, "adapt_every_n_steps": 6}
-    options.update(kwargs)
-    return Cannikin(**options)
+    settings = {"min_noise_updates": 3, "adapt_every_n_steps": 6, "noise_every_n_steps": 1, **kwargs}
+    return Cannikin(max_batch_size=48, balance=False, settings=CannikinSettings(**settings))
 
 
 def test_mid_epoch_total_change_keeps_every_sample_once_and_lightning_counts_the_epoch(tmp_path, monkeypatch):
@@ -221,14 +223,8 @@ def test_totals_reached_by_accumulation_give_the_exact_mean_gradient(tmp_path, m
     # measured apart), so on its own it never finds accumulation worth it. Stand in for a cluster whose reduction and
     # optimizer dominate: micro-steps beyond the first cost nothing.
     known_step_times(monkeypatch, accumulation_is_free=True)
-    cannikin = Cannikin(
-        max_batch_size=48,
-        balance=False,
-        min_noise_updates=3,
-        local_batch_bounds=8,
-        lr_scaling="none",
-        adapt_every_n_steps=None,
-    )
+    settings = CannikinSettings(min_noise_updates=3, adapt_every_n_steps=None, noise_every_n_steps=1)
+    cannikin = Cannikin(max_batch_size=48, balance=False, local_batch_bounds=8, lr_scaling="none", settings=settings)
     initial, records, extra = fit(tmp_path, cannikin, max_epochs=2)
     accumulation = extra[0]["accumulation"]
     epochs = records[0]["epochs"]

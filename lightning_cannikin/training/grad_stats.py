@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_cannikin.core.noise_scale import NoiseScaleEstimator
+from lightning_cannikin.training._lightning_compat import scaler_scale
 from lightning_cannikin.training.comm_hook import WeightedAllReduceState
 from lightning_cannikin.training.grad_norms import GradientNorms
 
@@ -185,7 +186,7 @@ class GradientNormObserver:
         if self.rank == 0:
             exchange[-2] = math.nan if self._last_global is None else self._last_global
             # the scale this step's gradients carry (the scaler updates it only after the step)
-            exchange[-1] = _scale_of(self.scaler) if self.scaler is not None else 1.0
+            exchange[-1] = scaler_scale(self.scaler) if self.scaler is not None else 1.0
         self._block, self._group = exchange, state.process_group
 
     def captured(self, state: WeightedAllReduceState, local: torch.Tensor, parameters: Sequence[torch.Tensor]) -> None:
@@ -354,9 +355,3 @@ class _Parameters:
 
     def __call__(self) -> list[torch.Tensor]:
         return self._bucket.parameters()
-
-
-def _scale_of(scaler: Any) -> torch.Tensor | float:
-    """The scaler's current scale, without a host sync where it can be had."""
-    scale = scaler._get_scale_async() if hasattr(scaler, "_get_scale_async") else None
-    return float(scaler.get_scale()) if scale is None else scale
