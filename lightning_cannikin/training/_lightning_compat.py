@@ -40,6 +40,13 @@ from lightning.pytorch.strategies.strategy import _StrategyRegistry
 __all__ = [
     "StrategyRegistryType",
     "epoch_resizable",
+    "foreach_add_",
+    "foreach_copy_",
+    "foreach_div",
+    "foreach_div_",
+    "foreach_norm",
+    "foreach_sqrt",
+    "foreach_sub",
     "queue_backward_callback",
     "register_ddp_comm_hook",
     "scaler_scale",
@@ -49,6 +56,16 @@ __all__ = [
 
 StrategyRegistryType = _StrategyRegistry
 register_ddp_comm_hook = _register_ddp_comm_hook
+
+# torch's multi-tensor kernels (`torch._foreach_*`): private, but what torch's own optimizers run on; one launch for a
+# list of tensors instead of one per tensor (the fused gradient norms)
+foreach_add_ = torch._foreach_add_
+foreach_copy_ = torch._foreach_copy_
+foreach_div = torch._foreach_div
+foreach_div_ = torch._foreach_div_
+foreach_norm = torch._foreach_norm
+foreach_sqrt = torch._foreach_sqrt
+foreach_sub = torch._foreach_sub
 
 
 def uses_distributed_sampler(trainer: pl.Trainer) -> bool:

@@ -1,13 +1,10 @@
 """``BalancingEngine``: the one balancing protocol, the same behind every frontend (Lightning, Fabric, ...).
 
-The engine owns the speed model, the noise-scale estimator and its gradient-norm observer, the plan history, the
-re-plan schedule's state, the training progress, and the protocol of a re-plan: every rank gathers its step records
-(:meth:`BalancingEngine.replan`), rank zero fits them and calls :func:`~lightning_cannikin.core.policy.decide`
-(:meth:`BalancingEngine.decide`), broadcasts the :class:`~lightning_cannikin.core.policy.Decision`, and every rank
-adopts it. A frontend is hook wiring: it tells the engine where a step starts and ends, and gives it a
-:class:`Collective` and what adopting a plan means on its framework's side (a Lightning loop's accumulation and epoch
-length). The maths lives in :mod:`lightning_cannikin.core`; the state shared with the strategy in its
-:class:`~lightning_cannikin.training.runtime.RuntimeState`.
+It owns the speed model, the noise estimator and its observer, the plan history, the schedule's state, the progress,
+and a re-plan's protocol (:meth:`BalancingEngine.replan`): gather every rank's step records, rank zero fits them and
+decides (:meth:`BalancingEngine.decide`, through :func:`~lightning_cannikin.core.policy.decide`), broadcast the
+decision, adopt it everywhere. A frontend is hook wiring: where steps start and end, a :class:`Collective`, and what
+adopting a plan means on its framework's side. The maths lives in :mod:`lightning_cannikin.core`.
 
 A re-plan, or a reconsideration of the total batch, at a step chosen identically on every rank is one call:
 ``engine.replan(mid_epoch=True, adapt_total=...)``; :meth:`BalancingEngine.replan_due` is the schedule's choice.
@@ -39,23 +36,14 @@ from lightning_cannikin.training.settings import CannikinSettings
 
 __all__ = ["BalancingEngine"]
 
-# what adopting a plan means on the frontend's side: (plan, the plan it replaces, mid_epoch)
 AdoptHook = Callable[[Plan, "Plan | None", bool], None]
 
 
 class BalancingEngine:
     """Balance a heterogeneous cluster and, optionally, adapt the total batch size for goodput.
 
-    Args:
-        max_batch_size: the largest total batch (per optimizer step) to consider (``None``: keep the total).
-        local_batch_bounds: bounds on any rank's local batch: an upper bound, or ``(lower, upper)``.
-        lr_scaling: ``"adascale"``, ``"sqrt"``, ``"linear"`` or ``"none"``.
-        base_batch_size: the total batch the learning rate was tuned for (default: the initial total batch).
-        balance: split unevenly by measured speed; ``False`` keeps the most even split.
-        replan_every_n_steps: also re-plan the split every this many steps (``None``: warm-up and epoch ends).
-        save_profile: write the run profile at each re-plan where the frontend gives a folder.
-        settings: the tuning settings.
-
+    The arguments are :class:`~lightning_cannikin.Cannikin`'s (``save_profile`` writes where the frontend sets
+    :attr:`profile_dir`); ``settings`` are the tuning settings.
     """
 
     def __init__(
@@ -101,8 +89,6 @@ class BalancingEngine:
         self._on_adopt: AdoptHook | None = None
         self._restored: dict[str, Any] | None = None
 
-    # ---- wiring ------------------------------------------------------------------------------------------------
-
     def attach(self, runtime: RuntimeState, collective: Collective, on_adopt: AdoptHook | None = None) -> None:
         """Drive ``runtime`` over ``collective`` (at setup, before the training loader is built)."""
         world_size = collective.world_size
@@ -117,14 +103,9 @@ class BalancingEngine:
         self.runtime, self.collective, self._on_adopt = runtime, collective, on_adopt
 
     def start(self, optimizer: Any = None, scaler: Any = None, accumulation_allowed: bool = True) -> None:
-        """Training starts: the estimator (it needs B0), the optimizer's family, a checkpoint's state.
-
-        Args:
-            optimizer: the (first) optimizer, wrapped or not.
-            scaler: the ``GradScaler`` of ``16-mixed`` training (its scale is divided out of the statistics).
-            accumulation_allowed: the engine may change the accumulation (the frontend accumulates for it).
-
-        """
+        """Training starts: the estimator (it needs B0), the (first) ``optimizer``'s family, a checkpoint's state;
+        ``scaler``: the ``GradScaler`` of ``16-mixed`` (its scale is divided out of the statistics);
+        ``accumulation_allowed``: the engine may change the accumulation (the frontend accumulates for it)."""
         plan = self.plan
         if plan is not None:
             self.policy.check_initial(plan)  # every rank sees the same plan: all raise, before any collective
@@ -142,20 +123,16 @@ class BalancingEngine:
             self._restored = None
 
     def _identify_optimizer(self) -> None:
-        """Adam-family once the optimizer holds a second moment (at once on a resume, else after its first step); an
-        optimizer that preconditions otherwise is refused under ``"adascale"`` (every rank alike)."""
+        """Adam-family once the optimizer holds a second moment (at once on a resume, else after its first step); one
+        that preconditions otherwise is refused where AdaScale follows a measured noise scale (every rank alike)."""
         if self._optimizer is None or self._family is not None:
             return
-        self._family = optimizer_family_of(self._optimizer)
-        if self._family is None:
-            return
-        check_family(self._family, self.policy.lr_scaling, type(unwrapped(self._optimizer)).__name__)
+        inner, self._family = unwrapped(self._optimizer), optimizer_family_of(self._optimizer)
+        if self.track_noise_scale:
+            check_family(self._family, self.policy.lr_scaling, type(inner).__name__)
         self.adam = self._family == "adam"
-        if self.observer is not None:
-            # the noise of the direction Adam steps in: the preconditioned gradient (AdaptDL's rule)
-            self.observer.optimizer = unwrapped(self._optimizer) if self.adam else None
-
-    # ---- what the engine answers -------------------------------------------------------------------------------
+        if self.observer is not None:  # the noise of the direction Adam steps in (AdaptDL's rule)
+            self.observer.optimizer = inner if self.adam else None
 
     @property
     def plan(self) -> Plan | None:
@@ -186,8 +163,6 @@ class BalancingEngine:
         """The noise scale can be acted on, and the speeds are measured (or the split is even)."""
         return self.usable_noise_scale() is not None and (self.identified or not self.policy.balance)
 
-    # ---- each step ---------------------------------------------------------------------------------------------
-
     def step_started(self) -> None:
         """A training step (or accumulation micro-step) starts on this rank."""
         assert self.runtime is not None
@@ -207,8 +182,7 @@ class BalancingEngine:
         self.progress.add(self.runtime.gain)
 
     def step_finished(self) -> bool:
-        """The step ended on this rank: time it and fold in the noise statistics that have arrived (the learning-rate
-        factor follows them from the next step). Returns whether the noise scale changed."""
+        """The step ended: time it, fold in the noise statistics that arrived; whether the noise scale changed."""
         runtime = self.runtime
         assert runtime is not None and self.collective is not None
         rank, sizes = self.collective.rank, runtime.step_sizes
@@ -224,8 +198,7 @@ class BalancingEngine:
         return updated
 
     def replan_due(self, resizable: bool = True) -> tuple[bool, bool]:
-        """``(re-plan now, reconsider the total too)`` after the step that just ended (the same on every rank).
-        ``resizable``: the running epoch's length may change (a new total may land mid-epoch)."""
+        """``(re-plan now, reconsider the total too)`` after the step; ``resizable``: the epoch may change length."""
         runtime = self.runtime
         assert runtime is not None
         if not runtime.timer.reduced or runtime.fixed_split:
@@ -236,8 +209,6 @@ class BalancingEngine:
             and resizable
         )
         return adapt or self.schedule.due(self.step, self.identified, self.policy.balance), adapt
-
-    # ---- the protocol ------------------------------------------------------------------------------------------
 
     def decide(
         self, records: list[StepRecord], current: Plan | None, mid_epoch: bool, adapt_total: bool | None = None
@@ -266,17 +237,10 @@ class BalancingEngine:
         )
 
     def replan(self, mid_epoch: bool, adapt_total: bool, epoch: int = 0) -> Decision | None:
-        """Gather, decide on rank zero, broadcast, adopt. Every rank calls it after the same step.
-
-        Args:
-            mid_epoch: the plan applies from the next global batch no rank has drawn yet (else from the next epoch).
-            adapt_total: the total batch may change now.
-            epoch: the epoch, for the history.
-
-        Returns:
-            The decision adopted (``None`` while some rank has no timing yet).
-
-        """
+        """Gather, decide on rank zero, broadcast, adopt; every rank calls it after the same step. ``mid_epoch``: the
+        plan applies from the next global batch no rank has drawn yet (else from the next epoch); ``adapt_total``: the
+        total batch may change now; ``epoch``: for the history. Returns the decision adopted (``None`` while some rank
+        has no timing yet)."""
         runtime, collective = self.runtime, self.collective
         assert runtime is not None and collective is not None
         # the step records are read now: on CUDA the last ones wait for the device (the gather synchronises anyway)
@@ -297,13 +261,13 @@ class BalancingEngine:
         total_changed = plan.total_batch_size != current.total_batch_size
         self.schedule.replanned(self.step, total_changed, self.policy.balance)
         self.identified = decision.identified
-        self._adopt(plan, current, mid_epoch, from_batch, 0 if decision.identified else self.schedule.warmup_steps)
+        probe_steps = 0 if decision.identified else self.schedule.warmup_steps
+        self._adopt(plan, current, mid_epoch, from_batch, probe_steps)
         self._record(plan, current, decision, epoch, collective.rank == 0)
         return decision
 
     def _adopt(self, plan: Plan, current: Plan, mid_epoch: bool, from_batch: int, probe_steps: int) -> None:
-        """Put a plan every rank decided alike in force; a probe (``probe_steps`` > 0) mid-epoch alternates with the
-        split it leaves for that many global batches."""
+        """Put the plan in force; a probe mid-epoch alternates with the split it leaves for ``probe_steps`` batches."""
         runtime = self.runtime
         assert runtime is not None
         if not mid_epoch:
@@ -331,8 +295,6 @@ class BalancingEngine:
                 f" (predicted step {1000 * (plan.predicted_step_time or 0):.1f} ms, lr factor"
                 f" {decision.lr_factor:.3g})"
             )
-
-    # ---- checkpoints -------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resume needs (the keys of the checkpoints the callback wrote before the engine existed)."""
