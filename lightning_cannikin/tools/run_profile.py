@@ -6,24 +6,7 @@ The format lives in :mod:`lightning_cannikin.core.profile`, where the training s
 
 from __future__ import annotations
 
-from lightning_cannikin.core.profile import (
-    FORMAT,
-    PROFILE_FILENAME,
-    VERSION,
-    DeviceProfile,
-    Profile,
-    build_profile,
-    load_profile,
-    save_profile,
-)
+from lightning_cannikin.core import profile as _profile
+from lightning_cannikin.core.profile import *  # noqa: F403  (the same names, one definition)
 
-__all__ = [
-    "FORMAT",
-    "PROFILE_FILENAME",
-    "VERSION",
-    "DeviceProfile",
-    "Profile",
-    "build_profile",
-    "load_profile",
-    "save_profile",
-]
+__all__ = _profile.__all__
