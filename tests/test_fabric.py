@@ -96,3 +96,50 @@ def test_the_fabric_example_balances_its_emulated_cluster(capfd):
     assert final is not None, out[-2000:]
     assert int(final.group(1)) + int(final.group(2)) == 64 and int(final.group(1)) > 40, out[-2000:]
     assert float(re.search(r"test_accuracy=([\d.]+)", out).group(1)) > 0.3, out[-2000:]
+
+
+def _train_accumulating(fabric: L.Fabric, strategy: CannikinFabricStrategy, out: Path) -> None:
+    torch.manual_seed(0)
+    dataset = IndexedRegression(NUM_SAMPLES)
+    model = nn.Linear(dataset.x.shape[1], 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = fabric.setup(model, optimizer)
+    loader = strategy.uneven_dataloader(DataLoader(dataset, batch_size=12, shuffle=True))
+    loader = fabric.setup_dataloaders(loader, use_distributed_sampler=False)
+    windows, window, params = [], [], None
+    for _ in range(2):
+        for position, (x, y, index) in enumerate(loader):
+            last = position % 2 == 1 or position == len(loader) - 1  # the epoch's last window may be one batch
+            if not window:
+                params = [p.detach().flatten().tolist() for p in model.parameters()]
+            with fabric.no_backward_sync(model, enabled=not last), strategy.step():
+                loss = nn.functional.mse_loss(model(x), y) / 2  # divided by the accumulation, as Lightning does
+                time.sleep(0.002 + PER_SAMPLE_S[fabric.global_rank] * len(index))
+                fabric.backward(loss)
+            window.append(index.tolist())
+            if last:
+                grads = [p.grad.flatten().tolist() for p in model.parameters()]
+                optimizer.step()
+                optimizer.zero_grad()
+                windows.append({"indices": window, "params": params, "grads": grads})
+                window = []
+    (out / f"rank{fabric.global_rank}.json").write_text(json.dumps({"windows": windows}))
+
+
+def test_a_fabric_loop_accumulating_gets_the_exact_mean_gradient_of_each_window(tmp_path):
+    strategy = CannikinFabricStrategy(start_method="fork", accumulate_grad_batches=2, settings=CannikinSettings(4))
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch(_train_accumulating, strategy, tmp_path)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text())["windows"] for r in range(2)]
+    dataset = IndexedRegression(NUM_SAMPLES)
+    assert len(ranks[0]) == len(ranks[1]) == 2 * 5, "4 windows of 2 batches and the epoch's last batch, twice"
+    uneven = worst = 0
+    for window0, window1 in zip(*ranks, strict=True):
+        indices = [i for batch in window0["indices"] + window1["indices"] for i in batch]
+        uneven += len(window0["indices"][0]) != len(window1["indices"][0])
+        reference = _mean_gradient(dataset, indices, window0["params"])
+        for window in (window0, window1):
+            reduced = torch.tensor([g for grad in window["grads"] for g in grad])
+            worst = max(worst, float((reduced - reference).abs().max()))
+    assert uneven > 0, "the split became uneven: the weights had something to weigh"
+    assert worst < 1e-5, worst

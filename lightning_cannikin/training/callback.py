@@ -55,6 +55,7 @@ class Cannikin(BalancingCallback):
         base_batch_size: int | None = None,
         balance: bool = True,
         replan_every_n_steps: int | None = None,
+        *,
         save_profile: bool = True,
         settings: CannikinSettings | None = None,
         **deprecated: Any,
@@ -68,8 +69,8 @@ class Cannikin(BalancingCallback):
             base_batch_size,
             balance,
             replan_every_n_steps,
-            save_profile,
-            settings,
+            save_profile=save_profile,
+            settings=settings,
         )
         super().__init__(engine)
 
