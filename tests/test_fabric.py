@@ -25,7 +25,8 @@ EPOCHS = 3
 PER_SAMPLE_S = (0.001, 0.003)  # rank 1 is 3x slower
 
 
-def _train(fabric: L.Fabric, strategy: CannikinFabricStrategy, out: Path) -> None:
+def _setup(fabric: L.Fabric, strategy: CannikinFabricStrategy) -> tuple:
+    """A linear model, SGD and the uneven loader of batch 12 per rank, set up by Fabric."""
     torch.manual_seed(0)
     dataset = IndexedRegression(NUM_SAMPLES)
     model = nn.Linear(dataset.x.shape[1], 1)
@@ -33,6 +34,11 @@ def _train(fabric: L.Fabric, strategy: CannikinFabricStrategy, out: Path) -> Non
     model, optimizer = fabric.setup(model, optimizer)
     loader = strategy.uneven_dataloader(DataLoader(dataset, batch_size=12, shuffle=True))
     loader = fabric.setup_dataloaders(loader, use_distributed_sampler=False)
+    return model, optimizer, loader
+
+
+def _train(fabric: L.Fabric, strategy: CannikinFabricStrategy, out: Path) -> None:
+    model, optimizer, loader = _setup(fabric, strategy)
     steps = []
     for epoch in range(EPOCHS):
         for x, y, index in loader:
@@ -99,13 +105,7 @@ def test_the_fabric_example_balances_its_emulated_cluster(capfd):
 
 
 def _train_accumulating(fabric: L.Fabric, strategy: CannikinFabricStrategy, out: Path) -> None:
-    torch.manual_seed(0)
-    dataset = IndexedRegression(NUM_SAMPLES)
-    model = nn.Linear(dataset.x.shape[1], 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    model, optimizer = fabric.setup(model, optimizer)
-    loader = strategy.uneven_dataloader(DataLoader(dataset, batch_size=12, shuffle=True))
-    loader = fabric.setup_dataloaders(loader, use_distributed_sampler=False)
+    model, optimizer, loader = _setup(fabric, strategy)
     windows, window, params = [], [], None
     for _ in range(2):
         for position, (x, y, index) in enumerate(loader):
