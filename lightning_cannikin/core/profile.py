@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
+import secrets
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -164,8 +164,10 @@ def save_profile(path: str | os.PathLike[str], profile: Mapping[str, Any]) -> Pa
     _parse(_jsonable(dict(profile)), path)  # refuse to write something load_profile would reject
     text = json.dumps(_jsonable(dict(profile)), indent=1, allow_nan=False)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # The temporary file lives beside the target so os.replace is a same-filesystem rename, which is atomic.
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    # The temporary file lives beside the target so os.replace is a same-filesystem rename, which is atomic. It is
+    # created with mode 0666 less the umask, like any log file (mkstemp's 0600 would hide it from teammates).
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
@@ -173,7 +175,7 @@ def save_profile(path: str | os.PathLike[str], profile: Mapping[str, Any]) -> Pa
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     return path
 
