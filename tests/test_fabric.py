@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import lightning as L
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
@@ -143,3 +144,63 @@ def test_a_fabric_loop_accumulating_gets_the_exact_mean_gradient_of_each_window(
             worst = max(worst, float((reduced - reference).abs().max()))
     assert uneven > 0, "the split became uneven: the weights had something to weigh"
     assert worst < 1e-5, worst
+
+
+def _noisy_dataset() -> IndexedRegression:
+    """A noisy problem (a large noise scale), the same on every call."""
+    torch.manual_seed(0)
+    dataset = IndexedRegression(480, seed=3)
+    dataset.y += 3.0 * torch.randn_like(dataset.y)
+    return dataset
+
+
+def _train_adapting(fabric: L.Fabric, strategy: CannikinFabricStrategy, out: Path) -> None:
+    dataset = _noisy_dataset()
+    model = nn.Linear(dataset.x.shape[1], 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = fabric.setup(model, optimizer)
+    loader = strategy.uneven_dataloader(DataLoader(dataset, batch_size=8, shuffle=True))
+    loader = fabric.setup_dataloaders(loader, use_distributed_sampler=False)
+    steps = []
+    for epoch in range(4):
+        for x, y, index in loader:
+            params = [p.detach().flatten().tolist() for p in model.parameters()]
+            with strategy.step() as sizes:
+                loss = nn.functional.mse_loss(model(x), y)
+                time.sleep(0.015 + (0.0002, 0.0006)[fabric.global_rank] * len(index))  # a large fixed cost per step
+                fabric.backward(loss)
+            grads = [p.grad.flatten().tolist() for p in model.parameters()]
+            lrs: list[float] = []
+
+            def read_lr(lrs: list[float] = lrs) -> None:  # called inside optimizer.step(): the LR the step ran at
+                lrs.append(optimizer.param_groups[0]["lr"])
+
+            optimizer.step(closure=read_lr)
+            optimizer.zero_grad()
+            record = {"epoch": epoch, "indices": index.tolist(), "sizes": list(sizes), "lr": lrs[0]}
+            steps.append({**record, "params": params, "grads": grads, "factor": strategy.runtime.lr_factor})
+    (out / f"rank{fabric.global_rank}.json").write_text(json.dumps(steps))
+
+
+def test_a_fabric_loop_adapts_its_total_batch_for_goodput(tmp_path):
+    settings = CannikinSettings(warmup_steps=4, min_noise_updates=5, noise_every_n_steps=1, adapt_every_n_steps=None)
+    strategy = CannikinFabricStrategy(start_method="fork", max_batch_size=128, settings=settings)
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch(_train_adapting, strategy, tmp_path)
+    steps0, steps1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert len(steps0) == len(steps1)
+    totals = [sum(step["sizes"]) for step in steps0]
+    assert totals[0] == 16 and max(totals) > 16, f"the total batch never grew: {totals}"
+    for epoch in range(4):
+        seen = sorted(i for steps in (steps0, steps1) for s in steps if s["epoch"] == epoch for i in s["indices"])
+        assert seen == list(range(480)), f"epoch {epoch}: every sample exactly once"
+    dataset = _noisy_dataset()
+    worst = 0.0
+    for step0, step1 in zip(steps0, steps1, strict=True):
+        assert step0["lr"] == step1["lr"] == pytest.approx(0.01 * step0["factor"], rel=1e-12)
+        reference = _mean_gradient(dataset, step0["indices"] + step1["indices"], step0["params"])
+        for step in (step0, step1):
+            reduced = torch.tensor([g for grad in step["grads"] for g in grad])
+            worst = max(worst, float((reduced - reference).abs().max()))
+    assert worst < 1e-5, worst
+    assert len({step["factor"] for step in steps0}) > 1, "the learning rate followed the total and the noise scale"

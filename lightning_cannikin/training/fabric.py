@@ -5,7 +5,9 @@ the module ``fabric.setup`` wraps, :meth:`~CannikinFabricStrategy.uneven_dataloa
 :meth:`~CannikinFabricStrategy.step`, a context around forward and backward that weights and times the step and lets
 the :class:`~lightning_cannikin.training.engine.BalancingEngine` re-plan when it is due (while some device is
 unmeasured, on a cadence, and after each epoch's last step): the same engine, protocol and decisions as the
-Lightning callback's. The total batch stays the loader's (no goodput adaptation or learning-rate scaling here).
+Lightning callback's. With ``max_batch_size`` the total batch adapts for goodput too, as under Lightning: the noise
+statistics ride on the weighted all-reduce, the learning rate is scaled inside ``optimizer.step()``, and a new total
+starts at the next global batch no rank has drawn (the loader's length follows). The accumulation stays the loop's.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_deprecation
 from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -43,9 +46,13 @@ class CannikinFabricStrategy(DDPStrategy):
             loader's ``batch_size`` on every rank and balance by measured speed.
         local_batch_bounds: bounds on any rank's local batch, as for the :class:`~lightning_cannikin.Cannikin`
             callback: an upper bound, or ``(lower, upper)`` with scalars or per-rank sequences.
-        warmup_steps: while some device is timed at one batch size only, re-plan every this many steps.
         replan_every_n_steps: also re-plan every this many steps (``None``: at warm-up and epoch ends only).
-        half_life: recency half-life of the timing fits, in steps.
+        accumulate_grad_batches: micro-batches per optimizer step in the loop (see :meth:`step`).
+        max_batch_size, lr_scaling, base_batch_size: the adaptive total batch and its learning rate, as for the
+            :class:`~lightning_cannikin.Cannikin` callback (``None``: the total stays the loader's).
+        settings: the engine's tuning settings (:class:`~lightning_cannikin.CannikinSettings`; its ``accumulate``
+            does not apply: the loop's accumulation is the user's). ``warmup_steps=`` and the other settings as
+            keywords still work for this release, with a deprecation warning.
         **kwargs: every argument of Fabric's :class:`~lightning.fabric.strategies.DDPStrategy`.
 
     Example::
@@ -70,6 +77,9 @@ class CannikinFabricStrategy(DDPStrategy):
         local_batch_bounds: Any = None,
         replan_every_n_steps: int | None = None,
         accumulate_grad_batches: int = 1,
+        max_batch_size: int | None = None,
+        lr_scaling: str = "adascale",
+        base_batch_size: int | None = None,
         settings: CannikinSettings | None = None,
         **kwargs: Any,
     ) -> None:
@@ -81,11 +91,13 @@ class CannikinFabricStrategy(DDPStrategy):
             raise ValueError(f"`accumulate_grad_batches` must be a positive integer, got {accumulate_grad_batches}.")
         self._accumulation = int(accumulate_grad_batches)
         self._fixed = None if local_batch_sizes is None else Plan(tuple(local_batch_sizes), self._accumulation)
-        # the total stays the loader's: no noise statistics, no learning-rate scaling
-        settings = replace(settings or CannikinSettings(), track_noise_scale=False)
+        # the loop's accumulation is the user's: the engine never changes it
+        settings = replace(settings or CannikinSettings(), accumulate=False)
         self.engine = BalancingEngine(
-            local_batch_bounds=local_batch_bounds,
-            lr_scaling="none",
+            max_batch_size,
+            local_batch_bounds,
+            lr_scaling,
+            base_batch_size,
             replan_every_n_steps=replan_every_n_steps,
             save_profile=False,
             settings=settings,
@@ -93,6 +105,8 @@ class CannikinFabricStrategy(DDPStrategy):
         self.runtime = RuntimeState(fixed_split=self._fixed is not None)
         self._loader: UnevenDataLoader | None = None
         self._ddp: DistributedDataParallel | None = None
+        self._optimizer: Any = None
+        self._optimizer_steps = 0
 
     @property
     def plan(self) -> Plan | None:
@@ -116,6 +130,18 @@ class CannikinFabricStrategy(DDPStrategy):
         self._ddp = ddp
         return ddp
 
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        self._optimizer = optimizer  # its family decides the AdaScale rule and the noise's preconditioning
+        return super().setup_optimizer(optimizer)
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        self.engine.before_optimizer_step()  # the step counts at its gain
+        self._optimizer_steps += 1
+        with self.runtime.learning_rate_scaled(optimizer):
+            return super().optimizer_step(optimizer, **kwargs)
+
     def uneven_dataloader(self, dataloader: DataLoader) -> UnevenDataLoader:
         """The training loader, rebuilt so that each rank takes its share of every global batch.
 
@@ -136,7 +162,7 @@ class CannikinFabricStrategy(DDPStrategy):
         self.runtime.use_loader(plan, loader.uneven_sampler)
         self._loader = loader
         if self.engine.estimator is None:
-            self.engine.start()
+            self.engine.start(self._optimizer, accumulation_allowed=False)
         return loader
 
     @contextmanager
@@ -153,6 +179,8 @@ class CannikinFabricStrategy(DDPStrategy):
         if loader is None or not loader.pending_steps:
             raise RuntimeError("`step()` needs a batch drawn from the loader that `uneven_dataloader` returned.")
         position, sizes = loader.pending_steps.popleft()
+        if self.runtime.noise is not None:  # before the step's backward: is this optimizer step measured?
+            self.runtime.noise.start_step(self._optimizer_steps)
         self.runtime.begin_step(position, sizes, self.global_rank, self._accumulation)
         self.engine.step_started()
         self.runtime.timer.forward_start()
@@ -161,8 +189,9 @@ class CannikinFabricStrategy(DDPStrategy):
         self.engine.step_finished()
         if self._fixed is None:
             epoch_end = position == len(loader.uneven_sampler) - 1
-            if epoch_end or self.engine.replan_due()[0]:
-                self.replan()
+            due, adapt = self.engine.replan_due()
+            if epoch_end or due:
+                self.replan(adapt_total=epoch_end or adapt)
 
     @override
     def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
@@ -174,11 +203,12 @@ class CannikinFabricStrategy(DDPStrategy):
         self.runtime.timer.will_reduce(reduces)
         super().backward(tensor, module, *args, **kwargs)
 
-    def replan(self) -> Plan | None:
-        """Gather every rank's timing, let rank zero decide a split of the same total, adopt it on every rank.
+    def replan(self, adapt_total: bool = False) -> Plan | None:
+        """Gather every rank's timing, let rank zero decide (a new total too where ``adapt_total`` and
+        ``max_batch_size`` allow), adopt it on every rank.
 
         Every rank must call it at the same step (:meth:`step` does). The plan applies from the next global batch
         that no rank has drawn yet. Returns the plan adopted, or ``None`` while some rank has no timing yet.
         """
-        decision = self.engine.replan(mid_epoch=True, adapt_total=False)
+        decision = self.engine.replan(mid_epoch=True, adapt_total=adapt_total)
         return decision.plan if decision is not None else None

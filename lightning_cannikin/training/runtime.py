@@ -12,8 +12,10 @@ The step weight ``b_i / B`` over the accumulation window is computed here and no
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from lightning_cannikin.core.optperf import most_even_split
 from lightning_cannikin.core.plan import BatchBounds, Plan, even_split
@@ -149,6 +151,22 @@ class RuntimeState:
         plan = self.sampler.plan_at(position) if self.sampler is not None else self.plan
         total = plan.total_batch_size if plan is not None else sum(sizes) * accumulation
         self.lr_factor, self.gain = self.scale(total) if self.scale is not None else (1.0, 1.0)
+
+    @contextmanager
+    def learning_rate_scaled(self, optimizer: Any) -> Iterator[None]:
+        """The optimizer's learning rates times the step's factor for this step only, restored afterwards, so any LR
+        scheduler keeps its own values."""
+        factor = self.lr_factor
+        saved = [group["lr"] for group in optimizer.param_groups] if factor != 1.0 else None
+        if saved is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = group["lr"] * factor
+        try:
+            yield
+        finally:
+            if saved is not None:
+                for group, lr in zip(optimizer.param_groups, saved, strict=True):
+                    group["lr"] = lr
 
     @property
     def batches_yielded(self) -> int:

@@ -300,20 +300,11 @@ class CannikinStrategy(DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        # scale the learning rate for this step only and restore it, so any LR scheduler keeps its own values
-        factor = self._runtime.lr_factor
-        saved = [group["lr"] for group in optimizer.param_groups] if factor != 1.0 else None
-        if saved is not None:
-            for group in optimizer.param_groups:
-                group["lr"] = group["lr"] * factor
         try:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
+            with self._runtime.learning_rate_scaled(optimizer):
+                return super().optimizer_step(optimizer, closure, model, **kwargs)
         except torch.cuda.OutOfMemoryError as error:
             self._out_of_memory(error)  # the optimizer's state, or the closure's forward and backward
-        finally:
-            if saved is not None:
-                for group, lr in zip(optimizer.param_groups, saved, strict=True):
-                    group["lr"] = lr
 
     @override
     def teardown(self) -> None:
