@@ -23,7 +23,8 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from examples.data import ImageClassifier, accuracy, load_dataset
-from lightning_cannikin import Cannikin, EmulatedCluster
+from lightning_cannikin import EmulatedCluster
+from lightning_cannikin.training.lightning_hooks import BalancingCallback
 
 
 class EpochClock(Callback):
@@ -83,7 +84,7 @@ class EpochClock(Callback):
             value = accuracy(pl_module, self.test_set, num_classes=self.num_classes)
             pl_module.train()
             plan = getattr(trainer.strategy, "plan", None)
-            cannikin = next((cb for cb in trainer.callbacks if isinstance(cb, Cannikin)), None)
+            cannikin = next((cb for cb in trainer.callbacks if isinstance(cb, BalancingCallback)), None)
             self.curve.append(
                 {
                     "time": paused - self.started - self.eval_time,
@@ -104,7 +105,7 @@ class EpochClock(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.is_global_zero:
             return
-        cannikin = next((cb for cb in trainer.callbacks if isinstance(cb, Cannikin)), None)
+        cannikin = next((cb for cb in trainer.callbacks if isinstance(cb, BalancingCallback)), None)
         result = {
             "epoch_times": [
                 b - a for a, b in zip(self.epoch_starts, [*self.epoch_starts[1:], time.perf_counter()], strict=True)

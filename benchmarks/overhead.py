@@ -13,6 +13,9 @@ machine's load hits all of them alike:
   step measured, through the Python comm hook;
 - ``cannikin_noise_every4``: the statistics of one step in four (``noise_every_n_steps=4``): DDP's own all-reduce on
   every step, the local gradient's norm is captured before DDP copies the result back on the measured ones;
+- ``cannikin_adaptive``: the default adaptive configuration, ``Cannikin(max_batch_size=96)`` and nothing else (the
+  default settings: the statistics of one step in eight, the total reconsidered every 200 steps); the cap is the
+  starting total, so the machinery is measured and not a larger batch's throughput;
 - ``cannikin_even``, ``cannikin_noise_even``: the same two with ``balance=False`` (timing, re-plans and statistics
   all run, the split stays even): the cost of the machinery alone, apart from the split the balancer picks;
 - ``fixed``: ``CannikinStrategy(local_batch_sizes=[32, 32, 32])``, no callback: the loss carries ``n * b_i / B`` and
@@ -48,7 +51,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lightning_cannikin import Cannikin, CannikinStrategy
+from lightning_cannikin import Cannikin, CannikinSettings, CannikinStrategy
 
 WORLD_SIZE = 3
 VARIANTS = (
@@ -56,6 +59,7 @@ VARIANTS = (
     "cannikin",
     "cannikin_noise",
     "cannikin_noise_every4",
+    "cannikin_adaptive",
     "cannikin_even",
     "cannikin_noise_even",
     "fixed",
@@ -78,12 +82,14 @@ def strategy_and_callbacks(variant: str, total_batch: int) -> tuple[Any, list[Ca
         return CannikinStrategy(local_batch_sizes=even, start_method="fork"), []
     if variant == "fixed_hook":
         return HookedStrategy(local_batch_sizes=even, start_method="fork"), []
-    options = {"track_noise_scale": "noise" in variant, "balance": not variant.endswith("_even")}
-    if variant.endswith("_every4"):
-        options["noise_every_n_steps"] = 4
     if variant == "cannikin":
         return "cannikin_fork", []  # as a new user writes it: the strategy adds its default callback
-    return "cannikin_fork", [Cannikin(**options)]
+    if variant == "cannikin_adaptive":
+        return "cannikin_fork", [Cannikin(max_batch_size=total_batch)]  # the default settings
+    # every step measured unless the variant says otherwise
+    every = 4 if variant.endswith("_every4") else 1
+    settings = CannikinSettings(track_noise_scale="noise" in variant, noise_every_n_steps=every)
+    return "cannikin_fork", [Cannikin(balance=not variant.endswith("_even"), settings=settings)]
 
 
 class MLP(pl.LightningModule):

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import lightning_cannikin  # noqa: F401  (registers strategy="cannikin")
 from examples.data import ImageClassifier, accuracy, load_dataset
 from examples.emulated_cluster import SplitReporter
-from lightning_cannikin import Cannikin, EmulatedCluster
+from lightning_cannikin import Cannikin, CannikinSettings, EmulatedCluster
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fixed-ms", type=float, default=2.0, help="emulated ms per step (with --per-sample-ms)")
     parser.add_argument("--batch-size", type=int, default=32, help="per-device batch size (total = x world size)")
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--warmup-steps", type=int, default=8, help="Cannikin(warmup_steps=...)")
+    parser.add_argument("--warmup-steps", type=int, default=8, help="CannikinSettings(warmup_steps=...)")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data", default="digits", choices=["digits", "fashion-mnist"])
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     train, test, shape = load_dataset(args.data, seed=args.seed)
     callbacks: list[pl.Callback] = [SplitReporter()]
     if args.strategy.startswith("cannikin"):
-        callbacks.append(Cannikin(warmup_steps=args.warmup_steps))
+        callbacks.append(Cannikin(settings=CannikinSettings(warmup_steps=args.warmup_steps)))
     if args.per_sample_ms:
         callbacks.append(EmulatedCluster(args.per_sample_ms, args.fixed_ms))
     trainer = pl.Trainer(

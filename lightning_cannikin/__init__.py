@@ -21,12 +21,14 @@ if TYPE_CHECKING:  # the names below, for type checkers and IDEs; at run time `_
     from lightning_cannikin.training.fabric import CannikinFabricStrategy
     from lightning_cannikin.training.sampler import UnevenDistributedSampler
     from lightning_cannikin.training.schedules import progress_lr_lambda
+    from lightning_cannikin.training.settings import CannikinSettings
     from lightning_cannikin.training.strategy import CannikinStrategy
 
 # public name -> the module that defines it
 _LAZY = {
     "Plan": "lightning_cannikin.core.plan",
     "Cannikin": "lightning_cannikin.training.callback",
+    "CannikinSettings": "lightning_cannikin.training.settings",
     "CannikinStrategy": "lightning_cannikin.training.strategy",
     "CannikinFabricStrategy": "lightning_cannikin.training.fabric",
     "EmulatedCluster": "lightning_cannikin.training.emulator",
@@ -37,6 +39,7 @@ _LAZY = {
 __all__ = [
     "Cannikin",
     "CannikinFabricStrategy",
+    "CannikinSettings",
     "CannikinStrategy",
     "EmulatedCluster",
     "Plan",

@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from lightning_cannikin import Cannikin, CannikinStrategy, EmulatedCluster
+from lightning_cannikin import Cannikin, CannikinSettings, CannikinStrategy, EmulatedCluster
 from lightning_cannikin.training.grad_stats import FOLD_DELAY
 from tests.models import (
     IndexedRegression,
@@ -106,9 +106,8 @@ def test_total_batch_grows_only_at_epoch_ends_and_keeps_every_sample_once(tmp_pa
     dataset = IndexedRegression(480, seed=3)
     dataset.y += 3.0 * torch.randn_like(dataset.y)
     model = RecordingRegressor(dataset, batch_size=8, record_dir=str(tmp_path), lr=0.01)
-    cannikin = Cannikin(
-        max_batch_size=128, min_noise_updates=5, warmup_steps=4, balance=balance, adapt_every_n_steps=None
-    )
+    settings = CannikinSettings(min_noise_updates=5, warmup_steps=4, adapt_every_n_steps=None, noise_every_n_steps=1)
+    cannikin = Cannikin(max_batch_size=128, balance=balance, settings=settings)
     trainer = quiet_trainer(
         CannikinStrategy(start_method="fork"),
         2,
@@ -219,7 +218,8 @@ def fit_recording_noise(
     model = model_class(dataset, batch_size=8, record_dir=str(tmp_path))
     initial = {k: v.clone() for k, v in model.layer.state_dict().items()}
     out = tmp_path / "inputs.json"
-    cannikin = Cannikin(track_noise_scale=True, noise_exchange_every=1, noise_every_n_steps=noise_every)
+    settings = CannikinSettings(track_noise_scale=True, noise_exchange_every=1, noise_every_n_steps=noise_every)
+    cannikin = Cannikin(settings=settings)
     trainer = quiet_trainer(
         CannikinStrategy(local_batch_sizes=sizes, start_method="fork", **(ddp_kwargs or {})),
         len(sizes),

@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning_cannikin import Cannikin, CannikinStrategy, EmulatedCluster
 from lightning_cannikin.core.optperf import optimal_split
 from lightning_cannikin.simulation.emulated_devices import EmulatedDevices
+from lightning_cannikin.training.lightning_hooks import BalancingCallback
 from tests.models import IndexedRegression, RecordingRegressor, quiet_trainer
 
 
@@ -24,7 +25,8 @@ class DumpCannikin(Callback):
     def on_train_end(self, trainer, pl_module):
         if not trainer.is_global_zero:
             return
-        cannikin = next(cb for cb in trainer.callbacks if isinstance(cb, Cannikin))
+        # the Cannikin passed, or the balancing callback `strategy="cannikin"` adds on its own
+        cannikin = next(cb for cb in trainer.callbacks if isinstance(cb, BalancingCallback))
         models = cannikin.speed_model.models()
         self.path.write_text(
             json.dumps(

@@ -151,3 +151,81 @@ def test_no_module_is_over_about_400_lines():
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert not long, long
+
+
+# ---- the balancing engine and its frontends -------------------------------------------------------------------
+
+FRONTEND_LINES = 350  # "about 350" for training/ and tools/, where the engine split the long modules
+FRONTENDS = ("training/callback.py", "training/lightning_hooks.py", "training/fabric.py", "training/strategy.py")
+PROTOCOL_CALLS = {"all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "decide"}
+
+
+def _calls(path: Path) -> set[str]:
+    """The names every call in ``path`` calls (``f(...)`` and ``x.f(...)`` alike)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            func = node.func
+            names.add(func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", ""))
+    return names
+
+
+def test_no_frontend_gathers_broadcasts_or_decides_on_its_own():
+    for frontend in FRONTENDS:
+        found = _calls(PACKAGE / frontend) & PROTOCOL_CALLS
+        assert not found, f"{frontend} calls {found}: the protocol belongs to training/engine.py"
+    assert {"all_gather", "broadcast", "decide"} <= _calls(PACKAGE / "training/engine.py")
+
+
+def test_the_lightning_callback_and_the_fabric_strategy_drive_the_same_engine_class():
+    from lightning_cannikin import Cannikin, CannikinFabricStrategy
+    from lightning_cannikin.training.engine import BalancingEngine
+    from lightning_cannikin.training.lightning_hooks import BalancingCallback
+
+    callback, fabric = Cannikin(max_batch_size=64), CannikinFabricStrategy()
+    default = BalancingCallback()  # what `strategy="cannikin"` adds without a user callback
+    for engine in (callback.engine, fabric.engine, default.engine):
+        assert type(engine) is BalancingEngine
+    graph = _graph()
+    for frontend in ("training.lightning_hooks", "training.fabric"):
+        assert f"{NAME}.training.engine" in graph[f"{NAME}.{frontend}"], frontend
+
+
+def test_the_strategy_does_not_import_the_callback_even_indirectly():
+    graph = _graph()
+    seen, todo = set(), [f"{NAME}.training.strategy"]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo.extend(graph[module])
+    assert f"{NAME}.training.callback" not in seen
+    assert not any(m.startswith(f"{NAME}.tools") for m in graph[f"{NAME}.training.engine"]), "the profile is core's"
+
+
+def test_no_module_of_training_or_tools_is_over_about_350_lines():
+    long = {
+        str(p.relative_to(PACKAGE)): n
+        for floor in ("training", "tools")
+        for p in (PACKAGE / floor).rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > FRONTEND_LINES
+    }
+    assert not long, long
+
+
+def test_private_lightning_and_torch_names_are_reached_through_the_compat_module_only():
+    # `x._name` attribute reads and `_Name` imports from lightning or torch, outside training/_lightning_compat.py
+    compat = PACKAGE / "training" / "_lightning_compat.py"
+    leaks = []
+    for path in (PACKAGE / "training").rglob("*.py"):
+        if path == compat:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("lightning", "torch"):
+                leaks += [f"{path.name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+            elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                owner = node.value
+                base = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", "")
+                if base in ("torch", "dist", "trainer", "loop", "fit_loop", "autograd", "Variable", "scaler"):
+                    leaks.append(f"{path.name}: {base}.{node.attr}")
+    assert not leaks, leaks

@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch.loggers import Logger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 
-from lightning_cannikin import Cannikin, CannikinStrategy, EmulatedCluster
+from lightning_cannikin import Cannikin, CannikinSettings, CannikinStrategy, EmulatedCluster
 from lightning_cannikin.tools.run_profile import PROFILE_FILENAME, load_profile
 from tests.models import CANNIKIN_METRICS, IndexedRegression, RecordingRegressor, quiet_trainer
 
@@ -36,7 +36,10 @@ def _event_tags(log_dir: Path) -> set[str]:
 def _fit(tmp_path: Path, logger: Logger, devices: int = 2) -> None:
     torch.manual_seed(0)
     model = RecordingRegressor(IndexedRegression(320), batch_size=16, record_dir=str(tmp_path))
-    callbacks = [EmulatedCluster([1.0, 3.0][:devices], fixed_ms=2.0), Cannikin(max_batch_size=64, min_noise_updates=3)]
+    callbacks = [
+        EmulatedCluster([1.0, 3.0][:devices], fixed_ms=2.0),
+        Cannikin(max_batch_size=64, settings=CannikinSettings(min_noise_updates=3, noise_every_n_steps=1)),
+    ]
     trainer = quiet_trainer(
         CannikinStrategy(start_method="fork"), devices, callbacks, max_epochs=2, logger=logger, log_every_n_steps=2
     )

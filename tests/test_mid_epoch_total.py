@@ -19,8 +19,9 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
+from torch.utils.data import DataLoader
 
-from lightning_cannikin import Cannikin, CannikinStrategy, EmulatedCluster
+from lightning_cannikin import Cannikin, CannikinSettings, CannikinStrategy, EmulatedCluster
 from lightning_cannikin.core.goodput import adascale_gain
 from lightning_cannikin.core.noise_scale import NoiseScaleEstimator
 from lightning_cannikin.core.speed_model import SpeedModel
@@ -101,9 +102,20 @@ def extras(record_dir: Path, world_size: int) -> list[dict]:
     return [json.loads((record_dir / f"extra{r}.json").read_text()) for r in range(world_size)]
 
 
-def fit(record_dir, cannikin, *, num_samples=480, batch_size=8, schedule=None, ckpt_path=None, callbacks=(), **kw):
+def fit(
+    record_dir,
+    cannikin,
+    *,
+    num_samples=480,
+    batch_size=8,
+    schedule=None,
+    ckpt_path=None,
+    callbacks=(),
+    model=None,
+    **kw,
+):
     torch.manual_seed(0)
-    model = StepRecorder(noisy_dataset(num_samples), batch_size, str(record_dir), lr=0.01, schedule=schedule)
+    model = (model or StepRecorder)(noisy_dataset(num_samples), batch_size, str(record_dir), lr=0.01, schedule=schedule)
     initial = copy.deepcopy(model.layer.state_dict())
     emulated = EmulatedCluster([0.1, 0.1], fixed_ms=20.0)
     trainer = quiet_trainer(
@@ -123,8 +135,11 @@ def test_per_step_gain_and_progress_schedule_equal_the_formula_on_a_replay(tmp_p
     def schedule(progress):
         return 1.0 / (1.0 + 0.05 * progress)
 
+    settings = CannikinSettings(
+        min_noise_updates=3, warmup_steps=1000, adapt_every_n_steps=None, noise_exchange_every=1, noise_every_n_steps=1
+    )
     cannikin = Cannikin(
-        base_batch_size=8, min_noise_updates=3, warmup_steps=1000, adapt_every_n_steps=None, noise_exchange_every=1
+        base_batch_size=8, settings=settings
     )  # one step per exchange: each step's statistics arrive FOLD_DELAY steps later
     _, _, extra = fit(tmp_path, cannikin, schedule=schedule, max_steps=25)
     assert extra[0]["stepped_lrs"] == extra[1]["stepped_lrs"], "the ranks stepped with different learning rates"
@@ -159,10 +174,11 @@ def known_step_times(monkeypatch, accumulation_is_free: bool = False) -> None:
     monkeypatch.setattr(SpeedModel, "predict", predict)
 
 
-def total_changing_cannikin(**kwargs) -> Cannikin:
-    options = {"max_batch_size": 48, "balance": False, "min_noise_updates": 3, "adapt_every_n_steps": 6}
-    options.update(kwargs)
-    return Cannikin(**options)
+def total_changing_cannikin(lr_scaling: str = "adascale", base_batch_size: int | None = None, **kwargs) -> Cannikin:
+    settings = CannikinSettings(
+        **{"min_noise_updates": 3, "adapt_every_n_steps": 6, "noise_every_n_steps": 1, **kwargs}
+    )
+    return Cannikin(48, None, lr_scaling, base_batch_size, balance=False, settings=settings)
 
 
 def test_mid_epoch_total_change_keeps_every_sample_once_and_lightning_counts_the_epoch(tmp_path, monkeypatch):
@@ -179,6 +195,26 @@ def test_mid_epoch_total_change_keeps_every_sample_once_and_lightning_counts_the
     for lengths in extra[0]["epoch_lengths"]:
         assert lengths[0] == lengths[1], extra[0]["epoch_lengths"]
     assert extra[0]["validated"] == [0, 1]
+
+
+class PrefetchingRecorder(StepRecorder):
+    """A loader worker that draws batches ahead of the training step."""
+
+    def train_dataloader(self):
+        return DataLoader(
+            self.dataset, batch_size=self.batch_size, shuffle=self.shuffle, num_workers=1, prefetch_factor=3
+        )
+
+
+def test_every_step_runs_at_the_lr_factor_of_the_plan_it_ran(tmp_path, monkeypatch):
+    # a loader with workers prefetches, so a total decided mid-epoch starts a few batches after the decision: the
+    # steps in between still run the old total, and must run its learning rate ("linear": lr x total / B0)
+    known_step_times(monkeypatch)
+    cannikin = total_changing_cannikin(lr_scaling="linear", base_batch_size=8)
+    _, records, extra = fit(tmp_path, cannikin, max_epochs=1, model=PrefetchingRecorder)
+    totals = [len(a) + len(b) for a, b in epoch_steps(records, 0)][:-1]  # the epoch's last batch may be partial
+    assert totals[0] == 16 and 48 in totals, f"the total did not change mid-epoch: {totals}"
+    assert extra[0]["stepped_lrs"][: len(totals)] == pytest.approx([0.01 * total / 8 for total in totals], rel=1e-12)
 
 
 @pytest.mark.parametrize(  # mid-epoch after the change, or that epoch's end; the noise of every step or one in two
@@ -221,14 +257,8 @@ def test_totals_reached_by_accumulation_give_the_exact_mean_gradient(tmp_path, m
     # measured apart), so on its own it never finds accumulation worth it. Stand in for a cluster whose reduction and
     # optimizer dominate: micro-steps beyond the first cost nothing.
     known_step_times(monkeypatch, accumulation_is_free=True)
-    cannikin = Cannikin(
-        max_batch_size=48,
-        balance=False,
-        min_noise_updates=3,
-        local_batch_bounds=8,
-        lr_scaling="none",
-        adapt_every_n_steps=None,
-    )
+    settings = CannikinSettings(min_noise_updates=3, adapt_every_n_steps=None, noise_every_n_steps=1)
+    cannikin = Cannikin(max_batch_size=48, balance=False, local_batch_bounds=8, lr_scaling="none", settings=settings)
     initial, records, extra = fit(tmp_path, cannikin, max_epochs=2)
     accumulation = extra[0]["accumulation"]
     epochs = records[0]["epochs"]

@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
-from lightning_cannikin import Cannikin, CannikinStrategy
+from lightning_cannikin import Cannikin, CannikinSettings, CannikinStrategy
 from lightning_cannikin.training.grad_stats import FOLD_DELAY
 from tests.models import IndexedRegression, RecordingRegressor, quiet_trainer, read_records, record_estimator_inputs
 
@@ -45,6 +45,10 @@ class RecordNoiseAndScale(Callback):
             self.out.write_text(json.dumps({"fed": self.fed, "scales": self.scales}))
 
 
+# every step measured, one step per exchange
+EVERY_STEP = CannikinSettings(track_noise_scale=True, noise_exchange_every=1, noise_every_n_steps=1)
+
+
 def fit(tmp_path, max_steps, **trainer_kwargs):
     torch.manual_seed(0)
     dataset = IndexedRegression(256)
@@ -54,7 +58,7 @@ def fit(tmp_path, max_steps, **trainer_kwargs):
     trainer = quiet_trainer(
         CannikinStrategy(local_batch_sizes=[24, 8], start_method="fork"),
         2,
-        [Cannikin(track_noise_scale=True, noise_exchange_every=1), RecordNoiseAndScale(out)],  # FOLD_DELAY holds
+        [Cannikin(settings=EVERY_STEP), RecordNoiseAndScale(out)],  # FOLD_DELAY holds
         max_steps=max_steps,
         **trainer_kwargs,
     )

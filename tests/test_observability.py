@@ -8,7 +8,7 @@ import json
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_cannikin import Cannikin, CannikinStrategy, EmulatedCluster
+from lightning_cannikin import Cannikin, CannikinSettings, CannikinStrategy, EmulatedCluster
 from lightning_cannikin.tools.cli import main as cli_main
 from lightning_cannikin.tools.run_profile import PROFILE_FILENAME, load_profile
 from tests.models import CANNIKIN_METRICS, IndexedRegression, RecordingRegressor, quiet_trainer
@@ -21,7 +21,10 @@ def test_metrics_reach_a_csv_logger_and_the_profile_round_trips(tmp_path, capsys
     trainer = quiet_trainer(
         CannikinStrategy(start_method="fork"),
         2,
-        [EmulatedCluster([1.0, 3.0], fixed_ms=2.0), Cannikin(max_batch_size=64, min_noise_updates=3)],
+        [
+            EmulatedCluster([1.0, 3.0], fixed_ms=2.0),
+            Cannikin(max_batch_size=64, settings=CannikinSettings(min_noise_updates=3, noise_every_n_steps=1)),
+        ],
         max_epochs=3,
         logger=logger,
         log_every_n_steps=2,

@@ -163,7 +163,9 @@ def test_the_simulator_and_the_callback_decide_alike(phi: float, max_batch: int)
     callback = Cannikin(max_batch_size=max_batch)
     bounds = BatchBounds(tuple(int(b) for b in simulated.lower), tuple(int(b) for b in simulated.upper))
     seen = [current.local_batch_sizes, simulated.plan("cannikin", base + 40).local_batch_sizes]
-    callback._speed_model = _fitted_on(simulated.slopes, simulated.offsets, BatchBounds(bounds.lower, bounds.upper), [])
+    callback.engine.speed_model = _fitted_on(
+        simulated.slopes, simulated.offsets, BatchBounds(bounds.lower, bounds.upper), []
+    )
     records = []
     for step, sizes in enumerate(seen * 3):
         compute = [a * b + a0 for a, a0, b in zip(simulated.slopes, simulated.offsets, sizes, strict=True)]
@@ -179,8 +181,8 @@ def test_the_simulator_and_the_callback_decide_alike(phi: float, max_batch: int)
             "num_updates": 99,
         }
     )
-    callback._estimator = estimator
-    live = callback._decide(records, current, mid_epoch=False)
+    callback.engine.estimator = estimator
+    live = callback.engine.decide(records, current, mid_epoch=False)
 
     projected = replan(simulated, "cannikin", current, phi, max_batch)
     assert live is not None and live.identified and projected.identified

@@ -10,7 +10,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_cannikin import Cannikin, CannikinStrategy
+from lightning_cannikin import Cannikin, CannikinSettings, CannikinStrategy
 from tests.models import IndexedRegression, RecordingRegressor, quiet_trainer, read_records
 
 
@@ -139,7 +139,7 @@ def test_a_device_that_slows_down_is_rebalanced_within_two_replans(tmp_path):
     out = tmp_path / "cannikin.json"
     change_step, every = 24, 8
     emulator = EmulatedCluster([1.0, 1.0], fixed_ms=5.0, speed_changes={change_step: [1.0, 3.0]})
-    cannikin = Cannikin(replan_every_n_steps=every, warmup_steps=every)
+    cannikin = Cannikin(replan_every_n_steps=every, settings=CannikinSettings(warmup_steps=every))
     _fit(
         tmp_path,
         2,

@@ -9,7 +9,20 @@ The factor multiplies the learning rate only for the duration of ``optimizer.ste
 LR schedulers keep working. :class:`Progress` sums the gains: the number of B0-steps' worth of progress made, which
 lets schedules run in scale-invariant steps.
 
-Pure Python and numpy: the optimizer is identified by its class name, so no torch import is needed.
+Which family an optimizer is in is read from what it holds, not from its name (:func:`optimizer_family`, given the
+names of its per-parameter state; the training side collects them): a running second moment ``exp_avg_sq`` makes it
+Adam-family (the square root of the gain, the noise measured on the preconditioned gradient). Optimizers that
+precondition by another running statistic (RMSprop's ``square_avg``, Adagrad's ``sum``, Adafactor's factored
+``row_var``/``col_var``/``variance``, Adamax's ``exp_inf``) are neither: the gain AdaScale derives for SGD does not
+hold for them and their preconditioner is not the one the noise statistics divide by, so ``"adascale"`` refuses
+them (:func:`check_family`) and the fixed rules apply as given.
+
+Adam's state at a change of total batch is kept as it is, by choice: ``exp_avg_sq`` averages the squared gradient,
+whose noise part shrinks about as ``1 / B``, so after a larger total it overstates the second moment for about
+``1 / (1 - beta2)`` steps and the steps are a little shorter than the new factor says: the cautious side, with no
+reset that would throw away the curvature it has learnt (Pollux/AdaptDL keep it too).
+
+Pure Python and numpy: no torch import is needed.
 """
 
 from __future__ import annotations
@@ -18,7 +31,7 @@ import math
 
 from lightning_cannikin.core.goodput import adascale_gain
 
-__all__ = ["RULES", "Progress", "is_adam_family", "lr_factor", "validate_rule"]
+__all__ = ["RULES", "Progress", "check_family", "is_adam_family", "lr_factor", "optimizer_family", "validate_rule"]
 
 RULES: tuple[str, ...] = ("adascale", "sqrt", "linear", "none")
 
@@ -49,6 +62,46 @@ def is_adam_family(optimizer_class_name: str) -> bool:
     """
     name = optimizer_class_name.lower()
     return any(marker in name for marker in _ADAM_MARKERS)
+
+
+# per-parameter state that marks a preconditioner other than Adam's second moment
+_OTHER_PRECONDITIONERS = {
+    "square_avg": "RMSprop",
+    "sum": "Adagrad",
+    "row_var": "Adafactor",
+    "col_var": "Adafactor",
+    "variance": "Adafactor",
+    "exp_inf": "Adamax",
+}
+
+
+def optimizer_family(state_keys: set[str] | frozenset[str]) -> str | None:
+    """``"adam"``, ``"sgd"`` or the name of another preconditioner, from the names of an optimizer's per-parameter
+    state; ``None`` while it holds none (before its first step)."""
+    if not state_keys:
+        return None
+    if "exp_avg_sq" in state_keys:
+        return "adam"
+    for key, name in _OTHER_PRECONDITIONERS.items():
+        if key in state_keys:
+            return name
+    return "sgd"
+
+
+def check_family(family: str | None, rule: str, optimizer_name: str) -> None:
+    """Refuse ``"adascale"`` for an optimizer that preconditions by a statistic other than Adam's second moment.
+
+    Raises:
+        ValueError: naming ``lr_scaling`` and the values that work.
+
+    """
+    if family in (None, "adam", "sgd") or validate_rule(rule) != "adascale":
+        return
+    raise ValueError(
+        f"`lr_scaling='adascale'` cannot scale {optimizer_name}: it preconditions like {family} (not by Adam's"
+        " second moment), for which neither AdaScale's gain nor the noise statistics hold. Pass"
+        " `lr_scaling='sqrt'`, `'linear'` or `'none'` to Cannikin."
+    )
 
 
 def lr_factor(rule: str, batch_size: int, base_batch_size: int, noise_scale: float | None, adam: bool = False) -> float:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lightning_cannikin.tools.run_profile import Profile
+from lightning_cannikin.core.profile import Profile
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

@@ -1,33 +1,38 @@
-"""``CannikinFabricStrategy``: uneven local batches, the weighted all-reduce and step timing for a Fabric loop.
+"""``CannikinFabricStrategy``: the balancing engine's frontend for a Fabric loop.
 
 Fabric users write their own loop, so the strategy offers three pieces instead of hooks: the weighted all-reduce on
 the module ``fabric.setup`` wraps, :meth:`~CannikinFabricStrategy.uneven_dataloader` for the training loader, and
-:meth:`~CannikinFabricStrategy.step`, a context around forward and backward that weights and times the step and
-re-plans the split when it is due (while some device is unmeasured, on a cadence, and after each epoch's last step).
-The plans come from the same speed model and :func:`~lightning_cannikin.core.policy.decide` as the Lightning callback;
-the total batch stays the loader's (no goodput adaptation or learning-rate scaling here).
+:meth:`~CannikinFabricStrategy.step`, a context around forward and backward that weights and times the step and lets
+the :class:`~lightning_cannikin.training.engine.BalancingEngine` re-plan when it is due (while some device is
+unmeasured, on a cadence, and after each epoch's last step): the same engine, protocol and decisions as the
+Lightning callback's. With ``max_batch_size`` the total batch adapts for goodput too, as under Lightning: the noise
+statistics ride on the weighted all-reduce, the learning rate is scaled inside ``optimizer.step()``, and a new total
+starts at the next global batch no rank has drawn (the loader's length follows). The accumulation stays the loop's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
-import torch.distributed as dist
 from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.utilities.rank_zero import rank_zero_deprecation
+from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_cannikin.core.plan import BatchBounds, Plan, even_split
-from lightning_cannikin.core.policy import PolicySettings, decide
-from lightning_cannikin.core.schedule import ReplanSchedule
-from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings
+from lightning_cannikin.core.plan import Plan
+from lightning_cannikin.training.collective import StrategyCollective
 from lightning_cannikin.training.comm_hook import weighted_allreduce_hook
+from lightning_cannikin.training.engine import BalancingEngine
 from lightning_cannikin.training.loader import UnevenDataLoader, loader_batch_size, rebuild_uneven
 from lightning_cannikin.training.runtime import RuntimeState
+from lightning_cannikin.training.settings import SETTING_NAMES, CannikinSettings, split_deprecated
 from lightning_cannikin.training.step_timer import step_timer_for
 
 __all__ = ["CannikinFabricStrategy"]
@@ -41,9 +46,13 @@ class CannikinFabricStrategy(DDPStrategy):
             loader's ``batch_size`` on every rank and balance by measured speed.
         local_batch_bounds: bounds on any rank's local batch, as for the :class:`~lightning_cannikin.Cannikin`
             callback: an upper bound, or ``(lower, upper)`` with scalars or per-rank sequences.
-        warmup_steps: while some device is timed at one batch size only, re-plan every this many steps.
         replan_every_n_steps: also re-plan every this many steps (``None``: at warm-up and epoch ends only).
-        half_life: recency half-life of the timing fits, in steps.
+        accumulate_grad_batches: micro-batches per optimizer step in the loop (see :meth:`step`).
+        max_batch_size, lr_scaling, base_batch_size: the adaptive total batch and its learning rate, as for the
+            :class:`~lightning_cannikin.Cannikin` callback (``None``: the total stays the loader's).
+        settings: the engine's tuning settings (:class:`~lightning_cannikin.CannikinSettings`; its ``accumulate``
+            does not apply: the loop's accumulation is the user's). ``warmup_steps=`` and the other settings as
+            keywords still work for this release, with a deprecation warning.
         **kwargs: every argument of Fabric's :class:`~lightning.fabric.strategies.DDPStrategy`.
 
     Example::
@@ -66,27 +75,48 @@ class CannikinFabricStrategy(DDPStrategy):
         self,
         local_batch_sizes: Sequence[int] | None = None,
         local_batch_bounds: Any = None,
-        warmup_steps: int = 8,
         replan_every_n_steps: int | None = None,
-        half_life: float = 50.0,
+        accumulate_grad_batches: int = 1,
+        max_batch_size: int | None = None,
+        lr_scaling: str = "adascale",
+        base_batch_size: int | None = None,
+        settings: CannikinSettings | None = None,
         **kwargs: Any,
     ) -> None:
+        legacy = {name: kwargs.pop(name) for name in list(kwargs) if name in SETTING_NAMES}
+        if legacy:
+            settings = split_deprecated(settings, legacy, rank_zero_deprecation)
         super().__init__(**kwargs)
-        BatchBounds.check(local_batch_bounds)
-        self._fixed = None if local_batch_sizes is None else Plan(tuple(local_batch_sizes))
-        self._bounds = local_batch_bounds
-        self.schedule = ReplanSchedule(warmup_steps, replan_every_n_steps)
-        self._speed_settings = SpeedModelSettings(half_life=half_life)
+        if isinstance(accumulate_grad_batches, bool) or accumulate_grad_batches < 1:
+            raise ValueError(f"`accumulate_grad_batches` must be a positive integer, got {accumulate_grad_batches}.")
+        self._accumulation = int(accumulate_grad_batches)
+        self._fixed = None if local_batch_sizes is None else Plan(tuple(local_batch_sizes), self._accumulation)
+        # the loop's accumulation is the user's: the engine never changes it
+        settings = replace(settings or CannikinSettings(), accumulate=False)
+        self.engine = BalancingEngine(
+            max_batch_size,
+            local_batch_bounds,
+            lr_scaling,
+            base_batch_size,
+            replan_every_n_steps=replan_every_n_steps,
+            save_profile=False,
+            settings=settings,
+        )
         self.runtime = RuntimeState(fixed_split=self._fixed is not None)
-        self.speed_model: SpeedModel | None = None
         self._loader: UnevenDataLoader | None = None
-        self._step = 0
-        self._identified = False
+        self._ddp: DistributedDataParallel | None = None
+        self._optimizer: Any = None
+        self._optimizer_steps = 0
 
     @property
     def plan(self) -> Plan | None:
         """The split in force (``None`` before :meth:`uneven_dataloader`)."""
         return self.runtime.plan
+
+    @property
+    def speed_model(self) -> Any:
+        """The engine's per-device timing models."""
+        return self.engine.speed_model
 
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:
@@ -97,7 +127,20 @@ class CannikinFabricStrategy(DDPStrategy):
         self.runtime.use_timer(step_timer_for(self.root_device))
         runtime = self.runtime
         ddp.module.register_forward_pre_hook(lambda module, args: runtime.timer.inner_forward_start())
+        self._ddp = ddp
         return ddp
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        self._optimizer = optimizer  # its family decides the AdaScale rule and the noise's preconditioning
+        return super().setup_optimizer(optimizer)
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        self.engine.before_optimizer_step()  # the step counts at its gain
+        self._optimizer_steps += 1
+        with self.runtime.learning_rate_scaled(optimizer):
+            return super().optimizer_step(optimizer, **kwargs)
 
     def uneven_dataloader(self, dataloader: DataLoader) -> UnevenDataLoader:
         """The training loader, rebuilt so that each rank takes its share of every global batch.
@@ -109,63 +152,63 @@ class CannikinFabricStrategy(DDPStrategy):
             raise ValueError(
                 f"`local_batch_sizes` has {self._fixed.world_size} entries but the world size is {self.world_size}."
             )
-        if self.speed_model is None:
-            bounds = BatchBounds.parse(self._bounds, self.world_size)
-            self.speed_model = SpeedModel(self.world_size, self._speed_settings, bounds)
-            self.runtime.bounds = bounds
+        if self.engine.runtime is None:
+            self.engine.attach(self.runtime, StrategyCollective(self))
         plan = self._fixed or self.runtime.plan
-        if plan is None:
-            plan = Plan(even_split(loader_batch_size(dataloader) * self.world_size, self.world_size))
+        if plan is None:  # the loader's batch size on every rank, inside the bounds
+            total = loader_batch_size(dataloader) * self.world_size
+            plan = self.runtime.first_plan(total, self.world_size, self._accumulation)
         loader = rebuild_uneven(dataloader, plan, self.global_rank)
-        self.runtime.plan, self.runtime.sampler, self._loader = plan, loader.uneven_sampler, loader
+        self.runtime.use_loader(plan, loader.uneven_sampler)
+        self._loader = loader
+        if self.engine.estimator is None:
+            self.engine.start(self._optimizer, accumulation_allowed=False)
         return loader
 
     @contextmanager
     def step(self) -> Iterator[tuple[int, ...]]:
-        """Around one training step's forward and backward: weights the all-reduce for the batch in hand, times the
-        step, and afterwards re-plans on every rank when due. Yields every rank's sample count in this step."""
+        """Around one training step's (or accumulation micro-step's) forward and backward: weights the all-reduce
+        and the loss for the batch in hand, times the step, and afterwards re-plans on every rank when due. Yields
+        every rank's sample count in this step.
+
+        With ``accumulate_grad_batches`` > 1, divide each micro-batch's loss by it (as Lightning does) and skip the
+        gradient sync on all but the window's last micro-batch (``fabric.no_backward_sync``); the strategy weights
+        each micro-batch so that the window's gradient is the exact mean over its samples.
+        """
         loader = self._loader
         if loader is None or not loader.pending_steps:
             raise RuntimeError("`step()` needs a batch drawn from the loader that `uneven_dataloader` returned.")
         position, sizes = loader.pending_steps.popleft()
-        rank = self.global_rank
-        self.runtime.step_sizes = sizes
-        self.runtime.hook.weight = sizes[rank] / sum(sizes)
-        timer = self.runtime.timer
-        timer.start()
-        timer.forward_start()
+        if self.runtime.noise is not None:  # before the step's backward: is this optimizer step measured?
+            self.runtime.noise.start_step(self._optimizer_steps)
+        self.runtime.begin_step(position, sizes, self.global_rank, self._accumulation)
+        self.engine.step_started()
+        self.runtime.timer.forward_start()
         yield sizes
-        timer.backward_done()
-        timer.finish(self._step, rank, sizes[rank])
-        self._step += 1
+        self.engine.backward_done(self._ddp.parameters() if self._ddp is not None else ())
+        self.engine.step_finished()
         if self._fixed is None:
             epoch_end = position == len(loader.uneven_sampler) - 1
-            if epoch_end or self.schedule.due(self._step, self._identified, balance=True):
-                self.replan()
+            due, adapt = self.engine.replan_due()
+            if epoch_end or due:
+                self.replan(adapt_total=epoch_end or adapt)
 
-    def replan(self) -> Plan | None:
-        """Gather every rank's timing, let rank zero decide a split of the same total, adopt it on every rank.
+    @override
+    def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
+        factor = self.runtime.loss_factor
+        if factor != 1.0:
+            tensor = tensor * factor
+        # an accumulation micro-step runs under `no_backward_sync`: no all-reduce, its compute ends at backward
+        reduces = getattr(self._ddp, "require_backward_grad_sync", True) if self._ddp is not None else True
+        self.runtime.timer.will_reduce(reduces)
+        super().backward(tensor, module, *args, **kwargs)
+
+    def replan(self, adapt_total: bool = False) -> Plan | None:
+        """Gather every rank's timing, let rank zero decide (a new total too where ``adapt_total`` and
+        ``max_batch_size`` allow), adopt it on every rank.
 
         Every rank must call it at the same step (:meth:`step` does). The plan applies from the next global batch
         that no rank has drawn yet. Returns the plan adopted, or ``None`` while some rank has no timing yet.
         """
-        assert self.speed_model is not None and self.runtime.plan is not None
-        # the step records, read now (on CUDA the last ones wait for the device)
-        mine = (self.runtime.timer.records(wait=True), self.runtime.batches_yielded)
-        gathered: list[Any] = [mine]
-        if dist.is_available() and dist.is_initialized():
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, mine)
-        self.schedule.replanned(self._step, total_changed=False, balance=True)  # the total never changes here
-        decision = None
-        if self.global_rank == 0:
-            self.speed_model.add([record for records, _ in gathered for record in records])
-            if self.speed_model.ready:
-                current = self.runtime.plan
-                decision = decide(self.speed_model, current, PolicySettings(), None, current.total_batch_size)
-        decision = self.broadcast(decision, src=0)
-        if decision is None:
-            return None
-        self._identified = decision.identified
-        self.runtime.adopt(decision.plan, from_batch=max(yielded for _, yielded in gathered))
-        return decision.plan
+        decision = self.engine.replan(mid_epoch=True, adapt_total=adapt_total)
+        return decision.plan if decision is not None else None

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from lightning_cannikin.training._lightning_compat import queue_backward_callback
 from lightning_cannikin.training.grad_norms import GradientNorms
 
 __all__ = ["GradientCapture"]
@@ -79,7 +80,7 @@ class GradientCapture:
     def _queue(self, grad: torch.Tensor) -> None:
         # the loss's gradient comes before any parameter's, so DDP has queued nothing yet: this runs before its
         # final callback copies the reduced buckets back
-        torch.autograd.Variable._execution_engine.queue_callback(self._measure_all)
+        queue_backward_callback(self._measure_all)
 
     def _measure_all(self) -> None:
         # with in-place buckets the parameters' own hooks measured every gradient during backward; a rank whose

@@ -13,6 +13,16 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from lightning_cannikin.training._lightning_compat import (
+    foreach_add_,
+    foreach_copy_,
+    foreach_div,
+    foreach_div_,
+    foreach_norm,
+    foreach_sqrt,
+    foreach_sub,
+)
+
 __all__ = ["GradientNorms", "squared_norm"]
 
 
@@ -59,7 +69,7 @@ class GradientNorms:
         squared = self._squared(params, self._since_previous(params, grads), weight)
         buffers = [self._previous.get(id(p)) for p in params]
         if all(b is not None and b.shape == g.shape for b, g in zip(buffers, grads, strict=True)):
-            torch._foreach_copy_(buffers, grads)
+            foreach_copy_(buffers, grads)
         else:
             self._previous = {id(p): g.clone() for p, g in zip(params, grads, strict=True)}
         self._previous_valid = True
@@ -117,7 +127,7 @@ class GradientNorms:
     def _minus_previous(self, parameters: Sequence[torch.Tensor], pieces: list[torch.Tensor]) -> list[torch.Tensor]:
         previous = [self._previous.get(id(p)) for p in parameters]
         if all(prev is not None for prev in previous):
-            return list(torch._foreach_sub(pieces, previous))
+            return list(foreach_sub(pieces, previous))
         return [piece if prev is None else piece - prev for piece, prev in zip(pieces, previous, strict=True)]
 
     def _squared(self, parameters: Sequence[torch.Tensor], pieces: list[torch.Tensor], weight: float) -> torch.Tensor:
@@ -127,7 +137,7 @@ class GradientNorms:
         if pieces[0].device.type == "cpu":  # a dot product is one vectorized pass, about twice as fast as a norm
             squared = torch.stack([squared_norm(piece) for piece in pieces]).sum()
         else:  # one kernel for every piece
-            squared = torch.stack(torch._foreach_norm(pieces)).square().sum()
+            squared = torch.stack(foreach_norm(pieces)).square().sum()
         return squared if weight == 1.0 else squared / weight**2
 
     def _preconditioned(self, parameters: Sequence[torch.Tensor], pieces: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -147,10 +157,10 @@ class GradientNorms:
         if not chosen:
             return pieces
         # sqrt(v / (1 - beta2^t)) + eps, for all of them at once
-        denominators = torch._foreach_sqrt(second_moments)
-        torch._foreach_div_(denominators, corrections)
-        torch._foreach_add_(denominators, eps)
-        scaled = torch._foreach_div([pieces[i] for i in chosen], denominators)
+        denominators = foreach_sqrt(second_moments)
+        foreach_div_(denominators, corrections)
+        foreach_add_(denominators, eps)
+        scaled = foreach_div([pieces[i] for i in chosen], denominators)
         out = list(pieces)
         for index, piece in zip(chosen, scaled, strict=True):
             out[index] = piece

@@ -36,8 +36,10 @@ import torch
 import torch.distributed as dist
 
 from lightning_cannikin.core.noise_scale import NoiseScaleEstimator
+from lightning_cannikin.training._lightning_compat import scaler_scale
 from lightning_cannikin.training.comm_hook import WeightedAllReduceState
 from lightning_cannikin.training.grad_norms import GradientNorms
+from lightning_cannikin.training.host_transfer import HostTransfer, PinnedTransfer
 
 __all__ = ["FOLD_DELAY", "GradientNormObserver", "check_every"]
 
@@ -50,44 +52,6 @@ def check_every(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
     return value
-
-
-class HostTransfer:
-    """An exchange on CPU: read it by waiting for its collective (long done, a step after it was issued)."""
-
-    def start(self, tensor: torch.Tensor, work: Any) -> Any:
-        return work, tensor
-
-    def read(self, handle: Any) -> list[float]:
-        work, tensor = handle
-        work.wait()
-        return tensor.tolist()
-
-
-class PinnedTransfer:
-    """An exchange on CUDA: copied to pinned host memory behind the collective, on the stream; read once its event
-    has passed (a step later it has), so reading never drains the device's queue."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[int, list[torch.Tensor]] = {}
-        self._events: list[torch.cuda.Event] = []
-
-    def start(self, tensor: torch.Tensor, work: Any) -> Any:
-        work.wait()  # on NCCL: the current stream waits for the collective; the host does not
-        pool = self._buffers.setdefault(tensor.numel(), [])
-        host = pool.pop() if pool else torch.empty(tensor.numel(), dtype=tensor.dtype, pin_memory=True)
-        host.copy_(tensor, non_blocking=True)
-        event = self._events.pop() if self._events else torch.cuda.Event()
-        event.record()
-        return host, event
-
-    def read(self, handle: Any) -> list[float]:
-        host, event = handle
-        event.synchronize()
-        values = host.tolist()
-        self._buffers[host.numel()].append(host)
-        self._events.append(event)
-        return values
 
 
 class GradientNormObserver:
@@ -185,7 +149,7 @@ class GradientNormObserver:
         if self.rank == 0:
             exchange[-2] = math.nan if self._last_global is None else self._last_global
             # the scale this step's gradients carry (the scaler updates it only after the step)
-            exchange[-1] = _scale_of(self.scaler) if self.scaler is not None else 1.0
+            exchange[-1] = scaler_scale(self.scaler) if self.scaler is not None else 1.0
         self._block, self._group = exchange, state.process_group
 
     def captured(self, state: WeightedAllReduceState, local: torch.Tensor, parameters: Sequence[torch.Tensor]) -> None:
@@ -354,9 +318,3 @@ class _Parameters:
 
     def __call__(self) -> list[torch.Tensor]:
         return self._bucket.parameters()
-
-
-def _scale_of(scaler: Any) -> torch.Tensor | float:
-    """The scaler's current scale, without a host sync where it can be had."""
-    scale = scaler._get_scale_async() if hasattr(scaler, "_get_scale_async") else None
-    return float(scaler.get_scale()) if scale is None else scale

@@ -1,15 +1,24 @@
-"""What the strategy and the Cannikin callback share during a fit, in one small object the strategy owns.
+"""What a frontend's strategy and the balancing engine share during a fit, in one small object the strategy owns.
 
-The callback reads it through ``trainer.strategy.runtime`` and never imports the strategy: the strategy writes the
-step's sizes and accumulation window and applies the learning-rate factor; the callback writes the bounds, the
-factor and the plans it decides.
+The engine reaches it through the strategy's ``runtime`` and never imports a strategy. One writer per field:
+
+- the strategy (Lightning's or Fabric's), through :meth:`RuntimeState.use_loader` and :meth:`RuntimeState.begin_step`:
+  the loader's sampler and first plan, the step's sizes, accumulation window, weights, learning-rate factor and gain;
+- the engine, through :meth:`RuntimeState.attach` and :meth:`RuntimeState.adopt`: the bounds, the noise observer,
+  the learning-rate rule, and the plans it decides.
+
+The step weight ``b_i / B`` over the accumulation window is computed here and nowhere else (:meth:`begin_step`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
-from lightning_cannikin.core.plan import BatchBounds, Plan
+from lightning_cannikin.core.optperf import most_even_split
+from lightning_cannikin.core.plan import BatchBounds, Plan, even_split
 from lightning_cannikin.training.comm_hook import WeightedAllReduceState
 from lightning_cannikin.training.grad_stats import GradientNormObserver
 from lightning_cannikin.training.sampler import UnevenBatchSampler
@@ -25,24 +34,31 @@ class RuntimeState:
     Attributes:
         fixed_split: the user fixed the split (``local_batch_sizes``); nothing may re-plan it.
         plan: the plan in force (``None`` before the training loader is built).
-        bounds: per-rank local batch bounds, set by the callback; the first plan respects them.
-        lr_factor: multiplier of the learning rate for each optimizer step, set by the callback.
-        step_sizes: every rank's sample count in the training step in progress, set by the strategy.
+        bounds: per-rank local batch bounds, set by the engine; the first plan respects them.
+        scale: ``total batch -> (lr factor, AdaScale gain)``, set by the engine (``None``: 1 and 1).
+        lr_factor: multiplier of the learning rate for the step in progress: the one of the plan that step runs.
+        gain: the AdaScale gain of the step in progress (B0-steps of progress it makes).
+        step_sizes: every rank's sample count in the training step in progress.
         accumulation_window: every rank's sample count in each micro-batch of the accumulation window in progress.
+        loss_factor: what this rank's loss is multiplied by in the step in progress (the weight, where the loss
+            carries it, and the micro-batch's share of the window).
         hook: the weighted all-reduce's state; its observers see every gradient bucket.
         timer: this rank's step timer, an observer of the hook (the host clock until the strategy knows the device:
             :meth:`use_timer`).
         sampler: the training loader's uneven sampler, once built.
-        noise: the noise statistics' observer, set by the callback when it measures them (``None``: not measured).
+        noise: the noise statistics' observer, set by the engine when it measures them (``None``: not measured).
 
     """
 
     fixed_split: bool = False
     plan: Plan | None = None
     bounds: BatchBounds | None = None
+    scale: Callable[[int], tuple[float, float]] | None = None
     lr_factor: float = 1.0
+    gain: float = 1.0
     step_sizes: tuple[int, ...] | None = None
     accumulation_window: tuple[tuple[int, ...], ...] = ()
+    loss_factor: float = 1.0
     hook: WeightedAllReduceState = field(default_factory=WeightedAllReduceState)
     timer: StepTimer = field(default_factory=StepTimer)
     sampler: UnevenBatchSampler | None = None
@@ -56,6 +72,101 @@ class RuntimeState:
         observers = self.hook.observers
         observers[observers.index(self.timer)] = timer
         self.timer = timer
+
+    def attach(
+        self,
+        bounds: BatchBounds,
+        noise: GradientNormObserver | None,
+        scale: Callable[[int], tuple[float, float]] | None,
+    ) -> None:
+        """The engine's part: the bounds, the noise observer (among the hook's observers) and the LR rule."""
+        if noise is not None and noise not in self.hook.observers:
+            self.hook.observers.append(noise)  # through the comm hook, if there is one
+        self.bounds, self.noise, self.scale = bounds, noise, scale
+
+    def first_plan(self, global_batch_size: int, world_size: int, accumulation: int = 1) -> Plan:
+        """The plan a fit starts from: ``global_batch_size`` as even as the bounds allow (the same total)."""
+        bounds = self.bounds
+        if bounds is None:
+            return Plan(even_split(global_batch_size, world_size), accumulation)
+        if sum(bounds.lower) > global_batch_size or (
+            bounds.upper is not None and sum(bounds.upper) < global_batch_size
+        ):
+            upper = None if bounds.upper is None else list(bounds.upper)
+            raise ValueError(
+                f"`local_batch_bounds` (lower {list(bounds.lower)}, upper {upper})"
+                f" cannot hold the initial global batch of {global_batch_size} (the DataLoader's batch_size x"
+                f" {world_size} ranks). Lower the DataLoader `batch_size` or widen the bounds."
+            )
+        split = most_even_split(global_batch_size, world_size, bounds.lower, bounds.upper)
+        return Plan(split.local_batch_sizes, accumulation)
+
+    def use_loader(self, plan: Plan | None, sampler: UnevenBatchSampler | None) -> None:
+        """The strategy's part: the training loader it built with ``plan`` (``None`` at the fit's end)."""
+        self.plan, self.sampler = plan, sampler
+
+    def begin_step(
+        self, position: int | None, sizes: tuple[int, ...] | None, rank: int, accumulation: int = 1, end: int = -1
+    ) -> None:
+        """The strategy's part: global batch ``position`` of the epoch, with every rank's ``sizes``, starts.
+
+        Sets the step's weights for the exact mean over the accumulation window it belongs to, and its learning-rate
+        factor and gain: those of the plan the step runs (a plan decided mid-epoch starts at a later batch than the
+        decision, because the loader prefetches; its factor starts with it).
+
+        The hook weight is this rank's share of the window's samples. When micro-batches within the window differ in
+        size (the epoch's last, partial batch), each micro-batch's loss is rescaled so that the rank's accumulated
+        gradient is still the mean over its own samples; the loss comes divided by ``accumulation`` (Lightning
+        divides it; a Fabric loop does as Lightning), which the factor undoes.
+
+        Args:
+            position: the global batch's index in the epoch (``None``: outside a training step).
+            sizes: every rank's sample count in it.
+            rank: this rank.
+            accumulation: micro-batches per optimizer step.
+            end: where the window is closed early (the epoch's last batch, ``limit_train_batches``); ``-1``: the
+                epoch's end.
+
+        """
+        self.step_sizes = sizes
+        if position is None or sizes is None:
+            return
+        window = [sizes]
+        if accumulation > 1 and self.sampler is not None:
+            first = (position // accumulation) * accumulation
+            last = len(self.sampler) if end < 0 else min(end, len(self.sampler))
+            last = min(first + accumulation, last)
+            window = [self.sampler.sizes_at(q) for q in range(first, max(last, position + 1))]
+            # an epoch resumed on another world size has placeholders (no sizes) for the batches it did not run
+            window = [sizes_q for sizes_q in window if sizes_q]
+        self.accumulation_window = tuple(window)
+        window_sizes = [sum(column) for column in zip(*window, strict=True)]
+        rank_samples = window_sizes[rank]
+        hook = self.hook
+        hook.weight = rank_samples / sum(window_sizes)
+        hook.micro_weight = sizes[rank] / rank_samples
+        # the weight on the loss (where the loss carries it), times n where DDP's own all-reduce averages
+        weight = hook.weight * hook.mean_over if hook.weight_in_loss else 1.0
+        self.loss_factor = accumulation * hook.micro_weight * weight
+        plan = self.sampler.plan_at(position) if self.sampler is not None else self.plan
+        total = plan.total_batch_size if plan is not None else sum(sizes) * accumulation
+        self.lr_factor, self.gain = self.scale(total) if self.scale is not None else (1.0, 1.0)
+
+    @contextmanager
+    def learning_rate_scaled(self, optimizer: Any) -> Iterator[None]:
+        """The optimizer's learning rates times the step's factor for this step only, restored afterwards, so any LR
+        scheduler keeps its own values."""
+        factor = self.lr_factor
+        saved = [group["lr"] for group in optimizer.param_groups] if factor != 1.0 else None
+        if saved is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = group["lr"] * factor
+        try:
+            yield
+        finally:
+            if saved is not None:
+                for group, lr in zip(optimizer.param_groups, saved, strict=True):
+                    group["lr"] = lr
 
     @property
     def batches_yielded(self) -> int:

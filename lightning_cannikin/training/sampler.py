@@ -118,6 +118,10 @@ class UnevenBatchSampler(Sampler[list[int]]):
             self._layout_key = key
         return self._layout
 
+    def plan_at(self, batch_index: int) -> Plan:
+        """The plan global batch ``batch_index`` of the current epoch runs (a probe alternates two of one total)."""
+        return self.schedule[max((k for k in self.schedule if k <= batch_index), default=0)]
+
     def sizes_at(self, batch_index: int) -> tuple[int, ...]:
         """Every rank's sample count in global batch ``batch_index`` of the current epoch."""
         return self.layout()[batch_index].local_batch_sizes

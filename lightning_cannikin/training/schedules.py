@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import lightning.pytorch as pl
 
-from lightning_cannikin.training.callback import Cannikin
+from lightning_cannikin.training.lightning_hooks import BalancingCallback
 
 __all__ = ["progress_lr_lambda"]
 
@@ -40,7 +40,7 @@ def progress_lr_lambda(trainer: pl.Trainer, schedule: Callable[[float], float]) 
     """
 
     def lr_lambda(step: int) -> float:
-        cannikin = next((cb for cb in trainer.callbacks if isinstance(cb, Cannikin)), None)
+        cannikin = next((cb for cb in trainer.callbacks if isinstance(cb, BalancingCallback)), None)
         return float(schedule(cannikin.progress.value if cannikin is not None else float(step)))
 
     return lr_lambda

@@ -2,26 +2,29 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import torch
-from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.strategy import _StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_cannikin.core.optperf import most_even_split
-from lightning_cannikin.core.plan import Plan, even_split
-from lightning_cannikin.training.callback import Cannikin
+from lightning_cannikin.core.plan import Plan
+from lightning_cannikin.training._lightning_compat import (
+    StrategyRegistryType,
+    register_ddp_comm_hook,
+    uses_distributed_sampler,
+)
 from lightning_cannikin.training.comm_hook import WeightedAllReduceState, weighted_allreduce_hook
 from lightning_cannikin.training.device_memory import LocalBatchOutOfMemoryError, out_of_memory_error
 from lightning_cannikin.training.grad_capture import GradientCapture
 from lightning_cannikin.training.grad_ready import GradientReadiness
+from lightning_cannikin.training.lightning_hooks import BalancingCallback
 from lightning_cannikin.training.loader import UnevenDataLoader, loader_batch_size, rebuild_uneven
 from lightning_cannikin.training.runtime import RuntimeState
 from lightning_cannikin.training.step_timer import step_timer_for
@@ -62,7 +65,6 @@ class CannikinStrategy(DDPStrategy):
         self._fixed_sizes = validate_local_batch_sizes(local_batch_sizes)
         self._runtime = RuntimeState(fixed_split=self._fixed_sizes is not None)
         self._train_loader: UnevenDataLoader | None = None
-        self._loss_factor = 1.0
         self._forward_hook: Any = None
         self._uses_comm_hook: bool | None = None
         self._readiness: GradientReadiness | None = None
@@ -70,7 +72,7 @@ class CannikinStrategy(DDPStrategy):
 
     @property
     def runtime(self) -> RuntimeState:
-        """The state this strategy shares with the :class:`~lightning_cannikin.Cannikin` callback."""
+        """The state this strategy shares with the balancing engine (driven by the Cannikin callback)."""
         return self._runtime
 
     @property
@@ -131,15 +133,15 @@ class CannikinStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        # `strategy="cannikin"` alone still balances the cluster: add the callback unless the user passed one or
-        # fixed the split
+        # `strategy="cannikin"` alone still balances the cluster: a balancing callback with the default engine,
+        # unless the user passed one (a `Cannikin`) or fixed the split
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        if fitting and not getattr(trainer._accelerator_connector, "use_distributed_sampler", True):
+        if fitting and not uses_distributed_sampler(trainer):
             raise ValueError(NO_DISTRIBUTED_SAMPLER_ERROR)  # on every rank alike, before the process group exists
         wanted = trainer is not None and not self.fixed_split
-        if wanted and not any(isinstance(cb, Cannikin) for cb in trainer.callbacks):
-            trainer.callbacks.append(Cannikin())
+        if wanted and not any(isinstance(cb, BalancingCallback) for cb in trainer.callbacks):
+            trainer.callbacks.append(BalancingCallback())
         super().setup_environment()
         # the device is known now: CUDA events on a GPU, the host clock elsewhere
         self._runtime.use_timer(step_timer_for(self.root_device))
@@ -177,7 +179,7 @@ class CannikinStrategy(DDPStrategy):
         if self._uses_comm_hook:
             # DDPStrategy registers comm hooks on CUDA only; on CPU (gloo) a hook would be silently ignored, and the
             # weighted all-reduce is what makes uneven batches correct, so register it on every device type.
-            _register_ddp_comm_hook(
+            register_ddp_comm_hook(
                 model=self.model,
                 ddp_comm_state=runtime.hook,
                 ddp_comm_hook=weighted_allreduce_hook,
@@ -246,30 +248,14 @@ class CannikinStrategy(DDPStrategy):
         elif self.plan is not None:
             plan = Plan(self.plan.local_batch_sizes, accumulation, self.plan.predicted_step_time)
         else:
-            plan = self._initial_plan(loader_batch_size(dataloader) * self.world_size, accumulation)
+            # the user's batch size on every rank, moved inside the bounds (same total) if it violates them
+            plan = self._runtime.first_plan(
+                loader_batch_size(dataloader) * self.world_size, self.world_size, accumulation
+            )
         loader = rebuild_uneven(dataloader, plan, self.global_rank)
-        self._runtime.plan = plan
-        self._runtime.sampler = loader.uneven_sampler
+        self._runtime.use_loader(plan, loader.uneven_sampler)
         self._train_loader = loader
         return loader
-
-    def _initial_plan(self, global_batch_size: int, accumulation: int) -> Plan:
-        """The user's batch size on every rank, moved inside the callback's bounds (same total) if it violates them."""
-        n = self.world_size
-        bounds = self._runtime.bounds
-        if bounds is None:
-            return Plan(even_split(global_batch_size, n), accumulation)
-        if sum(bounds.lower) > global_batch_size or (
-            bounds.upper is not None and sum(bounds.upper) < global_batch_size
-        ):
-            upper = None if bounds.upper is None else list(bounds.upper)
-            raise ValueError(
-                f"`local_batch_bounds` (lower {list(bounds.lower)}, upper {upper})"
-                f" cannot hold the initial global batch of {global_batch_size} (the DataLoader's batch_size x {n}"
-                " ranks). Lower the DataLoader `batch_size` or widen the bounds."
-            )
-        split = most_even_split(global_batch_size, n, bounds.lower, bounds.upper)
-        return Plan(split.local_batch_sizes, accumulation)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -278,48 +264,20 @@ class CannikinStrategy(DDPStrategy):
             self._runtime.noise.start_step(self.lightning_module.trainer.global_step)
         loader = self._train_loader
         if loader is None or not loader.pending_steps:
-            self._runtime.step_sizes = None
+            self._runtime.begin_step(None, None, self.global_rank)
             return
         position, sizes = loader.pending_steps.popleft()
-        self._runtime.step_sizes = sizes
-        self._set_step_weights(position, sizes)
-
-    def _set_step_weights(self, position: int, sizes: tuple[int, ...]) -> None:
-        """Weights for the exact mean over the accumulation window that global batch ``position`` belongs to.
-
-        The hook weight is this rank's share of the window's samples. When micro-batches within the window differ in
-        size (the epoch's last, partial batch), each micro-batch's loss is rescaled so that the rank's accumulated
-        gradient is still the mean over its own samples; Lightning has already divided the loss by
-        ``accumulate_grad_batches``, which the factor undoes.
-        """
-        assert self._train_loader is not None
         trainer = self.lightning_module.trainer
-        accumulation = trainer.accumulate_grad_batches
-        rank = self.global_rank
-        if accumulation == 1:
-            window = [sizes]
-        else:
-            sampler = self._train_loader.uneven_sampler
-            first = (position // accumulation) * accumulation
-            # Lightning closes the window early at the epoch's last batch (or `limit_train_batches`)
-            last = int(min(first + accumulation, len(sampler), trainer.num_training_batches))
-            window = [sampler.sizes_at(q) for q in range(first, max(last, position + 1))]
-            # an epoch resumed on another world size has placeholders (no sizes) for the batches it did not run
-            window = [sizes_q for sizes_q in window if sizes_q]
-        self._runtime.accumulation_window = tuple(window)
-        window_sizes = [sum(column) for column in zip(*window, strict=True)]
-        rank_samples = window_sizes[rank]
-        hook = self._runtime.hook
-        hook.weight = rank_samples / sum(window_sizes)
-        hook.micro_weight = sizes[rank] / rank_samples
-        # the weight on the loss (see `_register_ddp_hooks`), times n where DDP's own all-reduce averages
-        weight = hook.weight * hook.mean_over if hook.weight_in_loss else 1.0
-        self._loss_factor = accumulation * hook.micro_weight * weight
+        # Lightning closes an accumulation window early at the epoch's last batch (or `limit_train_batches`)
+        end = trainer.num_training_batches
+        end = int(end) if math.isfinite(end) else -1
+        self._runtime.begin_step(position, sizes, self.global_rank, trainer.accumulate_grad_batches, end)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        if self._loss_factor != 1.0:
-            closure_loss = closure_loss * self._loss_factor
+        loss_factor = self._runtime.loss_factor
+        if loss_factor != 1.0:
+            closure_loss = closure_loss * loss_factor
         # an accumulation micro-step runs under DDP's `no_sync`: no all-reduce, whichever path reduces
         reduces = getattr(self.model, "require_backward_grad_sync", True)
         self._runtime.timer.will_reduce(reduces)
@@ -342,20 +300,11 @@ class CannikinStrategy(DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        # scale the learning rate for this step only and restore it, so any LR scheduler keeps its own values
-        factor = self._runtime.lr_factor
-        saved = [group["lr"] for group in optimizer.param_groups] if factor != 1.0 else None
-        if saved is not None:
-            for group in optimizer.param_groups:
-                group["lr"] = group["lr"] * factor
         try:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
+            with self._runtime.learning_rate_scaled(optimizer):
+                return super().optimizer_step(optimizer, closure, model, **kwargs)
         except torch.cuda.OutOfMemoryError as error:
             self._out_of_memory(error)  # the optimizer's state, or the closure's forward and backward
-        finally:
-            if saved is not None:
-                for group, lr in zip(optimizer.param_groups, saved, strict=True):
-                    group["lr"] = lr
 
     @override
     def teardown(self) -> None:
@@ -364,12 +313,12 @@ class CannikinStrategy(DDPStrategy):
             self._forward_hook = None
         self._remove_parameter_hooks()
         self._train_loader = None
-        self._runtime.sampler = None
+        self._runtime.use_loader(self._runtime.plan, None)
         super().teardown()
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         entries = (
             ("cannikin", "popen"),
             ("cannikin_spawn", "spawn"),

@@ -1,0 +1,125 @@
+"""Every private Lightning or torch name the package touches, in one place, each with what it relies on.
+
+When Lightning or torch moves one of these, this module is the one to change; the tests that fail name the seam
+(``tests/test_mid_epoch_total.py`` for the fit loop's lengths, ``tests/test_grad_ready.py`` and
+``tests/test_adaptive.py`` for the gradient capture, ``tests/test_packaging.py`` for the registry). Checked on
+Lightning 2.6 and torch 2.13.
+
+Two seams are overrides rather than calls, so they stay where they are: ``CannikinStrategy._configure_launcher`` (the
+earliest point where Lightning's DDP knows the world size and has launched nothing) and
+``CannikinStrategy._register_ddp_hooks`` (where Lightning's DDP registers its comm hook once the model is wrapped),
+together with ``DDPStrategy._ddp_comm_wrapper`` which that override reads.
+
+The fit loop's lengths: Lightning reads the training loader's length once, when it builds the loader, into four
+places: the fit loop's ``max_batches`` (``trainer.num_training_batches``: where the epoch ends), the data fetcher's
+``length`` (which flags the last batch, so a partial accumulation window still steps and epoch-interval schedulers
+run), the combined loader's limits, and the validation cadence ``val_check_batch``. A total batch changed mid-epoch
+changes the epoch's length, and so does resuming an epoch whose total changed before the checkpoint. Left stale, a
+longer epoch would be cut short (samples dropped) and a shorter one would end without its last-batch bookkeeping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+# `_PrefetchDataFetcher`: the fetcher Lightning uses unless the training step takes a `dataloader_iter`; only it
+# has the `length`/`done`/`fetched` fields `sync_epoch_length` rewrites
+from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
+
+# `_register_ddp_comm_hook`: Lightning's helper that registers a comm hook (and wraps it in `ddp_comm_wrapper`);
+# DDPStrategy calls it on CUDA only, Cannikin on every device
+from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
+
+# `_StrategyRegistry`: the type of Lightning's `StrategyRegistry`, named in `register_strategies`' signature
+from lightning.pytorch.strategies.strategy import _StrategyRegistry
+
+__all__ = [
+    "StrategyRegistryType",
+    "epoch_resizable",
+    "foreach_add_",
+    "foreach_copy_",
+    "foreach_div",
+    "foreach_div_",
+    "foreach_norm",
+    "foreach_sqrt",
+    "foreach_sub",
+    "queue_backward_callback",
+    "register_ddp_comm_hook",
+    "scaler_scale",
+    "sync_epoch_length",
+    "uses_distributed_sampler",
+]
+
+StrategyRegistryType = _StrategyRegistry
+register_ddp_comm_hook = _register_ddp_comm_hook
+
+# torch's multi-tensor kernels (`torch._foreach_*`): private, but what torch's own optimizers run on; one launch for a
+# list of tensors instead of one per tensor (the fused gradient norms)
+foreach_add_ = torch._foreach_add_
+foreach_copy_ = torch._foreach_copy_
+foreach_div = torch._foreach_div
+foreach_div_ = torch._foreach_div_
+foreach_norm = torch._foreach_norm
+foreach_sqrt = torch._foreach_sqrt
+foreach_sub = torch._foreach_sub
+
+
+def uses_distributed_sampler(trainer: pl.Trainer) -> bool:
+    """The Trainer's ``use_distributed_sampler``, which Lightning keeps on its private ``_accelerator_connector``
+    (the Trainer has no public view of it); ``True`` where the attribute is missing, as Lightning's default."""
+    return bool(getattr(trainer._accelerator_connector, "use_distributed_sampler", True))
+
+
+def epoch_resizable(trainer: pl.Trainer) -> bool:
+    """Whether the running epoch's length may follow the loader: the whole loader is trained on (no
+    ``limit_train_batches``) through Lightning's own fetcher (the fit loop's private ``_data_fetcher``, a
+    ``_PrefetchDataFetcher`` unless the training step takes a ``dataloader_iter``)."""
+    limit = trainer.limit_train_batches
+    fetcher = trainer.fit_loop._data_fetcher
+    return isinstance(limit, float) and limit == 1.0 and isinstance(fetcher, _PrefetchDataFetcher)
+
+
+def sync_epoch_length(trainer: pl.Trainer, batches: int) -> bool:
+    """Make the fit loop end the running epoch after ``batches`` global batches; whether anything changed.
+
+    Relies on the fit loop's ``max_batches`` and private ``_combined_loader`` (its ``limits`` and ``flattened``), the
+    fetcher's ``length``, ``done`` and ``fetched``, and the Trainer's ``val_check_batch`` and private
+    ``_val_check_time_interval`` (a time-based validation interval, Lightning 2.6; absent before).
+    """
+    loop = trainer.fit_loop
+    if not epoch_resizable(trainer) or loop.max_batches == batches:
+        return False
+    loop.max_batches = batches
+    combined = loop._combined_loader
+    if combined is not None:
+        combined.limits = [batches] * len(combined.flattened)
+    fetcher = loop._data_fetcher
+    if fetcher is not None and fetcher.length is not None:
+        fetcher.length = batches
+        fetcher.done = fetcher.fetched >= batches
+    timed = getattr(trainer, "_val_check_time_interval", None) is not None
+    if isinstance(trainer.val_check_interval, float) and trainer.val_check_batch is not None and not timed:
+        # Lightning's own rule for a fractional interval; an integer interval is the user's batch count and stays
+        trainer.val_check_batch = max(1, int(batches * trainer.val_check_interval))
+    return True
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the autograd engine finishes the backward in progress.
+
+    Relies on ``torch.autograd.Variable._execution_engine.queue_callback`` (what DDP itself uses for its copy-back of
+    the reduced buckets) and on its order: callbacks run in the order they were queued, so one queued from a hook on
+    the loss (before any parameter's gradient, so before DDP queues its own) runs before DDP's copy-back.
+    """
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def scaler_scale(scaler: Any) -> torch.Tensor | float:
+    """A ``GradScaler``'s current scale without a host sync where it can be had: its private ``_get_scale_async``
+    (the scale tensor as is); ``get_scale()`` (which syncs) where that is missing."""
+    scale = scaler._get_scale_async() if hasattr(scaler, "_get_scale_async") else None
+    return float(scaler.get_scale()) if scale is None else scale

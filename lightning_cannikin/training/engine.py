@@ -1,0 +1,350 @@
+"""``BalancingEngine``: the one balancing protocol, the same behind every frontend (Lightning, Fabric, ...).
+
+It owns the speed model, the noise estimator and its observer, the plan history, the schedule's state, the progress,
+and a re-plan's protocol (:meth:`BalancingEngine.replan`): gather every rank's step records, rank zero fits them and
+decides (:meth:`BalancingEngine.decide`, through :func:`~lightning_cannikin.core.policy.decide`), broadcast the
+decision, adopt it everywhere. A frontend is hook wiring: where steps start and end, a :class:`Collective`, and what
+adopting a plan means on its framework's side. The maths lives in :mod:`lightning_cannikin.core`.
+
+A re-plan, or a reconsideration of the total batch, at a step chosen identically on every rank is one call:
+``engine.replan(mid_epoch=True, adapt_total=...)``; :meth:`BalancingEngine.replan_due` is the schedule's choice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+# Lightning's and Fabric's rank-zero message (the same function; it imports no Trainer and no Fabric)
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+
+from lightning_cannikin.core.history import PlanHistory
+from lightning_cannikin.core.lr_scaling import Progress, check_family
+from lightning_cannikin.core.noise_scale import NoiseScaleEstimator
+from lightning_cannikin.core.plan import BatchBounds, Plan
+from lightning_cannikin.core.policy import Decision, PolicySettings, decide, learning_rate_scale
+from lightning_cannikin.core.profile import PROFILE_FILENAME, build_profile, save_profile
+from lightning_cannikin.core.schedule import ReplanSchedule
+from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings, StepRecord
+from lightning_cannikin.training.collective import Collective
+from lightning_cannikin.training.grad_stats import GradientNormObserver
+from lightning_cannikin.training.optimizers import optimizer_family_of, unwrapped
+from lightning_cannikin.training.runtime import RuntimeState
+from lightning_cannikin.training.settings import CannikinSettings
+
+__all__ = ["BalancingEngine"]
+
+AdoptHook = Callable[[Plan, "Plan | None", bool], None]
+
+
+class BalancingEngine:
+    """Balance a heterogeneous cluster and, optionally, adapt the total batch size for goodput.
+
+    The arguments are :class:`~lightning_cannikin.Cannikin`'s (``save_profile`` writes where the frontend sets
+    :attr:`profile_dir`); ``settings`` are the tuning settings.
+    """
+
+    def __init__(
+        self,
+        max_batch_size: int | None = None,
+        local_batch_bounds: Any = None,
+        lr_scaling: str = "adascale",
+        base_batch_size: int | None = None,
+        balance: bool = True,
+        replan_every_n_steps: int | None = None,
+        save_profile: bool = True,
+        settings: CannikinSettings | None = None,
+    ) -> None:
+        if base_batch_size is not None and base_batch_size < 1:
+            raise ValueError(f"`base_batch_size` must be a positive integer or None, got {base_batch_size}.")
+        BatchBounds.check(local_batch_bounds)
+        settings = settings or CannikinSettings()
+        self.settings = settings
+        self.policy = PolicySettings(
+            max_batch_size, balance, settings.adapt_margin, lr_scaling, accumulate=settings.accumulate
+        )
+        self.schedule = ReplanSchedule(settings.warmup_steps, replan_every_n_steps, settings.adapt_every_n_steps)
+        self.local_batch_bounds = local_batch_bounds
+        self.base_batch_size = base_batch_size
+        track = settings.track_noise_scale
+        if track is None:
+            track = max_batch_size is not None or (self.policy.lr_scaling == "adascale" and base_batch_size is not None)
+        self.track_noise_scale = track
+        self.save_profile = save_profile
+        self.profile_dir: str | None = None  # where rank zero writes the profile (set by the frontend)
+        self.progress = Progress()
+        self.history = PlanHistory()
+        self.speed_model: SpeedModel | None = None
+        self.estimator: NoiseScaleEstimator | None = None
+        self.observer: GradientNormObserver | None = None
+        self.runtime: RuntimeState | None = None
+        self.collective: Collective | None = None
+        self.step = 0  # optimizer steps and micro-steps run this fit (as the schedule counts them)
+        self.identified = False  # rank zero's word, broadcast: every rank's slope has been measured
+        self.adam = False
+        self._optimizer: Any = None
+        self._family: str | None = None
+        self._on_adopt: AdoptHook | None = None
+        self._restored: dict[str, Any] | None = None
+
+    def attach(self, runtime: RuntimeState, collective: Collective, on_adopt: AdoptHook | None = None) -> None:
+        """Drive ``runtime`` over ``collective`` (at setup, before the training loader is built)."""
+        world_size = collective.world_size
+        if self.speed_model is None:
+            bounds = BatchBounds.parse(self.local_batch_bounds, world_size)
+            speed = SpeedModelSettings(half_life=self.settings.half_life)
+            self.speed_model = SpeedModel(world_size, speed, bounds)
+        if self.observer is None and world_size > 1 and self.track_noise_scale:
+            every = (self.settings.noise_exchange_every, self.settings.noise_every_n_steps)
+            self.observer = GradientNormObserver(collective.rank, world_size, None, *every)
+        runtime.attach(self.speed_model.bounds, self.observer, self.scale)
+        self.runtime, self.collective, self._on_adopt = runtime, collective, on_adopt
+
+    def start(self, optimizer: Any = None, scaler: Any = None, accumulation_allowed: bool = True) -> None:
+        """Training starts: the estimator (it needs B0), the (first) ``optimizer``'s family, a checkpoint's state;
+        ``scaler``: the ``GradScaler`` of ``16-mixed`` (its scale is divided out of the statistics);
+        ``accumulation_allowed``: the engine may change the accumulation (the frontend accumulates for it)."""
+        plan = self.plan
+        if plan is not None:
+            self.policy.check_initial(plan)  # every rank sees the same plan: all raise, before any collective
+        if self.policy.accumulate and not accumulation_allowed:
+            self.policy = replace(self.policy, accumulate=False)
+        base = self.base_batch_size or (plan.total_batch_size if plan is not None else 1)
+        if self.estimator is None:
+            self.estimator = NoiseScaleEstimator(base)
+        self._optimizer, self._family = optimizer, None
+        self._identify_optimizer()
+        if self.observer is not None:
+            self.observer.scaler = scaler
+        if self._restored is not None:
+            self._load(self._restored)
+            self._restored = None
+
+    def _identify_optimizer(self) -> None:
+        """Adam-family once the optimizer holds a second moment (at once on a resume, else after its first step); one
+        that preconditions otherwise is refused where AdaScale follows a measured noise scale (every rank alike)."""
+        if self._optimizer is None or self._family is not None:
+            return
+        inner, self._family = unwrapped(self._optimizer), optimizer_family_of(self._optimizer)
+        if self.track_noise_scale:
+            check_family(self._family, self.policy.lr_scaling, type(inner).__name__)
+        self.adam = self._family == "adam"
+        if self.observer is not None:  # the noise of the direction Adam steps in (AdaptDL's rule)
+            self.observer.optimizer = inner if self.adam else None
+
+    @property
+    def plan(self) -> Plan | None:
+        """The newest plan (steps already prefetched may still run the one before it)."""
+        return self.runtime.plan if self.runtime is not None else None
+
+    @property
+    def noise_scale(self) -> float | None:
+        """The gradient noise scale in samples (equal on every rank; ``None`` until measured)."""
+        return self.estimator.noise_scale if self.estimator is not None else None
+
+    def usable_noise_scale(self) -> float | None:
+        """The noise scale once enough steps have been averaged to act on it (``None`` before)."""
+        if self.estimator is None or self.estimator.num_updates < self.settings.min_noise_updates:
+            return None
+        return self.estimator.noise_scale
+
+    def scale(self, total_batch_size: int) -> tuple[float, float]:
+        """``(lr factor, AdaScale gain)`` of a step at ``total_batch_size`` with what is known now (the same on every
+        rank: the estimator receives the same numbers everywhere)."""
+        if self.estimator is None:
+            return 1.0, 1.0
+        base = self.estimator.base_batch_size
+        return learning_rate_scale(self.policy.lr_scaling, total_batch_size, base, self.usable_noise_scale(), self.adam)
+
+    @property
+    def adapt_ready(self) -> bool:
+        """The noise scale can be acted on, and the speeds are measured (or the split is even)."""
+        return self.usable_noise_scale() is not None and (self.identified or not self.policy.balance)
+
+    def step_started(self) -> None:
+        """A training step (or accumulation micro-step) starts on this rank."""
+        assert self.runtime is not None
+        self.runtime.timer.start()
+
+    def backward_done(self, parameters: Any) -> None:
+        """Its backward ended; an accumulation micro-step's gradient is a noise group of its own."""
+        runtime = self.runtime
+        assert runtime is not None
+        runtime.timer.backward_done()
+        if self.observer is not None and not runtime.timer.reduced:
+            self.observer.after_micro_step(parameters, runtime.hook.local_scale)
+
+    def before_optimizer_step(self) -> None:
+        """A step counts at the gain it is taken with, before a scheduler that may read the progress after it."""
+        assert self.runtime is not None
+        self.progress.add(self.runtime.gain)
+
+    def step_finished(self) -> bool:
+        """The step ended: time it, fold in the noise statistics that arrived; whether the noise scale changed."""
+        runtime = self.runtime
+        assert runtime is not None and self.collective is not None
+        rank, sizes = self.collective.rank, runtime.step_sizes
+        runtime.timer.finish(self.step, rank, None if sizes is None else sizes[rank])
+        updated = False
+        if runtime.timer.reduced:
+            self._identify_optimizer()
+            if self.observer is not None and self.estimator is not None:
+                # every rank folds the same exchanged numbers: the factor follows the noise scale at every step,
+                # identical on every rank, with no collective of its own
+                updated = self.observer.fold_into(self.estimator, runtime.accumulation_window)
+        self.step += 1
+        return updated
+
+    def replan_due(self, resizable: bool = True) -> tuple[bool, bool]:
+        """``(re-plan now, reconsider the total too)`` after the step; ``resizable``: the epoch may change length."""
+        runtime = self.runtime
+        assert runtime is not None
+        if not runtime.timer.reduced or runtime.fixed_split:
+            return False, False  # no re-plan mid-window: a window's micro-batches share one layout
+        adapt = (
+            self.policy.max_batch_size is not None
+            and self.schedule.adapt_due(self.step, self.adapt_ready)
+            and resizable
+        )
+        return adapt or self.schedule.due(self.step, self.identified, self.policy.balance), adapt
+
+    def decide(
+        self, records: list[StepRecord], current: Plan | None, mid_epoch: bool, adapt_total: bool | None = None
+    ) -> Decision | None:
+        """Rank zero: fold in every rank's records and decide (``None`` while some rank has no timing yet)."""
+        assert self.speed_model is not None and self.estimator is not None
+        self.speed_model.add(records)
+        if self.speed_model.drifts:
+            rank_zero_info(
+                f"Cannikin: ranks {self.speed_model.drifts} changed speed; their models follow the measured change."
+            )
+        self.history.observe(records)
+        if current is None or not self.speed_model.ready:
+            return None
+        # the accumulation changes at epoch ends only (as Lightning's GradientAccumulationScheduler does it): a
+        # mid-epoch window must not straddle two values
+        policy = replace(self.policy, accumulate=False) if mid_epoch else self.policy
+        return decide(
+            self.speed_model,
+            current,
+            policy,
+            self.usable_noise_scale(),
+            self.estimator.base_batch_size,
+            adapt_total=not mid_epoch if adapt_total is None else adapt_total,
+            adam=self.adam,
+        )
+
+    def replan(self, mid_epoch: bool, adapt_total: bool, epoch: int = 0) -> Decision | None:
+        """Gather, decide on rank zero, broadcast, adopt; every rank calls it after the same step. ``mid_epoch``: the
+        plan applies from the next global batch no rank has drawn yet (else from the next epoch); ``adapt_total``: the
+        total batch may change now; ``epoch``: for the history. Returns the decision adopted (``None`` while some rank
+        has no timing yet)."""
+        runtime, collective = self.runtime, self.collective
+        assert runtime is not None and collective is not None
+        # the step records are read now: on CUDA the last ones wait for the device (the gather synchronises anyway)
+        gathered = collective.all_gather((runtime.timer.records(wait=True), runtime.batches_yielded))
+        from_batch = max(yielded for _, yielded in gathered) if mid_epoch else 0
+        current = runtime.plan
+        decision = None
+        if collective.rank == 0:
+            records = [record for rank_records, _ in gathered for record in rank_records]
+            decision = self.decide(records, current, mid_epoch, adapt_total)
+        decision = collective.broadcast(decision, src=0)
+        if decision is None or current is None:
+            self.schedule.replanned(self.step, total_changed=False, balance=self.policy.balance)
+            return None
+        if adapt_total:
+            self.schedule.adapted_at(self.step, self.adapt_ready)
+        plan = decision.plan
+        total_changed = plan.total_batch_size != current.total_batch_size
+        self.schedule.replanned(self.step, total_changed, self.policy.balance)
+        self.identified = decision.identified
+        probe_steps = 0 if decision.identified else self.schedule.warmup_steps
+        self._adopt(plan, current, mid_epoch, from_batch, probe_steps)
+        self._record(plan, current, decision, epoch, collective.rank == 0)
+        return decision
+
+    def _adopt(self, plan: Plan, current: Plan, mid_epoch: bool, from_batch: int, probe_steps: int) -> None:
+        """Put the plan in force; a probe mid-epoch alternates with the split it leaves for ``probe_steps`` batches."""
+        runtime = self.runtime
+        assert runtime is not None
+        if not mid_epoch:
+            total_changed = plan.total_batch_size != current.total_batch_size
+            runtime.adopt(plan, None if total_changed else 0)  # a new total waits for the rebuilt loader
+        else:
+            interleave = (current, probe_steps) if probe_steps > 0 else None
+            runtime.adopt(plan, from_batch=from_batch, interleave=interleave)
+        if self._on_adopt is not None:
+            self._on_adopt(plan, current, mid_epoch)
+
+    def _record(self, plan: Plan, current: Plan, decision: Decision, epoch: int, rank_zero: bool) -> None:
+        """The history entry, rank zero's profile and message."""
+        changed = self.speed_model.drifts if rank_zero and self.speed_model is not None else []
+        self.history.append(self.step, epoch, plan, decision.lr_factor, self.noise_scale, changed)
+        if not rank_zero:
+            return
+        if self.save_profile and self.profile_dir and self.speed_model is not None:
+            base = self.estimator.base_batch_size if self.estimator is not None else None
+            profile = build_profile(self.speed_model, self.history.entries, base_batch_size=base)
+            save_profile(Path(self.profile_dir) / PROFILE_FILENAME, profile)
+        if plan.local_batch_sizes != current.local_batch_sizes:
+            rank_zero_info(
+                f"Cannikin: local batch sizes {list(current.local_batch_sizes)} -> {list(plan.local_batch_sizes)}"
+                f" (predicted step {1000 * (plan.predicted_step_time or 0):.1f} ms, lr factor"
+                f" {decision.lr_factor:.3g})"
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resume needs (the keys of the checkpoints the callback wrote before the engine existed)."""
+        runtime = self.runtime
+        return {
+            "balancer": self.speed_model.state_dict() if self.speed_model is not None else None,
+            "estimator": self.estimator.state_dict() if self.estimator is not None else None,
+            "progress": self.progress.state_dict(),
+            "lr_factor": runtime.lr_factor if runtime is not None else 1.0,
+            "gain": runtime.gain if runtime is not None else 1.0,
+            "plan": self.plan.to_dict() if self.plan is not None else None,
+            "history": self.history.entries,
+            "step": self.step,
+            "identified": self.identified,
+            "last_adapt_step": self.schedule.last_adapt_step,
+            "adapted": self.schedule.adapted,
+            "noise_in_flight": self.observer.state_dict() if self.observer is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> Plan | None:
+        """Put the saved plan in force now (the loader is built with it); the rest waits for :meth:`start` (the
+        estimator needs B0). Returns the plan put in force, if any."""
+        self._restored = dict(state)
+        saved = state.get("plan")
+        runtime = self.runtime
+        if saved is None or runtime is None or runtime.fixed_split or self.collective is None:
+            return None
+        world_size = self.collective.world_size
+        plan = Plan.from_dict(saved).resized(world_size)
+        if len(saved["local_batch_sizes"]) != world_size:
+            rank_zero_info(
+                f"Cannikin: resuming a {len(saved['local_batch_sizes'])}-rank run on {world_size} ranks;"
+                f" keeping the global batch of {plan.global_batch_size}, split evenly until the new devices are timed."
+            )
+        runtime.adopt(plan)
+        return plan
+
+    def _load(self, state: dict[str, Any]) -> None:
+        if state.get("balancer") is not None and self.speed_model is not None:
+            self.speed_model.load_state_dict(state["balancer"])
+            self.speed_model.restarted()
+        if state.get("estimator") is not None and self.estimator is not None:
+            self.estimator.load_state_dict(state["estimator"])
+        self.progress.load_state_dict(state["progress"])
+        self.history.entries = list(state["history"])
+        self.step = self.schedule.last_replan_step = state["step"]
+        self.schedule.last_adapt_step = int(state.get("last_adapt_step", self.step))
+        self.schedule.adapted = bool(state.get("adapted", True))
+        if state.get("noise_in_flight") is not None and self.observer is not None:
+            self.observer.load_state_dict(state["noise_in_flight"])
+        world_size = self.collective.world_size if self.collective is not None else 1
+        same_devices = state.get("balancer") is not None and state["balancer"]["world_size"] == world_size
+        self.identified = bool(state.get("identified", False)) and same_devices

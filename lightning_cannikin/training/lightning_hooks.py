@@ -1,0 +1,176 @@
+"""``BalancingCallback``: Lightning's hooks wired to a :class:`~lightning_cannikin.training.engine.BalancingEngine`.
+
+Hook wiring only: where a step starts and ends, when an epoch ends, what the checkpoint holds, and what adopting a
+plan means on Lightning's side (the accumulation set on the Trainer at epoch ends, the loader rebuilt for a new total,
+the running epoch's length). The protocol and its state are the engine's. :class:`~lightning_cannikin.Cannikin` is
+this callback with the user's arguments; ``strategy="cannikin"`` without one adds this callback with the defaults.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_cannikin.core.plan import Plan
+from lightning_cannikin.core.speed_model import SpeedModel
+from lightning_cannikin.training._lightning_compat import epoch_resizable, sync_epoch_length
+from lightning_cannikin.training.collective import StrategyCollective
+from lightning_cannikin.training.engine import BalancingEngine
+from lightning_cannikin.training.log_dir import run_log_dir
+from lightning_cannikin.training.metrics import log_noise_scale, log_prediction_error, log_step, metrics_are_seen
+from lightning_cannikin.training.runtime import RuntimeState
+
+__all__ = ["BalancingCallback"]
+
+
+class BalancingCallback(Callback):
+    """Drive a balancing engine from a Lightning fit (``strategy="cannikin"``).
+
+    Args:
+        engine: the engine to drive (default: one with the default settings).
+
+    """
+
+    def __init__(self, engine: BalancingEngine | None = None) -> None:
+        self.engine = engine if engine is not None else BalancingEngine()
+        self._trainer: pl.Trainer | None = None
+        self._user_accumulation: int | None = None
+        self._length_checked: int | None = None
+        self._logging = True  # whether logged values reach a logger or the progress bar
+
+    @property
+    def plan(self) -> Plan | None:
+        """The split in force."""
+        return self.engine.plan
+
+    @property
+    def noise_scale(self) -> float | None:
+        """The gradient noise scale ``tr(Sigma) / |G|^2`` in samples (equal on every rank; ``None`` until measured)."""
+        return self.engine.noise_scale
+
+    @property
+    def speed_model(self) -> SpeedModel | None:
+        """The per-device timing models (``None`` before fitting starts)."""
+        return self.engine.speed_model
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """One entry per adopted plan: sizes, predicted and measured step time, LR factor, noise scale."""
+        return self.engine.history.entries
+
+    @property
+    def progress(self) -> Any:
+        """Training progress in base-batch steps (the sum of the AdaScale gains)."""
+        return self.engine.progress
+
+    @property
+    def lr_factor(self) -> float:
+        """The learning-rate factor of the step in progress (or the last one)."""
+        runtime = self.engine.runtime
+        return runtime.lr_factor if runtime is not None else 1.0
+
+    @property
+    def state_key(self) -> str:
+        return "Cannikin"  # what checkpoints written by every version hold this callback's state under
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        runtime = getattr(trainer.strategy, "runtime", None)
+        if not isinstance(runtime, RuntimeState):
+            raise ValueError(
+                f"The Cannikin callback needs `strategy='cannikin'` (a CannikinStrategy), got"
+                f" {type(trainer.strategy).__name__}."
+            )
+        self._trainer = trainer
+        if self._user_accumulation is None:  # before any change of ours (a resume restores ours afterwards)
+            self._user_accumulation = trainer.accumulate_grad_batches
+        self.engine.attach(runtime, StrategyCollective(trainer.strategy), self._adopted)
+
+    def _adopted(self, plan: Plan, previous: Plan | None, mid_epoch: bool) -> None:
+        """Lightning's side of a plan every rank adopted."""
+        trainer, runtime = self._trainer, self.engine.runtime
+        assert trainer is not None and runtime is not None
+        total_changed = previous is not None and plan.total_batch_size != previous.total_batch_size
+        if total_changed:
+            # the next epoch's length changes with the total batch: Lightning must rebuild the loader to see it
+            trainer.reload_dataloaders_every_n_epochs = max(trainer.reload_dataloaders_every_n_epochs, 1)
+        if not mid_epoch:
+            trainer.accumulate_grad_batches = plan.accumulation_steps
+        elif total_changed and runtime.sampler is not None:
+            sync_epoch_length(trainer, len(runtime.sampler))
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning accumulates under automatic optimization only; a user's own accumulation is kept as given
+        accumulation = pl_module.automatic_optimization and self._user_accumulation == 1
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        # 16-mixed: the gradients carry the GradScaler's scale, which the statistics divide out
+        self.engine.start(optimizer, getattr(trainer.precision_plugin, "scaler", None), accumulation)
+        # the logger's folder for this run (W&B and MLflow included); rank zero writes the profile, and alone asks
+        self.engine.profile_dir = run_log_dir(trainer) if self.engine.save_profile and trainer.is_global_zero else None
+        self._logging = metrics_are_seen(trainer)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        runtime = self.engine.runtime
+        assert runtime is not None
+        if runtime.sampler is not None and self._length_checked != trainer.current_epoch:
+            self._length_checked = trainer.current_epoch  # a resumed epoch's layout is restored at its first batch
+            sync_epoch_length(trainer, len(runtime.sampler))
+        self.engine.step_started()
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.engine.backward_done(pl_module.parameters())
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        self.engine.before_optimizer_step()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        engine = self.engine
+        updated = engine.step_finished()
+        runtime = engine.runtime
+        assert runtime is not None
+        if self._logging and engine.step % trainer.log_every_n_steps == 0:
+            if (record := runtime.timer.latest) is not None:
+                log_step(pl_module, record, self.plan, runtime.lr_factor)
+                if trainer.is_global_zero and (error := engine.history.prediction_error) is not None:
+                    log_prediction_error(pl_module, error)
+            phi, estimator = engine.noise_scale, engine.estimator
+            if updated and phi is not None and estimator is not None:
+                base = estimator.base_batch_size
+                log_noise_scale(pl_module, phi, self.plan.total_batch_size if self.plan is not None else base, base)
+        replan, adapt = engine.replan_due(epoch_resizable(trainer))
+        if replan:
+            engine.replan(mid_epoch=True, adapt_total=adapt, epoch=trainer.current_epoch)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        runtime = self.engine.runtime
+        assert runtime is not None
+        if not runtime.fixed_split:
+            self.engine.replan(mid_epoch=False, adapt_total=True, epoch=trainer.current_epoch)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self.engine.state_dict()
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Lightning restores callbacks after `setup` and before it builds the training loader: the saved plan is put
+        # in force now so the loader is built with it
+        plan = self.engine.load_state_dict(state_dict)
+        if plan is not None and self._trainer is not None and self._user_accumulation == 1:
+            self._trainer.accumulate_grad_batches = plan.accumulation_steps  # what this callback had set

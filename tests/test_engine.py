@@ -1,0 +1,180 @@
+"""The balancing engine in one process: the surface users hold, old checkpoints, the optimizer's family, the step's
+weights and learning-rate factor (multi-process behaviour is in test_balancing, test_adaptive, test_fabric, ...)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from lightning_cannikin import Cannikin, CannikinFabricStrategy, CannikinSettings, Plan
+from lightning_cannikin.core.plan import BatchBounds
+from lightning_cannikin.training.engine import BalancingEngine
+from lightning_cannikin.training.lightning_hooks import BalancingCallback
+from lightning_cannikin.training.runtime import RuntimeState
+from lightning_cannikin.training.sampler import UnevenBatchSampler
+
+# the state_dict keys of the Cannikin callback before the engine existed (checkpoints written then must still load)
+OLD_KEYS = {
+    "balancer",
+    "estimator",
+    "progress",
+    "lr_factor",
+    "gain",
+    "plan",
+    "history",
+    "step",
+    "identified",
+    "last_adapt_step",
+    "adapted",
+    "noise_in_flight",
+}
+
+
+class OneRank:
+    """A :class:`~lightning_cannikin.training.collective.Collective` of one process."""
+
+    rank, world_size = 0, 1
+
+    def all_gather(self, obj):
+        return [obj]
+
+    def broadcast(self, obj, src=0):
+        return obj
+
+
+def test_old_setting_keywords_still_work_with_a_warning_naming_the_new_spelling():
+    with pytest.warns(DeprecationWarning, match=r"CannikinSettings\(warmup_steps=\.\.\.\)"):
+        old = Cannikin(max_batch_size=64, warmup_steps=4, noise_every_n_steps=2)
+    assert old.settings == CannikinSettings(warmup_steps=4, noise_every_n_steps=2)
+    assert old.engine.schedule.warmup_steps == 4 and old.max_batch_size == 64
+    with pytest.warns(DeprecationWarning, match="half_life"):
+        fabric = CannikinFabricStrategy(half_life=10.0)
+    assert fabric.engine.settings.half_life == 10.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new spelling warns about nothing
+        new = Cannikin(max_batch_size=64, settings=CannikinSettings(warmup_steps=4))
+    assert new.engine.schedule.warmup_steps == 4
+    with pytest.raises(TypeError, match="not_a_setting"):
+        Cannikin(not_a_setting=1)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        CannikinSettings(warmup_steps=0)
+
+
+def test_the_checkpoint_keeps_the_callbacks_key_and_keys_and_an_old_one_loads():
+    callback = BalancingCallback()
+    assert callback.state_key == Cannikin().state_key == "Cannikin"
+    engine = callback.engine
+    runtime = RuntimeState()
+    engine.attach(runtime, OneRank())
+    assert set(engine.state_dict()) == OLD_KEYS
+    # a checkpoint from before `last_adapt_step`, `adapted` and `noise_in_flight` existed
+    old = {
+        "balancer": None,
+        "estimator": None,
+        "progress": {"progress": 12.5},
+        "lr_factor": 1.0,
+        "gain": 1.0,
+        "plan": Plan((5, 3)).to_dict(),
+        "history": [{"step": 4, "local_batch_sizes": [5, 3]}],
+        "step": 9,
+        "identified": True,
+    }
+    assert engine.load_state_dict(old) == Plan((5, 3)).resized(1)  # resumed on one rank: the global batch kept
+    engine.start()
+    assert engine.progress.value == 12.5 and engine.step == 9 and engine.history.entries[0]["step"] == 4
+    assert engine.schedule.last_adapt_step == 9 and engine.schedule.adapted
+    assert not engine.identified, "no speed model saved: nothing is identified on these devices"
+
+
+def _stepped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    parameter = optimizer.param_groups[0]["params"][0]
+    parameter.grad = torch.ones_like(parameter)
+    optimizer.step()
+    return optimizer
+
+
+def test_the_optimizer_family_comes_from_what_it_holds():
+    parameter = torch.nn.Parameter(torch.zeros(3))
+
+    def family(optimizer, **engine_kwargs):
+        engine = BalancingEngine(**engine_kwargs)
+        engine.start(optimizer)
+        return engine.adam, engine._family
+
+    assert family(torch.optim.SGD([parameter], lr=0.1)) == (False, None), "nothing held before the first step"
+    assert family(_stepped(torch.optim.SGD([parameter], lr=0.1, momentum=0.9))) == (False, "sgd")
+
+    class Renamed(torch.optim.AdamW):  # the name says nothing; the second moment does
+        pass
+
+    Renamed.__name__ = "MyOptimizer"
+    assert family(_stepped(Renamed([parameter], lr=0.1))) == (True, "adam")
+
+    class Wrapper:  # as ZeroRedundancyOptimizer holds the local optimizer in `.optim`
+        def __init__(self, optim):
+            self.optim = optim
+
+    assert family(Wrapper(_stepped(torch.optim.Adam([parameter], lr=0.1)))) == (True, "adam")
+    rmsprop = _stepped(torch.optim.RMSprop([parameter], lr=0.1))
+    with pytest.raises(ValueError, match="lr_scaling"):  # AdaScale on a measured noise scale: refused
+        family(rmsprop, max_batch_size=64)
+    assert family(rmsprop, max_batch_size=64, lr_scaling="sqrt") == (False, "RMSprop")
+    assert family(rmsprop) == (False, "RMSprop"), "no noise scale measured: the rule cannot act, nothing to refuse"
+
+
+def test_the_zero_redundancy_optimizer_is_unwrapped(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        parameter = torch.nn.Parameter(torch.zeros(3))
+        zero = _stepped(ZeroRedundancyOptimizer([parameter], optimizer_class=torch.optim.Adam, lr=0.1))
+        engine = BalancingEngine()
+        engine.start(zero)
+        assert engine.adam
+    finally:
+        dist.destroy_process_group()
+
+
+def _sampler(plan: Plan) -> UnevenBatchSampler:
+    return UnevenBatchSampler(200, rank=0, plan=plan, shuffle=False)
+
+
+def test_each_step_runs_at_the_lr_factor_of_the_plan_it_runs_not_the_newest_one():
+    # a plan decided now starts at a later batch (the loader prefetched the ones before): its factor starts with it
+    runtime = RuntimeState()
+    runtime.attach(BatchBounds((1, 1)), None, lambda total: (total / 8, 2.0 * total))
+    first, second = Plan((6, 2)), Plan((18, 6))
+    runtime.use_loader(first, _sampler(first))
+    runtime.adopt(second, from_batch=3)
+    factors = []
+    for position in range(5):
+        runtime.begin_step(position, runtime.sampler.sizes_at(position), rank=0)
+        factors.append((runtime.lr_factor, runtime.gain))
+    assert runtime.plan == second, "the newest plan is in force for what comes next"
+    assert factors == [(1.0, 16.0)] * 3 + [(3.0, 48.0)] * 2
+
+
+def test_the_step_weight_covers_the_accumulation_window_and_its_partial_end():
+    # 3 micro-batches of (6, 2) per step over 20 samples: windows of 24 samples, then the epoch's 4 left over
+    plan = Plan((6, 2), accumulation_steps=3)
+    runtime = RuntimeState()
+    runtime.use_loader(plan, UnevenBatchSampler(28, rank=1, plan=plan, shuffle=False))
+    runtime.begin_step(1, (6, 2), rank=1, accumulation=3)
+    assert runtime.hook.weight == pytest.approx(6 / 24) and runtime.hook.micro_weight == pytest.approx(1 / 3)
+    assert runtime.loss_factor == pytest.approx(3 * (1 / 3))  # undoes Lightning's 1/3, then the micro share
+    last = runtime.sampler.sizes_at(3)
+    runtime.begin_step(3, last, rank=1, accumulation=3)
+    assert runtime.accumulation_window == (last,) and sum(last) == 4
+    assert runtime.hook.weight == pytest.approx(last[1] / 4) and runtime.hook.micro_weight == 1.0
+
+
+def test_the_first_plan_respects_the_bounds_for_every_frontend():
+    runtime = RuntimeState()
+    runtime.attach(BatchBounds.parse((None, [4, 40]), 2), None, None)
+    assert runtime.first_plan(24, 2).local_batch_sizes == (4, 20)
+    with pytest.raises(ValueError, match="local_batch_bounds"):
+        runtime.first_plan(50, 2)
