@@ -11,7 +11,7 @@ from lightning.pytorch.loggers import Logger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 from lightning_cannikin import Cannikin, CannikinSettings, CannikinStrategy, EmulatedCluster
-from lightning_cannikin.tools.run_profile import PROFILE_FILENAME, load_profile
+from lightning_cannikin.core.profile import PROFILE_FILENAME, load_profile
 from tests.models import CANNIKIN_METRICS, IndexedRegression, RecordingRegressor, quiet_trainer
 
 

@@ -9,8 +9,8 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_cannikin import Cannikin, CannikinSettings, CannikinStrategy, EmulatedCluster
+from lightning_cannikin.core.profile import PROFILE_FILENAME, load_profile
 from lightning_cannikin.tools.cli import main as cli_main
-from lightning_cannikin.tools.run_profile import PROFILE_FILENAME, load_profile
 from tests.models import CANNIKIN_METRICS, IndexedRegression, RecordingRegressor, quiet_trainer
 
 

@@ -101,8 +101,8 @@ def _imported_modules(args: list[str], cwd: Path) -> tuple[subprocess.CompletedP
 
 def _profile(tmp_path: Path) -> Path:
     from lightning_cannikin.core.plan import BatchBounds
+    from lightning_cannikin.core.profile import build_profile, save_profile
     from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings, StepRecord
-    from lightning_cannikin.tools.run_profile import build_profile, save_profile
 
     rng = np.random.default_rng(0)
     model = SpeedModel(2, SpeedModelSettings(), BatchBounds.parse(None, 2))
@@ -125,7 +125,7 @@ def test_the_cli_commands_import_neither_torch_nor_lightning(tmp_path):
     done, modules = _imported_modules([*cli, "plan", str(_profile(tmp_path)), "-b", "32", "--json"], tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout)["optimal"]["local_batch_sizes"][0] > 16, "rank 0 is 3x faster: it gets more"
-    assert "lightning_cannikin.tools.run_profile" in modules
+    assert "lightning_cannikin.core.profile" in modules
     assert not {m for m in modules if m.split(".")[0] in HEAVY}
 
 

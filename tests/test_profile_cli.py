@@ -15,10 +15,10 @@ import pytest
 
 from lightning_cannikin.core import optperf as planner
 from lightning_cannikin.core.plan import BatchBounds, even_split, proportional_sizes
+from lightning_cannikin.core.profile import FORMAT, VERSION, build_profile, load_profile, save_profile
 from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings, StepRecord
 from lightning_cannikin.tools.cli import main
 from lightning_cannikin.tools.report import COMPUTE_TIME_PNG, STEP_TIME_PNG, TRAINING_PNG, plot_training
-from lightning_cannikin.tools.run_profile import FORMAT, VERSION, build_profile, load_profile, save_profile
 
 SLOPES = (0.0005, 0.001, 0.002)  # seconds per sample: 0.5, 1 and 2 ms
 INTERCEPT = 0.005

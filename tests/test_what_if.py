@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from lightning_cannikin.core.goodput import candidate_batch_sizes
+from lightning_cannikin.core.profile import build_profile, save_profile
 from lightning_cannikin.core.speed_model import SpeedModel
 from lightning_cannikin.tools.cli import main
-from lightning_cannikin.tools.run_profile import build_profile, save_profile
 from tests.test_profile_cli import UPPER, _balancer, _history, _noise_history
 
 BASE = 48

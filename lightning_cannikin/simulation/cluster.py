@@ -19,12 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_cannikin.core.profile import FORMAT as RUN_PROFILE_FORMAT
 from lightning_cannikin.simulation.gpu_profiles import GPU_TYPES, canonical_gpu
 
 __all__ = ["Cluster", "DeviceGroup", "parse_cluster"]
 
-# The ``format`` of a run's profile (``tools/run_profile.py``, a floor above): named to point at --profile instead.
-RUN_PROFILE_FORMAT = "lightning-cannikin/profile"
 _TERM = re.compile(r"^\s*(?:(\d+)\s*[x*]\s*)?([A-Za-z0-9 _\-]+?)\s*$")
 
 

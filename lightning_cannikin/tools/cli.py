@@ -81,7 +81,7 @@ def _error(command: str, message: str) -> int:
 
 def _load(command: str, path: str) -> Any:
     """The profile at ``path``, or an exit code after printing why it cannot be read."""
-    from lightning_cannikin.tools.run_profile import load_profile
+    from lightning_cannikin.core.profile import load_profile
 
     try:
         return load_profile(path)

@@ -27,7 +27,7 @@ from lightning_cannikin.core.goodput import efficiency
 from lightning_cannikin.core.optperf import most_even_split, optimal_split, optperf, step_time
 from lightning_cannikin.core.plan import Plan
 from lightning_cannikin.core.policy import PolicySettings, decide
-from lightning_cannikin.tools.run_profile import Profile
+from lightning_cannikin.core.profile import Profile
 
 __all__ = ["WhatIfCluster", "evaluate", "parse_devices", "print_what_if", "run", "what_if_parser"]
 
