@@ -136,18 +136,21 @@ def _greedy(fixed: np.ndarray, work: np.ndarray) -> np.ndarray:
     rows = work[order]
     # where the sorted work rows change: each run of equal rows is one group
     breaks = np.flatnonzero(np.any(rows[1:] != rows[:-1], axis=1)) + 1
-    for start, stop in zip(np.r_[0, breaks], np.r_[breaks, m], strict=True):
+    steps, rank_ids = np.arange(1, m + 1, dtype=np.float64), np.arange(n)
+    for start, stop in zip(np.r_[0, breaks].tolist(), np.r_[breaks, m].tolist(), strict=True):
         g, row = stop - start, rows[start]
-        steps = np.arange(1, g + 1, dtype=np.float64)
-        candidates = loads[:, None] + row[:, None] * steps[None, :]  # (n, g), rank-major: stable ties to low ranks
-        flat = candidates.reshape(-1)
+        if g == 1:
+            r = int(np.argmin(loads + row))
+            ranks[order[start]] = r
+            loads[r] += row[r]
+            continue
+        flat = (loads[:, None] + np.outer(row, steps[:g])).reshape(-1)  # rank-major: ties go to low ranks
         level = np.partition(flat, g - 1)[g - 1]  # the g-th smallest finish
         below = flat < level
-        at = np.flatnonzero(flat == level)[: g - int(below.sum())]  # ties at the level: lowest rank first
-        below[at] = True
+        below[np.flatnonzero(flat == level)[: g - np.count_nonzero(below)]] = True  # ties at the level
         per_rank = below.reshape(n, g).sum(axis=1)
-        ranks[order[start:stop]] = np.repeat(np.arange(n), per_rank)
-        loads = np.where(per_rank > 0, loads + row * per_rank, loads)
+        ranks[order[start:stop]] = np.repeat(rank_ids, per_rank)
+        loads += row * per_rank  # + 0.0 leaves a rank that took none exactly as it was
     return _fill_empty(work, ranks, n)
 
 
@@ -278,6 +281,7 @@ def split_by_cost(
     squares: ArrayLike | None = None,
     per_square: ArrayLike | None = None,
     max_rounds: int = 1000,
+    exact_samples: int = _EXACT_SAMPLES,
 ) -> CostSplit:
     """Assign a global batch's samples to ranks minimising the predicted step time ``max_r t_r``.
 
@@ -288,6 +292,8 @@ def split_by_cost(
         squares: ``(m,)`` each sample's second cost; default ``costs ** 2`` when ``per_square`` is given.
         per_square: ``(n,)`` each rank's time per unit of the second cost (attention's quadratic term), or None.
         max_rounds: at most this many local-search changes (each lowers the step time or a tie at it).
+        exact_samples: batches of at most this many samples are then solved exactly by branch and bound (within a
+            fixed node budget, so the same on every rank); 0 keeps the greedy and local search alone.
 
     Returns:
         The assignment; every rank holds at least one sample.
@@ -304,7 +310,7 @@ def split_by_cost(
             " Use a larger global batch (or fold the last one into the previous batch, as the sampler does)."
         )
     ranks = _improve(f, work, _greedy(f, work), max_rounds)
-    if m <= _EXACT_SAMPLES:
+    if m <= exact_samples:
         ranks = _exact(f, work, ranks, _EXACT_NODES)
     times = _times(f, work, ranks)
     return CostSplit(ranks, times, float(times.max()))
