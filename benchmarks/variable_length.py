@@ -62,14 +62,18 @@ def contiguous(counts) -> np.ndarray:
     return np.repeat(np.arange(len(counts)), counts)
 
 
-def compare(lengths: np.ndarray, batch: int, batches: int, quadratic: float, exact: bool, seed: int = 0) -> dict:
-    """Predicted step times of the three methods and the ideal over ``batches`` global batches of real lengths."""
-    fixed, per_cost = np.array(FIXED_MS), np.array(PER_TOKEN_MS)
+def compare(
+    lengths: np.ndarray, batch: int, batches: int, quadratic: float, exact: bool, copies: int = 1, seed: int = 0
+) -> dict:
+    """Predicted step times of the three methods and the ideal over ``batches`` global batches of real lengths, on
+    ``copies`` of each of the three devices."""
+    fixed, per_cost = np.tile(FIXED_MS, copies), np.tile(PER_TOKEN_MS, copies)
     per_square = per_cost * quadratic if quadratic else None
     # today's planner: the per-sample slope it fits converges to the per-token cost at the data set's mean length
     per_sample = per_cost * lengths.mean() + (0.0 if per_square is None else per_square * np.mean(lengths**2.0))
     counts = optimal_split(per_sample, fixed, batch).local_batch_sizes
     even = even_split(batch, len(fixed))
+    batches = min(batches, len(lengths) // batch)  # an epoch's worth at most: every sample once
     order = np.random.default_rng(seed).permutation(len(lengths))[: batch * batches].reshape(batches, batch)
     times: dict[str, list[float]] = {"cost_aware": [], "sample_count": [], "ddp": [], "ideal": []}
     for positions in order:
@@ -88,8 +92,8 @@ def compare(lengths: np.ndarray, batch: int, batches: int, quadratic: float, exa
     return {
         "global_batch": batch,
         "batches": batches,
-        "per_token_ms": PER_TOKEN_MS,
-        "fixed_ms": FIXED_MS,
+        "per_token_ms": per_cost.tolist(),
+        "fixed_ms": fixed.tolist(),
         "per_square_ms": None if per_square is None else per_square.tolist(),
         "sample_count_split": list(counts),
         "ideal_is": "brute-force optimum" if exact else "lower bound (fractional split; no assignment beats it)",
@@ -185,6 +189,7 @@ def main() -> None:
             "attention": compare(lengths, 64, args.batches, 1.0 / 64, exact=False),
             "equal_lengths": compare(np.full_like(lengths, median_length), 64, args.batches, 0.0, exact=False),
             "small_batch": compare(lengths, 9, min(args.batches, 300), 0.0, exact=True),
+            "twelve_ranks": compare(lengths, 64, args.batches, 0.0, exact=False, copies=4),
         },
         # the gain shrinks as a rank's summed length averages over more samples
         "batch_sweep": {

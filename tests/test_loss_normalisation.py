@@ -2,10 +2,13 @@
 
 Ranks are simulated in one process: each "rank" backpropagates its weighted micro-batch losses into its own gradient
 (accumulation sums them), the ranks' gradients are averaged as DDP's all-reduce does, and the result is compared with
-one process's gradient of the global loss. No process group, so it runs in milliseconds.
+one process's gradient of the global loss. No process group, so it runs in milliseconds; one real two-rank DDP run
+over gloo (forked) checks the token-mean weights end to end.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pytest
@@ -185,3 +188,48 @@ def test_mismatch_cannot_be_told_without_uneven_batches_or_positive_losses():
     uneven = np.tile([64, 16], (20, 1))
     assert loss_scale_exponent(uneven, -np.ones((20, 2))) is None
     assert normalisation_mismatch("sample_mean", uneven[:3], uneven[:3] * 1.0) is None  # too few steps
+
+
+def _ddp_rank(rank: int, world: int, store: str, out: str, groups, units) -> None:
+    """One real rank: DDP over gloo, its token-mean loss times its weight, the averaged gradient saved."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = DistributedDataParallel(nn.Linear(DIM, VOCAB).double())
+        tokens, targets = _data(sum(len(g) for g in groups))
+        weight = loss_weights("count_mean", [len(g) for g in groups], units)[rank, 0]
+        loss = _group_loss("count_mean", _token_losses(model, tokens, targets, groups[rank]))
+        (weight * loss).backward()
+        torch.save([p.grad for p in model.parameters()], f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_with_token_mean_weights_match_one_process(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Linear(DIM, VOCAB).double()
+    groups = [list(range(0, 6)), list(range(6, 8))]  # an uneven split of 8 samples
+    tokens, targets = _data(8)
+    units = [sum(len(targets[s]) for s in group) for group in groups]
+    context = torch.multiprocessing.start_processes(
+        _ddp_rank,
+        args=(2, str(tmp_path / "store"), str(tmp_path), groups, units),
+        nprocs=2,
+        join=False,
+        start_method="fork",
+    )
+    deadline = time.monotonic() + 60.0
+    while not context.join(timeout=1.0):  # False while a rank is still running
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("the two gloo ranks did not finish within 60 s")
+    everything = _token_losses(model, tokens, targets, range(8))
+    expected = _gradient(model, _group_loss("count_mean", everything))
+    for rank in range(2):
+        reduced = torch.cat([g.reshape(-1) for g in torch.load(tmp_path / f"rank{rank}.pt")])
+        assert torch.max(torch.abs(reduced - expected)).item() < 1e-6
