@@ -144,11 +144,13 @@ def _greedy(fixed: np.ndarray, work: np.ndarray) -> np.ndarray:
             ranks[order[start]] = r
             loads[r] += row[r]
             continue
-        flat = (loads[:, None] + np.outer(row, steps[:g])).reshape(-1)  # rank-major: ties go to low ranks
-        level = np.partition(flat, g - 1)[g - 1]  # the g-th smallest finish
-        below = flat < level
-        below[np.flatnonzero(flat == level)[: g - np.count_nonzero(below)]] = True  # ties at the level
-        per_rank = below.reshape(n, g).sum(axis=1)
+        finish = loads[:, None] + row[:, None] * steps[None, :g]  # (n, g): rank r's finish after j more samples
+        level = np.partition(finish.reshape(-1), g - 1)[g - 1]  # the g-th smallest finish
+        per_rank = np.count_nonzero(finish < level, axis=1)
+        short = g - int(per_rank.sum())
+        if short:  # ties at the level go to the lowest ranks (rank-major order), as one at a time would
+            at = np.flatnonzero(finish.reshape(-1) == level)[:short] // g
+            per_rank += np.bincount(at, minlength=n)
         ranks[order[start:stop]] = np.repeat(rank_ids, per_rank)
         loads += row * per_rank  # + 0.0 leaves a rank that took none exactly as it was
     return _fill_empty(work, ranks, n)
