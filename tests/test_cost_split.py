@@ -7,13 +7,9 @@ import itertools
 import numpy as np
 import pytest
 
-from lightning_cannikin.core.cost_split import (
-    lower_bound,
-    predicted_times,
-    split_by_cost,
-    token_budget_batches,
-)
+from lightning_cannikin.core.cost_split import lower_bound, predicted_times, split_by_cost
 from lightning_cannikin.core.optperf import optimal_split
+from lightning_cannikin.core.token_budget import token_budget_batches
 
 
 def _brute_force(costs, fixed, per_cost, squares=None, per_square=None) -> float:

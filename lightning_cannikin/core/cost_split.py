@@ -13,8 +13,9 @@ rank times lexicographically, so the search ends; at its end no single move off 
 the gap to the fractional optimum :func:`lower_bound` by ``(n - 1) * c_min / sum_r(1 / per_cost_r)`` in the linear
 case (``c_min``: the smallest cost on the slowest rank; ``docs/variable-length.md`` derives it).
 
-Deterministic with no collective: samples are ordered by work with ties broken by position, ranks by index, and rank
-times are recomputed from the same float operations on every rank, so equal inputs give equal splits. Every rank is
+Deterministic with no collective: samples are ordered by work with ties broken by position, ranks by index, and every
+decision rests on elementwise float operations and sums in a fixed order (never a reduction or a BLAS product, whose
+rounding may follow the CPU), so bit-equal inputs give equal splits on every rank, whatever its machine. Every rank is
 given at least one sample (DDP needs every rank to step), so the batch must have at least as many samples as ranks.
 
 Pure numpy: imports neither torch nor Lightning.
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import ArrayLike
 
-__all__ = ["CostSplit", "lower_bound", "predicted_times", "split_by_cost", "token_budget_batches"]
+__all__ = ["CostSplit", "lower_bound", "predicted_times", "split_by_cost"]
 
 # A change must lower the slowest rank's time by more than this relative amount: float rounding can never make the
 # search cycle, and a gain this small is worth nothing.
@@ -104,6 +105,26 @@ def _times(fixed: np.ndarray, work: np.ndarray, ranks: np.ndarray) -> np.ndarray
     return fixed + np.bincount(ranks, weights=work[np.arange(len(ranks)), ranks], minlength=len(fixed))
 
 
+def _decreasing_work(work: np.ndarray) -> np.ndarray:
+    """Sample positions by total work over the ranks, largest first, ties by position.
+
+    The totals are summed one rank at a time (elementwise adds), not by a reduction whose order may follow the CPU's
+    vector width: ranks on different machines must order the samples alike.
+    """
+    total = work[:, 0].copy()
+    for r in range(1, work.shape[1]):
+        total += work[:, r]
+    return np.lexsort((np.arange(len(total)), -total))
+
+
+def _subset_sums(keep: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``keep @ values`` added item by item in a fixed order (a BLAS product may round differently per machine)."""
+    sums = np.zeros(len(keep))
+    for i, value in enumerate(values.tolist()):
+        sums += keep[:, i] * value
+    return sums
+
+
 def predicted_times(
     ranks: ArrayLike,
     costs: ArrayLike,
@@ -130,7 +151,7 @@ def _greedy(fixed: np.ndarray, work: np.ndarray) -> np.ndarray:
     loop would take them, without a Python step per sample.
     """
     m, n = work.shape
-    order = np.lexsort((np.arange(m), -work.sum(axis=1)))  # by total work descending, then by position
+    order = _decreasing_work(work)
     ranks = np.empty(m, dtype=np.int64)
     loads = fixed.copy()
     rows = work[order]
@@ -233,7 +254,7 @@ def _repartition(
     for r in np.flatnonzero(small)[np.lexsort((np.flatnonzero(small), times[small]))].tolist():
         pool = np.flatnonzero((ranks == k) | (ranks == r))
         keep = _subsets(len(pool))
-        pair = np.maximum(fixed[k] + keep @ work[pool, k], fixed[r] + ~keep @ work[pool, r])
+        pair = np.maximum(fixed[k] + _subset_sums(keep, work[pool, k]), fixed[r] + _subset_sums(~keep, work[pool, r]))
         pair[~keep.any(axis=1) | keep.all(axis=1)] = np.inf  # neither rank may be left empty
         best = int(np.argmin(pair))
         if pair[best] < top * (1.0 - _RELATIVE_GAIN):
@@ -246,7 +267,7 @@ def _exact(fixed: np.ndarray, work: np.ndarray, incumbent: np.ndarray, node_budg
     a branch ends as soon as one rank reaches the best time found. Exact when it ends within ``node_budget`` nodes,
     otherwise the best assignment found (never worse than ``incumbent``)."""
     m, n = work.shape
-    order = np.lexsort((np.arange(m), -work.sum(axis=1))).tolist()
+    order = _decreasing_work(work).tolist()
     rows = work[order].tolist()
     loads, counts = fixed.tolist(), [0] * n
     best = [float(_times(fixed, work, incumbent).max()) * (1.0 - _RELATIVE_GAIN), None]
@@ -359,33 +380,3 @@ def lower_bound(
         if np.all(rate > 0):
             bounds.append(_fractional_level(float(c.sum() + lam * q.sum()), f, rate))
     return max(bounds)
-
-
-def token_budget_batches(costs: ArrayLike, budget: float, min_samples: int = 1) -> list[tuple[int, int]]:
-    """Cut a sequence of samples (the epoch's permutation order) into consecutive global batches by a cost budget.
-
-    Each batch takes samples until adding the next would exceed ``budget``, and never fewer than ``min_samples``
-    (the number of ranks); the last, short batch is folded into the previous one when it has fewer than
-    ``min_samples`` samples. Deterministic, so every rank cuts the same batches.
-
-    Returns:
-        ``[(start, stop), ...]`` half-open ranges covering every sample once.
-
-    """
-    c = _vector(costs, "costs")
-    if not budget > 0:
-        raise ValueError(f"`budget` must be positive, got {budget}.")
-    if min_samples < 1:
-        raise ValueError(f"`min_samples` must be at least 1, got {min_samples}.")
-    batches: list[tuple[int, int]] = []
-    start, total = 0, 0.0
-    for i, cost in enumerate(c.tolist()):
-        if i - start >= min_samples and total + cost > budget:
-            batches.append((start, i))
-            start, total = i, 0.0
-        total += cost
-    if start < len(c):
-        if len(c) - start < min_samples and batches:
-            start = batches.pop()[0]
-        batches.append((start, len(c)))
-    return batches
