@@ -31,30 +31,18 @@ from torch.utils.data import TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from examples.varlen_data import read_wordnet_glosses
 from lightning_cannikin.training.schedules import progress_lr_lambda
 
-WORDNET_DIR = Path("/usr/share/wordnet")
 VOCABULARY = 2**14  # hashed words; index 0 is padding
 MAX_WORDS = 32
 NUM_CLASSES = 45
 JOB, GPUS = "cifar10", ("A100", "2080Ti", "T4")
 
 
-def wordnet_available() -> bool:
-    return (WORDNET_DIR / "data.noun").exists()
-
-
 def load_wordnet(test_size: int = 10_000) -> tuple[TensorDataset, TensorDataset]:
     """``(train, test)``: hashed word ids (``MAX_WORDS``, 0-padded) of each gloss, and its lexicographer class."""
-    if not wordnet_available():
-        raise FileNotFoundError(f"WordNet not found in {WORDNET_DIR}; install it with `apt-get install wordnet-base`.")
-    texts, labels = [], []
-    for part in ("noun", "verb", "adj", "adv"):
-        for line in (WORDNET_DIR / f"data.{part}").read_text(encoding="latin-1").splitlines():
-            if line.startswith("  ") or " | " not in line:
-                continue  # the licence header
-            labels.append(int(line.split(" ")[1]))
-            texts.append(line.split(" | ", 1)[1])
+    texts, labels = read_wordnet_glosses()
     order = np.random.default_rng(0).permutation(len(texts))
     ids = torch.zeros(len(texts), MAX_WORDS, dtype=torch.long)
     for row, index in enumerate(order):
