@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_cannikin import Cannikin, CannikinSettings, CannikinStrategy
+from lightning_cannikin.training import strategy_checks
 from tests.models import IndexedRegression, RecordingRegressor, quiet_trainer, read_records
 
 
@@ -110,9 +111,11 @@ class ValidatingRegressor(RecordingRegressor):
         super().on_train_end()
 
 
-def test_validation_loader_is_left_to_ddp(tmp_path):
+def test_validation_loader_is_left_to_ddp(tmp_path, monkeypatch):
+    warned = tmp_path / "warnings.txt"  # the forked ranks inherit the patched module: the warning is recorded here
+    monkeypatch.setattr(strategy_checks, "rank_zero_warn", lambda text: warned.open("a").write(text + "\n"))
     torch.manual_seed(0)
-    model = ValidatingRegressor(IndexedRegression(200), batch_size=8, record_dir=str(tmp_path))
+    model = ValidatingRegressor(IndexedRegression(200), batch_size=10, record_dir=str(tmp_path))
     model.validation_sizes = []
     trainer = quiet_trainer(
         CannikinStrategy(local_batch_sizes=[12, 4], start_method="fork"), 2, max_epochs=1, num_sanity_val_steps=0
@@ -122,6 +125,11 @@ def test_validation_loader_is_left_to_ddp(tmp_path):
     training = [{len(s) for s in r["steps"][:-1]} for r in records]
     validation = [r["steps"][-1] for r in records]
     assert training == [{12, 6}, {4, 2}], "training follows the uneven split (the last batch: 8 left, split 6:2)"
+    # the fixed split's total (16) replaces the DataLoader's 10 x 2 = 20, with a warning naming both (the documented
+    # rule); every rank runs the check, rank zero alone prints it
+    assert (
+        "global batch of 16 per step, not the DataLoader's batch_size x world size = 10 x 2 = 20" in warned.read_text()
+    )
     # validation is DDP's: a DistributedSampler gives each rank 100 of the 200 samples in batches of 10
     assert validation == [[10] * 10, [10] * 10]
 

@@ -34,12 +34,21 @@ from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
 # DDPStrategy calls it on CUDA only, Cannikin on every device
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 
+# `_MultiProcessingLauncher`, `_SubprocessScriptLauncher`: the launchers DDPStrategy builds in `_configure_launcher`
+# (start methods fork/spawn, and popen); Cannikin subclasses both to check a fit's arguments before they spawn
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
 # `_StrategyRegistry`: the type of Lightning's `StrategyRegistry`, named in `register_strategies`' signature
 from lightning.pytorch.strategies.strategy import _StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
 
 __all__ = [
+    "MultiProcessingLauncher",
     "StrategyRegistryType",
+    "SubprocessScriptLauncher",
     "epoch_resizable",
+    "fit_arguments",
     "foreach_add_",
     "foreach_copy_",
     "foreach_div",
@@ -55,6 +64,8 @@ __all__ = [
 ]
 
 StrategyRegistryType = _StrategyRegistry
+MultiProcessingLauncher = _MultiProcessingLauncher
+SubprocessScriptLauncher = _SubprocessScriptLauncher
 register_ddp_comm_hook = _register_ddp_comm_hook
 
 # torch's multi-tensor kernels (`torch._foreach_*`): private, but what torch's own optimizers run on; one launch for a
@@ -72,6 +83,15 @@ def uses_distributed_sampler(trainer: pl.Trainer) -> bool:
     """The Trainer's ``use_distributed_sampler``, which Lightning keeps on its private ``_accelerator_connector``
     (the Trainer has no public view of it); ``True`` where the attribute is missing, as Lightning's default."""
     return bool(getattr(trainer._accelerator_connector, "use_distributed_sampler", True))
+
+
+def fit_arguments(trainer: pl.Trainer, args: tuple[Any, ...]) -> tuple[Any, Any] | None:
+    """``(train_dataloaders, ckpt_path)`` of the ``trainer.fit`` call a launcher's ``launch(function, *args)`` runs,
+    ``None`` for another entry point. Relies on ``Trainer.fit`` passing ``_fit_impl`` its arguments positionally:
+    ``(model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, ...)`` (Lightning 2.x)."""
+    if trainer.state.fn != TrainerFn.FITTING or len(args) < 5:
+        return None
+    return args[1], args[4]
 
 
 def epoch_resizable(trainer: pl.Trainer) -> bool:

@@ -136,11 +136,13 @@ def loader_batch_size(dataloader: DataLoader) -> int:
     return int(batch_size)
 
 
-def rebuild_uneven(dataloader: DataLoader, plan: Plan, rank: int, seed: int | None = None) -> UnevenDataLoader:
-    """A copy of ``dataloader`` whose batches follow ``plan`` on this ``rank``.
+def check_trainable(dataloader: DataLoader, global_batch_size: int) -> tuple[bool, int]:
+    """Refuse a training loader Cannikin cannot split, with the fix; returns its ``(shuffle, seed)``.
+
+    Cheap (it reads the loader and the dataset's length), so the launching process can run it before it spawns.
 
     Raises:
-        ValueError: for DataLoader subclasses, iterable-style datasets, custom samplers, or a plan whose total exceeds
+        ValueError: for DataLoader subclasses, iterable-style datasets, custom samplers, or a global batch larger than
             the dataset.
 
     """
@@ -159,14 +161,21 @@ def rebuild_uneven(dataloader: DataLoader, plan: Plan, rank: int, seed: int | No
             "Cannikin needs a map-style training dataset (with `__len__` and `__getitem__`) to split each global batch"
             f" across ranks; got an IterableDataset ({type(dataset).__name__}). Use `strategy='ddp'` for it."
         )
-    shuffle, sampler_seed = sampling_options(dataloader)
+    options = sampling_options(dataloader)
     num_samples = len(dataset)  # type: ignore[arg-type]
-    if plan.global_batch_size > num_samples:
+    if global_batch_size > num_samples:
         raise ValueError(
-            f"The total batch size {plan.global_batch_size} (`local_batch_sizes`={list(plan.local_batch_sizes)})"
-            f" is larger than the training dataset ({num_samples} samples). Lower the DataLoader `batch_size` or"
-            " `local_batch_sizes`."
+            f"The total batch size {global_batch_size} is larger than the training dataset ({num_samples} samples)."
+            " Lower the DataLoader `batch_size` or `local_batch_sizes`."
         )
+    return options
+
+
+def rebuild_uneven(dataloader: DataLoader, plan: Plan, rank: int, seed: int | None = None) -> UnevenDataLoader:
+    """A copy of ``dataloader`` whose batches follow ``plan`` on this ``rank`` (:func:`check_trainable` first)."""
+    shuffle, sampler_seed = check_trainable(dataloader, plan.global_batch_size)
+    dataset = dataloader.dataset
+    num_samples = len(dataset)  # type: ignore[arg-type]
     batch_sampler = UnevenBatchSampler(
         num_samples,
         rank=rank,

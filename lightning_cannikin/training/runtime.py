@@ -89,14 +89,19 @@ class RuntimeState:
         bounds = self.bounds
         if bounds is None:
             return Plan(even_split(global_batch_size, world_size), accumulation)
-        if sum(bounds.lower) > global_batch_size or (
-            bounds.upper is not None and sum(bounds.upper) < global_batch_size
-        ):
-            upper = None if bounds.upper is None else list(bounds.upper)
+        lowest, upper = sum(bounds.lower), bounds.upper
+        source = f"the initial global batch of {global_batch_size} (the DataLoader's batch_size x {world_size} ranks)"
+        if lowest > global_batch_size:
             raise ValueError(
-                f"`local_batch_bounds` (lower {list(bounds.lower)}, upper {upper})"
-                f" cannot hold the initial global batch of {global_batch_size} (the DataLoader's batch_size x"
-                f" {world_size} ranks). Lower the DataLoader `batch_size` or widen the bounds."
+                f"`local_batch_bounds` lower bounds {list(bounds.lower)} need at least {lowest} samples per step, more"
+                f" than {source}. Raise the DataLoader `batch_size` to at least {-(-lowest // world_size)}, or lower"
+                " the lower bounds."
+            )
+        if upper is not None and sum(upper) < global_batch_size:
+            raise ValueError(
+                f"`local_batch_bounds` upper bounds {list(upper)} hold at most {sum(upper)} samples per step, fewer"
+                f" than {source}. Lower the DataLoader `batch_size` to at most {max(1, sum(upper) // world_size)}, or"
+                " raise the upper bounds."
             )
         split = most_even_split(global_batch_size, world_size, bounds.lower, bounds.upper)
         return Plan(split.local_batch_sizes, accumulation)

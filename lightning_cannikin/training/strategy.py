@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, NoReturn
 
 import torch
@@ -24,6 +25,7 @@ from lightning_cannikin.training.comm_hook import WeightedAllReduceState, weight
 from lightning_cannikin.training.device_memory import LocalBatchOutOfMemoryError, out_of_memory_error
 from lightning_cannikin.training.grad_capture import GradientCapture
 from lightning_cannikin.training.grad_ready import GradientReadiness
+from lightning_cannikin.training.launch_checks import check_before_launch, checked_launcher
 from lightning_cannikin.training.lightning_hooks import BalancingCallback
 from lightning_cannikin.training.loader import UnevenDataLoader, loader_batch_size, rebuild_uneven
 from lightning_cannikin.training.runtime import RuntimeState
@@ -32,6 +34,7 @@ from lightning_cannikin.training.strategy_checks import (
     MULTIPLE_LOADERS_ERROR,
     NO_DISTRIBUTED_SAMPLER_ERROR,
     validate_local_batch_sizes,
+    warn_about_fixed_total,
     warn_about_sync_batchnorm,
 )
 
@@ -129,7 +132,9 @@ class CannikinStrategy(DDPStrategy):
                 f"`local_batch_sizes` has {len(self._fixed_sizes)} entries but the world size is {world_size}"
                 f" ({self.num_nodes} node(s) x {self.num_processes} device(s)). Give one size per rank."
             )
-        super()._configure_launcher()
+        # Lightning's launchers, checking what the fit's arguments already show before they spawn any process
+        check = partial(check_before_launch, world_size=world_size, fixed_sizes=self._fixed_sizes)
+        self._launcher = checked_launcher(self, self._start_method, check)
 
     @override
     def setup_environment(self) -> None:
@@ -138,7 +143,7 @@ class CannikinStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         if fitting and not uses_distributed_sampler(trainer):
-            raise ValueError(NO_DISTRIBUTED_SAMPLER_ERROR)  # on every rank alike, before the process group exists
+            raise ValueError(NO_DISTRIBUTED_SAMPLER_ERROR)  # the launcher checked it; here for entry points without one
         wanted = trainer is not None and not self.fixed_split
         if wanted and not any(isinstance(cb, BalancingCallback) for cb in trainer.callbacks):
             trainer.callbacks.append(BalancingCallback())
@@ -245,6 +250,7 @@ class CannikinStrategy(DDPStrategy):
         accumulation = trainer.accumulate_grad_batches
         if self._fixed_sizes is not None:
             plan = Plan(self._fixed_sizes, accumulation)
+            warn_about_fixed_total(self._fixed_sizes, loader_batch_size(dataloader), self.world_size)
         elif self.plan is not None:
             plan = Plan(self.plan.local_batch_sizes, accumulation, self.plan.predicted_step_time)
         else:

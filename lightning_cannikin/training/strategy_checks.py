@@ -12,6 +12,7 @@ __all__ = [
     "MULTIPLE_LOADERS_ERROR",
     "NO_DISTRIBUTED_SAMPLER_ERROR",
     "validate_local_batch_sizes",
+    "warn_about_fixed_total",
     "warn_about_sync_batchnorm",
 ]
 
@@ -45,6 +46,23 @@ def validate_local_batch_sizes(local_batch_sizes: Sequence[int] | None) -> tuple
             " least one sample per step."
         )
     return sizes
+
+
+def warn_about_fixed_total(fixed_sizes: Sequence[int], loader_batch_size: int, world_size: int) -> bool:
+    """Warn (rank zero) when a fixed split's total differs from the DataLoader's ``batch_size x world_size``: the
+    fixed split is what trains (the documented rule), and the learning rate is not rescaled for it."""
+    fixed, loader_total = sum(fixed_sizes), loader_batch_size * world_size
+    if fixed == loader_total:
+        return False
+    divisible = fixed % world_size == 0
+    quiet = f"; to keep {fixed}, set the DataLoader's batch_size to {fixed // world_size}" if divisible else ""
+    rank_zero_warn(
+        f"`local_batch_sizes`={list(fixed_sizes)} train a global batch of {fixed} per step, not the DataLoader's"
+        f" batch_size x world size = {loader_batch_size} x {world_size} = {loader_total}: a fixed split replaces the"
+        f" DataLoader's batch_size, and the learning rate is not rescaled for it. To train {loader_total}, give sizes"
+        f" that sum to it{quiet}."
+    )
+    return True
 
 
 def warn_about_sync_batchnorm(module: torch.nn.Module) -> bool:
