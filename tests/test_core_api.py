@@ -123,3 +123,23 @@ def test_mid_epoch_plan_change_keeps_every_sample_once():
     assert covered == list(range(100))
     with pytest.raises(ValueError, match="ranks"):
         sampler.set_plan(Plan((1, 1, 1)))
+
+
+def test_the_history_keeps_one_entry_per_replan_step():
+    from lightning_cannikin.core.history import PlanHistory
+    from lightning_cannikin.core.speed_model import StepRecord
+
+    history = PlanHistory()
+    history.append(8, 0, Plan((8, 8), predicted_step_time=0.1), 1.0, None)
+    history.observe([StepRecord(step, rank, 8, 0.12, 0.12) for step in range(8, 16) for rank in range(2)])
+    # the epoch's last batch re-plans on the schedule, then the epoch's end re-plans at the same step: one entry, the
+    # last decision's, with the ranks found to have changed speed at either
+    history.append(16, 0, Plan((10, 6), predicted_step_time=0.09), 1.0, None, [1])
+    history.append(16, 0, Plan((11, 5), predicted_step_time=0.08), 1.5, 40.0, [0])
+    assert [e["step"] for e in history.entries] == [8, 16]
+    latest = history.entries[-1]
+    assert latest["local_batch_sizes"] == [11, 5] and latest["lr_factor"] == 1.5 and latest["speed_changes"] == [0, 1]
+    # the plan before it keeps its measurement, and the new one is measured from its own steps
+    assert history.entries[0]["measured_step_time"] == pytest.approx(0.12)
+    history.observe([StepRecord(step, rank, b, 0.1, 0.1) for step in (16, 17) for rank, b in enumerate((11, 5))])
+    assert latest["measured_step_time"] == pytest.approx(0.1) and latest["prediction_error"] == pytest.approx(0.2)

@@ -259,3 +259,30 @@ def test_a_split_is_kept_while_the_best_one_gains_less_than_the_split_margin():
 def test_split_margin_must_not_be_negative():
     with pytest.raises(ValueError, match="split_margin"):
         PolicySettings(split_margin=-0.1)
+
+
+def test_a_decision_says_why_it_kept_or_changed_the_total_and_the_split():
+    balancer = fitted_balancer()
+    current = Plan((24, 8))
+    best_time = balancer.plan_split(32).predicted_step_time
+
+    def explained(noise_scale, margin=0.05, current=current):
+        settings = PolicySettings(max_batch_size=256, margin=margin)
+        return decide(balancer, current, settings, noise_scale, 32)
+
+    # noise scale 40: the best total gains about 4.5% at the best split, under the 5% margin: kept, and said so
+    kept = explained(40.0)
+    assert kept.plan.global_batch_size == 32 and kept.best_total is not None and kept.best_total > 32
+    assert 0.0 < kept.total_gain < 0.05
+    # the same gain clears a 1% margin: adopted, with the gain that made it
+    grown = explained(40.0, margin=0.01)
+    assert grown.plan.total_batch_size == grown.best_total == kept.best_total
+    assert grown.total_gain == pytest.approx(kept.total_gain)
+    # the split: the optimum (24, 8) is in force, so it is kept with no gain to find; a stale even split is more than
+    # the 2% split margin slower, and its gain is what the decision reports
+    assert kept.split_gain == pytest.approx(0.0, abs=1e-12)
+    stale = explained(None, current=Plan((16, 16)))
+    assert stale.plan.local_batch_sizes == (24, 8)
+    assert stale.split_gain == pytest.approx(balancer.predict((16, 16)) / best_time - 1.0) and stale.split_gain > 0.02
+    # no statistics: the total was not reconsidered
+    assert stale.best_total is None and stale.total_gain is None

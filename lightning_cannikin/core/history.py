@@ -32,7 +32,7 @@ def median_step_time(records: Iterable[StepRecord], local_batch_sizes: Sequence[
 
 
 class PlanHistory:
-    """One JSON-friendly entry per adopted plan, in order (what checkpoints and run profiles store).
+    """One JSON-friendly entry per adopted plan and step, in order (what checkpoints and run profiles store).
 
     The records seen since the last entry are kept until the next re-plan, when they give that entry its measured
     step time.
@@ -72,8 +72,15 @@ class PlanHistory:
         speed_changes: list[int] | None = None,
     ) -> None:
         """A plan adopted at ``step`` (``speed_changes``: the ranks found to have changed speed); its measurement
-        starts afresh."""
+        starts afresh.
+
+        One entry per step: a plan decided at the step of the latest entry replaces it, since that one never ran a
+        step (the epoch's last batch re-plans on the schedule, and the epoch's end re-plans again at the same step).
+        """
         self._since_last = []
+        if self.entries and self.entries[-1]["step"] == step:
+            superseded = self.entries.pop()
+            speed_changes = sorted({*superseded["speed_changes"], *(speed_changes or [])})
         self.entries.append(
             {
                 "step": step,

@@ -18,7 +18,7 @@ from typing import Protocol
 import numpy as np
 from numpy.typing import ArrayLike
 
-from lightning_cannikin.core.goodput import adascale_gain, candidate_batch_sizes, choose_batch_size
+from lightning_cannikin.core.goodput import GoodputChoice, adascale_gain, candidate_batch_sizes, choose_batch_size
 from lightning_cannikin.core.lr_scaling import lr_factor, validate_rule
 from lightning_cannikin.core.optperf import most_even_split
 from lightning_cannikin.core.plan import Plan, even_split
@@ -115,6 +115,12 @@ class Decision:
         lr_factor: the multiplier of the base learning rate for the plan's total batch.
         gain: the AdaScale gain of a step at that total (B0-steps of progress per step).
         identified: whether every device's slope was measured when the decision was made.
+        best_total: the total batch with the best predicted goodput (``None``: the total was not reconsidered).
+        total_gain: its predicted goodput's relative gain over keeping the total in force, against the margin
+            (``PolicySettings.margin``) it had to beat to be adopted (``None``: not reconsidered).
+        split_gain: the best split's predicted relative step-time gain over the split kept in its place (the most
+            even one or the one in force; the smallest such gain when none is kept), against ``split_margin``
+            (``None``: no split was weighed, e.g. a probe or an even split).
 
     """
 
@@ -122,6 +128,9 @@ class Decision:
     lr_factor: float
     gain: float
     identified: bool
+    best_total: int | None = None
+    total_gain: float | None = None
+    split_gain: float | None = None
 
 
 def learning_rate_scale(
@@ -159,44 +168,62 @@ def decide(
     """
     global_batch, accumulation = current.global_batch_size, current.accumulation_steps
     adapt = adapt_total and settings.max_batch_size is not None and noise_scale is not None
+    choice, split_gain = None, None
     if adapt and (model.identified or not settings.balance):
-        global_batch, accumulation = _choose_total(model, current, settings, noise_scale, base_batch_size)  # type: ignore[arg-type]
+        global_batch, accumulation, choice = _choose_total(model, current, settings, noise_scale, base_batch_size)  # type: ignore[arg-type]
     if settings.balance and not model.identified:
         # a slope guessed from one batch size can be far off (AdaptDL's prior puts half the time in the intercept):
         # rather than act on it, move every rank a little from where it is, so the next re-plan measures slopes
         sizes = model.probe(current.local_batch_sizes)
     elif settings.balance:
-        sizes = _split(model, current, global_batch, settings.split_margin)
+        sizes, split_gain = _split(model, current, global_batch, settings.split_margin)
     else:
         sizes = most_even_split(global_batch, model.world_size, model.lower, model.upper).local_batch_sizes
     plan = Plan(sizes, accumulation, predicted_step_time=float(model.predict(sizes)))
     factor, gain = learning_rate_scale(settings.lr_scaling, plan.total_batch_size, base_batch_size, noise_scale, adam)
-    return Decision(plan, factor, gain, model.identified)
+    total_gain = None if choice is None else _relative_gain(choice.goodput, choice.current_goodput)
+    best_total = None if choice is None else choice.batch_size
+    return Decision(plan, factor, gain, model.identified, best_total, total_gain, split_gain)
 
 
-def _split(model: StepTimeModel, current: Plan, global_batch: int, margin: float) -> tuple[int, ...]:
+def _relative_gain(new: float, old: float) -> float:
+    """``new / old - 1`` (``inf`` where ``old`` is not positive and ``new`` is)."""
+    return new / old - 1.0 if old > 0 else (float("inf") if new > 0 else 0.0)
+
+
+def _split(
+    model: StepTimeModel, current: Plan, global_batch: int, margin: float
+) -> tuple[tuple[int, ...], float | None]:
     """The model's best split of ``global_batch``, unless the most even one or else the split in force (same global
     batch) is predicted within ``margin`` of it: a gain that small is within the timing noise, and chasing it moves
     identical devices apart on noise alone. The even split comes first, so a probe's split is not kept for being no
-    worse than the noise."""
+    worse than the noise. Also returns the best split's predicted gain over the split kept (else the smallest gain
+    over those weighed; ``None`` when none was inside the bounds)."""
     best = model.plan_split(global_batch).local_batch_sizes
-    limit = float(model.predict(best)) * (1.0 + margin)
+    best_time = float(model.predict(best))
+    limit = best_time * (1.0 + margin)
     kept = [most_even_split(global_batch, model.world_size, model.lower, model.upper).local_batch_sizes]
     if global_batch == current.global_batch_size:
         kept.append(current.local_batch_sizes)
     lower = np.asarray(model.lower)
     upper = None if model.upper is None else np.asarray(model.upper)
+    gains = []
     for sizes in kept:
         inside = bool(np.all(lower <= sizes)) and (upper is None or bool(np.all(np.asarray(sizes) <= upper)))
-        if inside and float(model.predict(sizes)) <= limit:
-            return tuple(sizes)
-    return tuple(best)
+        if not inside:
+            continue
+        time = float(model.predict(sizes))
+        gains.append(_relative_gain(time, best_time))
+        if time <= limit:
+            return tuple(sizes), gains[-1]
+    return tuple(best), min(gains, default=None)
 
 
 def _choose_total(
     model: StepTimeModel, current: Plan, settings: PolicySettings, noise_scale: float, base_batch_size: int
-) -> tuple[int, int]:
-    """``(global batch, accumulation steps)`` with the best predicted goodput, or the current ones.
+) -> tuple[int, int, GoodputChoice | None]:
+    """``(global batch, accumulation steps)`` with the best predicted goodput, or the current ones, and the choice
+    (``None`` when no candidate fits).
 
     Candidates run from the base batch to ``max_batch_size`` (per optimizer step), within what a micro-step can
     hold: the sum of the per-rank bounds, or, for an even split, ``n`` times the tightest bound (an even split of more
@@ -222,7 +249,7 @@ def _choose_total(
         lower = max(-(-base_batch_size // steps_now), lowest)
         upper = cap // steps_now if highest is None else min(cap // steps_now, highest)
         if upper < lower:
-            return current.global_batch_size, steps_now
+            return current.global_batch_size, steps_now, None
         micro = candidate_batch_sizes(lower, upper, settings.candidates)
         steps = np.full_like(micro, steps_now)
     if settings.balance:
@@ -238,6 +265,6 @@ def _choose_total(
         micro * steps, times, noise_scale, base_batch_size, current.total_batch_size, kept, margin=settings.margin
     )
     if not choice.adopted:
-        return current.global_batch_size, steps_now
+        return current.global_batch_size, steps_now, choice
     index = int(np.flatnonzero(micro * steps == choice.batch_size)[0])
-    return int(micro[index]), int(steps[index])
+    return int(micro[index]), int(steps[index]), choice
