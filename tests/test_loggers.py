@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import struct
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -88,10 +90,75 @@ class RunFolderLogger(Logger):
         pass
 
 
-def test_a_logger_without_a_log_dir_keeps_one_profile_per_run(tmp_path):
-    for run_id in ("run-a", "run-b"):
-        _fit(tmp_path, RunFolderLogger(tmp_path / "logs", run_id))
-    for run_id in ("run-a", "run-b"):
-        profile = load_profile(tmp_path / "logs" / "project" / run_id / PROFILE_FILENAME)
-        assert profile.world_size == 2
+class Uploads:
+    """What a fake logger's experiment received, in a file (the fit's rank zero is a forked process)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def add(self, kind: str, local_path: str, **details) -> None:
+        world_size = json.loads(Path(local_path).read_text())["world_size"]  # the file as it was when uploaded
+        entry = {"kind": kind, "path": local_path, "world_size": world_size, **details}
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(entry) + "\n")
+
+    def read(self) -> list[dict]:
+        return [json.loads(line) for line in self.path.read_text().splitlines()]
+
+
+class MlflowShapedLogger(RunFolderLogger):
+    """Duck-typed as MLflow's: a ``run_id`` and an experiment client with ``log_artifact(run_id, local_path)``."""
+
+    def __init__(self, save_dir: Path, run_id: str, uploads: Uploads) -> None:
+        super().__init__(save_dir, run_id)
+        client = SimpleNamespace(log_artifact=lambda run, path: uploads.add("mlflow", path, run_id=run))
+        self._client = client
+
+    @property
+    def run_id(self) -> str:
+        return self._run_id
+
+    @property
+    def experiment(self):
+        return self._client
+
+
+class WandbRun:
+    """Duck-typed as a W&B run: ``save(glob_str, base_path=None, policy="live")``."""
+
+    def __init__(self, uploads: Uploads) -> None:
+        self.uploads = uploads
+
+    def save(self, glob_str, base_path=None, policy="live"):
+        self.uploads.add("wandb", glob_str, base_path=base_path, policy=policy)
+
+
+class WandbShapedLogger(RunFolderLogger):
+    def __init__(self, save_dir: Path, run_id: str, uploads: Uploads) -> None:
+        super().__init__(save_dir, run_id)
+        self._run = WandbRun(uploads)
+
+    @property
+    def experiment(self):
+        return self._run
+
+
+def test_a_logger_without_a_log_dir_keeps_one_profile_per_run_and_gets_it_as_an_artifact(tmp_path):
+    uploads = Uploads(tmp_path / "uploads.jsonl")
+    _fit(tmp_path, MlflowShapedLogger(tmp_path / "logs", "run-a", uploads))
+    _fit(tmp_path, WandbShapedLogger(tmp_path / "logs", "run-b", uploads))
+    profiles = {run_id: tmp_path / "logs" / "project" / run_id / PROFILE_FILENAME for run_id in ("run-a", "run-b")}
+    for path in profiles.values():
+        assert load_profile(path).world_size == 2
     assert not (tmp_path / "logs" / PROFILE_FILENAME).exists(), "the shared save_dir is no run's folder"
+    # each run's profile reached its logger's artifacts once, at the end of training, from rank zero
+    mlflow, wandb = uploads.read()
+    assert mlflow == {"kind": "mlflow", "path": str(profiles["run-a"]), "world_size": 2, "run_id": "run-a"}
+    folder = str(profiles["run-b"].parent)
+    assert wandb == {
+        "kind": "wandb",
+        "path": str(profiles["run-b"]),
+        "world_size": 2,
+        "base_path": folder,
+        "policy": "now",
+    }

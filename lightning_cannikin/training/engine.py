@@ -29,6 +29,7 @@ from lightning_cannikin.core.profile import PROFILE_FILENAME, build_profile, sav
 from lightning_cannikin.core.schedule import ReplanSchedule
 from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings, StepRecord
 from lightning_cannikin.training.collective import Collective
+from lightning_cannikin.training.explain import explain
 from lightning_cannikin.training.grad_stats import GradientNormObserver
 from lightning_cannikin.training.optimizers import optimizer_family_of, unwrapped
 from lightning_cannikin.training.runtime import RuntimeState
@@ -289,12 +290,7 @@ class BalancingEngine:
             base = self.estimator.base_batch_size if self.estimator is not None else None
             profile = build_profile(self.speed_model, self.history.entries, base_batch_size=base)
             save_profile(Path(self.profile_dir) / PROFILE_FILENAME, profile)
-        if plan.local_batch_sizes != current.local_batch_sizes:
-            rank_zero_info(
-                f"Cannikin: local batch sizes {list(current.local_batch_sizes)} -> {list(plan.local_batch_sizes)}"
-                f" (predicted step {1000 * (plan.predicted_step_time or 0):.1f} ms, lr factor"
-                f" {decision.lr_factor:.3g})"
-            )
+        rank_zero_info(explain(self.step, decision, current, self.policy))  # what was decided, and why
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resume needs (the keys of the checkpoints the callback wrote before the engine existed)."""

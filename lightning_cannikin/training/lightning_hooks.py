@@ -8,20 +8,31 @@ this callback with the user's arguments; ``strategy="cannikin"`` without one add
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_cannikin.core.plan import Plan
+from lightning_cannikin.core.policy import Decision
+from lightning_cannikin.core.profile import PROFILE_FILENAME
 from lightning_cannikin.core.speed_model import SpeedModel
 from lightning_cannikin.training._lightning_compat import epoch_resizable, sync_epoch_length
 from lightning_cannikin.training.collective import StrategyCollective
 from lightning_cannikin.training.engine import BalancingEngine
-from lightning_cannikin.training.log_dir import run_log_dir
-from lightning_cannikin.training.metrics import log_noise_scale, log_prediction_error, log_step, metrics_are_seen
+from lightning_cannikin.training.explain import decision_values
+from lightning_cannikin.training.log_dir import log_artifact, run_log_dir
+from lightning_cannikin.training.metrics import (
+    log_decision,
+    log_noise_scale,
+    log_prediction_error,
+    log_step,
+    metrics_are_seen,
+)
 from lightning_cannikin.training.runtime import RuntimeState
 
 __all__ = ["BalancingCallback"]
@@ -112,7 +123,19 @@ class BalancingCallback(Callback):
         self.engine.start(optimizer, getattr(trainer.precision_plugin, "scaler", None), accumulation)
         # the logger's folder for this run (W&B and MLflow included); rank zero writes the profile, and alone asks
         self.engine.profile_dir = run_log_dir(trainer) if self.engine.save_profile and trainer.is_global_zero else None
-        self._logging = metrics_are_seen(trainer)
+        self._logging = metrics_are_seen(trainer, self.engine.settings.progress_bar)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # the profile as an artifact of the run where the logger keeps artifacts (MLflow, W&B); rank zero wrote it
+        profile = Path(self.engine.profile_dir or "", PROFILE_FILENAME)
+        if self.engine.profile_dir is None or not trainer.is_global_zero or not profile.is_file():
+            return
+        for logger in trainer.loggers:
+            try:
+                log_artifact(logger, str(profile))
+            except Exception as error:  # an upload that fails must not fail a finished fit
+                rank_zero_warn(f"Cannikin could not log {profile} as an artifact of {type(logger).__name__}: {error}")
 
     @override
     def on_train_batch_start(
@@ -145,7 +168,8 @@ class BalancingCallback(Callback):
         assert runtime is not None
         if self._logging and engine.step % trainer.log_every_n_steps == 0:
             if (record := runtime.timer.latest) is not None:
-                log_step(pl_module, record, self.plan, runtime.lr_factor)
+                bar = self.engine.settings.progress_bar
+                log_step(pl_module, record, self.plan, runtime.lr_factor, runtime.step_sizes, bar)
                 if trainer.is_global_zero and (error := engine.history.prediction_error) is not None:
                     log_prediction_error(pl_module, error)
             phi, estimator = engine.noise_scale, engine.estimator
@@ -154,14 +178,19 @@ class BalancingCallback(Callback):
                 log_noise_scale(pl_module, phi, self.plan.total_batch_size if self.plan is not None else base, base)
         replan, adapt = engine.replan_due(epoch_resizable(trainer))
         if replan:
-            engine.replan(mid_epoch=True, adapt_total=adapt, epoch=trainer.current_epoch)
+            self._log(trainer, engine.replan(mid_epoch=True, adapt_total=adapt, epoch=trainer.current_epoch))
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         runtime = self.engine.runtime
         assert runtime is not None
         if not runtime.fixed_split:
-            self.engine.replan(mid_epoch=False, adapt_total=True, epoch=trainer.current_epoch)
+            self._log(trainer, self.engine.replan(mid_epoch=False, adapt_total=True, epoch=trainer.current_epoch))
+
+    def _log(self, trainer: pl.Trainer, decision: Decision | None) -> None:
+        """Rank zero: what a re-plan decided, and why, to the loggers."""
+        if decision is not None and self._logging:
+            log_decision(trainer, decision_values(decision, self.engine.policy))
 
     @override
     def state_dict(self) -> dict[str, Any]:

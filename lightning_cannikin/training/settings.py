@@ -37,6 +37,7 @@ class CannikinSettings:
     | ``min_noise_updates`` | 20 | measured steps of noise statistics before the total batch may change |
     | ``noise_every_n_steps`` | 8 | measure the noise statistics on one optimizer step in this many |
     | ``noise_exchange_every`` | 8 | measured steps whose statistics share one all-reduce of a few floats |
+    | ``progress_bar`` | False | show the total and rank zero's local batch on Lightning's progress bar |
 
     Args:
         warmup_steps: while some device's speed is not yet measured at two batch sizes, re-plan every this many
@@ -60,6 +61,8 @@ class CannikinSettings:
             DDP's throughput, one step in four 7% and one in eight 4-7%, about what balancing alone costs there.
         noise_exchange_every: measured steps whose statistics share one all-reduce of a few floats, never waited for
             (the same numbers, folded up to twice this many measured steps later).
+        progress_bar: also show the total and rank zero's local batch on Lightning's progress bar (every logger
+            receives every ``cannikin/*`` value either way; at 80 columns the bar truncates their names).
 
     """
 
@@ -72,6 +75,7 @@ class CannikinSettings:
     min_noise_updates: int = 20
     noise_every_n_steps: int = 8
     noise_exchange_every: int = 8
+    progress_bar: bool = False
 
     def __post_init__(self) -> None:
         _positive("warmup_steps", self.warmup_steps)

@@ -1,0 +1,68 @@
+"""What a re-plan decided and why, in words (rank zero's info line) and in numbers (the ``cannikin/decision/*`` values).
+
+The numbers are the decision's own (:class:`~lightning_cannikin.core.policy.Decision`): the best total's predicted
+goodput gain against ``adapt_margin``, the best split's predicted step-time gain against the split margin. A total
+that stays while ``max_batch_size`` is set is then explained, not silent.
+"""
+
+from __future__ import annotations
+
+import math
+
+from lightning_cannikin.core.plan import Plan
+from lightning_cannikin.core.policy import Decision, PolicySettings
+
+__all__ = ["decision_values", "explain"]
+
+
+def explain(step: int, decision: Decision, current: Plan, policy: PolicySettings) -> str:
+    """One line: the split and the total decided at ``step`` against ``current``, each with its reason."""
+    plan, sizes = decision.plan, list(decision.plan.local_batch_sizes)
+    before = list(current.local_batch_sizes)
+    if not decision.identified and policy.balance:
+        split = f"probing {before} -> {sizes} (every device timed at a second batch size before balancing)"
+    else:
+        moved = f"{before} -> {sizes}" if sizes != before else f"{sizes} kept"
+        gain = decision.split_gain
+        if gain is None:
+            split = f"split {moved}"
+        else:
+            side = "above" if gain > policy.split_margin else "within"
+            split = (
+                f"split {moved} (the best split is predicted {_percent(gain)} faster than the kept one, {side} the"
+                f" {_percent(policy.split_margin)} split margin)"
+            )
+    line = f"Cannikin: step {step}: {split}"
+    total, previous = plan.total_batch_size, current.total_batch_size
+    if decision.best_total is not None and decision.total_gain is not None:
+        verdict = f"{previous} -> {total}" if total != previous else f"{total} kept"
+        side = "above" if decision.total_gain > policy.margin else "under"
+        line += (
+            f"; total batch {verdict} (the best total, {decision.best_total}, is predicted to gain"
+            f" {_percent(decision.total_gain)} goodput, {side} the {_percent(policy.margin)} adapt margin)"
+        )
+    elif policy.max_batch_size is not None:
+        line += f"; total batch {total} not reconsidered (mid-epoch, or the noise scale is not measured yet)"
+    predicted = plan.predicted_step_time
+    if predicted is not None:
+        line += f"; predicted step {1000 * predicted:.1f} ms"
+    return line + f", lr factor {decision.lr_factor:.3g}"
+
+
+def decision_values(decision: Decision, policy: PolicySettings) -> dict[str, float]:
+    """The decision's numbers under ``cannikin/decision/*`` (what was not weighed, or is not finite, is left out)."""
+    values = {
+        "cannikin/decision/split_gain": decision.split_gain,
+        "cannikin/decision/total_gain": decision.total_gain,
+        "cannikin/decision/best_total_batch_size": decision.best_total,
+    }
+    found = {name: float(value) for name, value in values.items() if value is not None and math.isfinite(value)}
+    if "cannikin/decision/split_gain" in found:
+        found["cannikin/decision/split_margin"] = float(policy.split_margin)
+    if "cannikin/decision/total_gain" in found:
+        found["cannikin/decision/adapt_margin"] = float(policy.margin)
+    return found
+
+
+def _percent(value: float) -> str:
+    return f"{100 * value:.1f}%"
