@@ -47,8 +47,9 @@ class CannikinStrategy(DDPStrategy):
     the :class:`~lightning_cannikin.Cannikin` callback changes it between epochs as it learns each device's speed.
 
     Args:
-        local_batch_sizes: a fixed split, one entry per rank (global rank order). It turns split planning off. When
-            ``None``, the first plan gives every rank the training DataLoader's ``batch_size``.
+        local_batch_sizes: a fixed split, one entry per rank (global rank order). It turns split planning off, and
+            its sum replaces the DataLoader's ``batch_size x world size`` (a warning names both where they differ).
+            When ``None``, the first plan gives every rank the training DataLoader's ``batch_size``.
         **kwargs: every :class:`~lightning.pytorch.strategies.DDPStrategy` argument except ``ddp_comm_hook``
             (Cannikin's weighted all-reduce is the hook; ``ddp_comm_wrapper``, e.g. fp16 compression, composes).
 
