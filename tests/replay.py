@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from lightning_cannikin.core.change import LocalChangeCheck
 from lightning_cannikin.core.optperf import optimal_split
 from lightning_cannikin.core.plan import BatchBounds, Plan, even_split
 from lightning_cannikin.core.policy import Decision, PolicySettings, decide
@@ -31,6 +32,7 @@ class Replay:
     plans: list[Plan] = field(default_factory=list)  # the plan of every step
     decisions: list[tuple[int, Decision]] = field(default_factory=list)  # (step after which it was taken, decision)
     drifts: list[tuple[int, list[int]]] = field(default_factory=list)
+    changes: list[int] = field(default_factory=list)  # steps at which a rank's local check asked for a re-plan
     model: SpeedModel | None = None
 
     def clean_step_time(self, plan: Plan, step: int = 0) -> float:
@@ -65,6 +67,7 @@ def replay(
     epoch_steps: int | None = None,
     warmup_steps: int = 8,
     replan_every_n_steps: int | None = None,
+    check_every_n_steps: int | None = ReplanSchedule.check_every_n_steps,
     totals: dict[int, int] | None = None,
     bounds: BatchBounds | None = None,
     settings: SpeedModelSettings | None = None,
@@ -79,6 +82,7 @@ def replay(
         epoch_steps: re-plan at every multiple of it too (an epoch end).
         warmup_steps: the callback's warm-up re-plan cadence.
         replan_every_n_steps: the callback's periodic re-plan cadence.
+        check_every_n_steps: the cadence of every rank's local change check (``None``: off).
         totals: ``{step: total}``: from that step's epoch-end re-plan on, force this total (what goodput would pick),
             to test that a change of total is handled as one and not as a speed change.
         bounds: local batch bounds.
@@ -88,7 +92,8 @@ def replay(
     out = Replay(devices, world_size)
     model = SpeedModel(world_size, settings, bounds)
     out.model = model
-    schedule = ReplanSchedule(warmup_steps, replan_every_n_steps)
+    schedule = ReplanSchedule(warmup_steps, replan_every_n_steps, check_every_n_steps=check_every_n_steps)
+    checks = [LocalChangeCheck(model.settings.drift_tolerance) for _ in range(world_size)]
     plan = Plan(even_split(total, world_size))
     identified = False
     pending: list[StepRecord] = []
@@ -98,10 +103,18 @@ def replay(
         pending += [
             StepRecord(step, r, b, compute[r], max(compute) + TAIL_S) for r, b in enumerate(plan.local_batch_sizes)
         ]
+        for check, b, seconds in zip(checks, plan.local_batch_sizes, compute, strict=True):
+            check.observe(b, seconds)  # each rank, on its own times
         done = step + 1
         epoch_end = epoch_steps is not None and done % epoch_steps == 0
-        if not (epoch_end or schedule.due(done, identified, True)):
+        # the ranks' one-bit answers meet only on the steps the schedule names (riding on an exchange)
+        changed = schedule.check_due(done) and any(check.changed() for check in checks)
+        if not (epoch_end or schedule.due(done, identified, True, changed)):
             continue
+        if changed:
+            out.changes.append(done)
+            for check in checks:
+                check.reset()
         model.add(pending)
         pending = []
         if model.drifts:
@@ -112,6 +125,6 @@ def replay(
             current = Plan(even_split(forced, world_size))  # the total goodput chose; decide splits it
         decision = decide(model, current, PolicySettings(), None, total, adapt_total=epoch_end)
         out.decisions.append((done, decision))
-        schedule.replanned(done, decision.plan.global_batch_size != plan.global_batch_size, True)
+        schedule.replanned(done, decision.plan.global_batch_size != plan.global_batch_size, True, changed)
         plan, identified = decision.plan, decision.identified
     return out

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from numpy.typing import ArrayLike
 
+from lightning_cannikin.core.change import DEFAULT_WINDOW, clear_change, trailing_run
 from lightning_cannikin.core.memory import MemoryFitter
 from lightning_cannikin.core.optperf import optimal_split, optperf, step_time
 from lightning_cannikin.core.plan import BatchBounds, Plan
@@ -24,6 +25,9 @@ from lightning_cannikin.core.timing import (
     LinearTimeModel,
     step_time_pieces,
 )
+
+# how far beyond a rank's largest timed batch size its model is still trusted to judge a change of speed
+_NEAR = 1.1
 
 
 @dataclass(frozen=True)
@@ -66,8 +70,9 @@ class SpeedModelSettings:
     Args:
         half_life: recency half-life of the compute-time fits, in samples, so a device that changes speed is followed.
         tail_window: steps over which the tail's median is taken.
-        drift_tolerance: relative change of a rank's time at a batch size it has already run, confirmed over two
-            re-plans, that counts as a change of speed.
+        drift_tolerance: relative change of a rank's time at a batch size it has already run that counts as a change
+            of speed, once three in four of its latest 16 steps show it (smaller changes are followed by the fits'
+            recency weighting).
         max_samples: timing samples kept per rank.
         warmup_samples: each rank's first samples after a start (or a restart) are left out of its fit: real
             devices are slower in their first steps (allocator, caches, autotuning, input workers).
@@ -133,6 +138,8 @@ class SpeedModel:
         self._models: list[LinearTimeModel] | None = None  # fitted once per batch of new samples
         self._warm = [0] * self.world_size  # samples each rank has had since its start; the first ones are left out
         self._held: dict[int, list[StepRecord]] = {}  # a suspected change of speed, kept apart until confirmed
+        # each rank's latest records at batch sizes inside its timed range, across re-plans: the change window
+        self._recent = [deque[StepRecord](maxlen=DEFAULT_WINDOW) for _ in range(self.world_size)]
 
     def _new_fitter(self) -> ComputeTimeFitter:
         return ComputeTimeFitter(half_life=self.settings.half_life, max_samples=self.settings.max_samples)
@@ -185,53 +192,55 @@ class SpeedModel:
                 before_first_bucket = last.compute - (last.allreduce - last.exposed)  # type: ignore[operator]
                 self.first_bucket_shares.append(min(max(before_first_bucket / last.compute, 0.0), 1.0))
 
-    def _detect_drift(self, kept: dict[int, list[StepRecord]], min_samples: int = 4) -> list[int]:
-        """Judge a change of speed only where a plan change cannot fake one, and only once it is confirmed.
+    def _detect_drift(self, kept: dict[int, list[StepRecord]]) -> list[int]:
+        """Judge a change of speed only where a plan change cannot fake one, and only once it is clear.
 
-        A rank's new times are compared with its model only at batch sizes inside the range it has been timed at
-        (interpolation): a new split or a new total batch that moves ranks outside it shows nothing but the error of
-        an extrapolation. A change of more than ``drift_tolerance`` counts when the next re-plan's samples show it
-        again, in the same direction; until then the new samples are held apart and the old ones kept. A confirmed
-        change rescales the old samples by the measured ratio (the device keeps its measured slope) and the held
-        samples join them. Unconfirmed, held samples join the fit like any others.
+        A rank's times are compared with its model only at batch sizes inside the range it has been timed at
+        (interpolation, or up to 10% beyond its largest size: a re-split moves a rank a few samples): a new split or
+        a new total batch that moves ranks further shows nothing but the error of an extrapolation. The latest such
+        comparisons (``DEFAULT_WINDOW`` steps, across re-plans) show a change when three in four of them lie beyond
+        ``drift_tolerance`` on one side (:func:`~lightning_cannikin.core.change.clear_change`): the old samples are
+        then rescaled by the measured ratio (the device keeps its measured slope) and the samples from the change on
+        join them, at once, whatever the re-plan cadence. A run of new samples beyond the tolerance that does not yet
+        fill the window is held apart (the old model kept) until it does, or until samples inside the band end it: a
+        one-window glitch never moves the model, and periodic stalls never fill three quarters of the window.
         """
         if not self.ready:
             return []
         tolerance = self.settings.drift_tolerance
-
-        def off(ratios: list[float]) -> float | None:
-            """The median ratio if enough samples show a change beyond the tolerance, else ``None``."""
-            if len(ratios) < min_samples:
-                return None
-            median = float(np.median(ratios))
-            return median if abs(median - 1.0) > tolerance else None
-
         drifted = []
         for rank, rank_records in sorted(kept.items()):
-            ratios = self._ratios_in_range(rank, rank_records)
-            held = self._held.pop(rank, None)
-            now = off(ratios)
-            if held is not None:
-                before = off(self._ratios_in_range(rank, held))
-                rank_records[:0] = held
-                if now is not None and before is not None and (now - 1.0) * (before - 1.0) > 0:
-                    self.fitters[rank].rescale(float(np.sqrt(now * before)))
-                    drifted.append(rank)
+            model = self.models()[rank]
+            sizes = self.fitters[rank].distinct_batch_sizes
+            recent = self._recent[rank]
+            for r in rank_records:
+                if sizes and sizes[0] <= r.batch_size <= _NEAR * sizes[-1] and float(model(r.batch_size)) > 0:
+                    recent.append(r)
+            pending = sorted(self._held.pop(rank, []) + rank_records, key=lambda r: r.step)
+            ratios = [r.compute / float(model(r.batch_size)) for r in recent]
+            ratio = clear_change(ratios, tolerance, recent.maxlen or DEFAULT_WINDOW)
+            if ratio is not None:
+                slower = ratio > 1.0
+                beyond = [
+                    r
+                    for r, q in zip(recent, ratios, strict=True)
+                    if (q > 1.0 + tolerance if slower else q < 1.0 / (1.0 + tolerance))
+                ]
+                first = min(r.step for r in beyond)
+                # what came before the change is superseded; the old samples keep the slope at the new speed
+                self.fitters[rank].rescale(ratio)
+                rank_records[:] = [r for r in pending if r.step >= first]
+                recent.clear()
+                recent.extend(r for r in rank_records if r in beyond)
+                drifted.append(rank)
                 continue
-            if now is not None:
-                self._held[rank] = list(rank_records)  # suspected: keep the old model until it is confirmed
-                rank_records.clear()
+            run = trailing_run(ratios, tolerance)
+            since = list(recent)[-run].step if run else None
+            held = [r for r in pending if since is not None and r.step >= since and r in recent]
+            if held:
+                self._held[rank] = held  # suspected: keep the old model until it is clear, or ends
+            rank_records[:] = [r for r in pending if r not in held]
         return drifted
-
-    def _ratios_in_range(self, rank: int, records: list[StepRecord]) -> list[float]:
-        """Measured over predicted time, in order, for the records inside the batch sizes the rank was timed at."""
-        sizes = self.fitters[rank].distinct_batch_sizes
-        model = self.models()[rank]
-        return [
-            r.compute / float(model(r.batch_size))
-            for r in records
-            if sizes and sizes[0] <= r.batch_size <= sizes[-1] and float(model(r.batch_size)) > 0
-        ]
 
     @property
     def upper(self) -> list[int] | None:
@@ -350,11 +359,15 @@ class SpeedModel:
         """The devices restarted (a resumed run): they warm up again, so their first samples are left out anew."""
         self._warm = [0] * self.world_size
         self._held = {}
+        for recent in self._recent:
+            recent.clear()
 
     def load_state_dict(self, state: dict) -> None:
         """Restore fitted state; from a run with another world size only the tail is kept (devices changed)."""
         self._models = None
         self._held = {}
+        for recent in self._recent:
+            recent.clear()
         warm = state.get("warm")
         same = state["world_size"] == self.world_size
         self._warm = list(warm) if same and warm is not None else [self.settings.warmup_samples] * self.world_size

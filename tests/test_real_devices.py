@@ -1,0 +1,96 @@
+"""Planning on what real devices do (issue 21): shared devices that stall every few steps, a device whose speed
+changes mid-epoch, one-off glitches.
+
+Replayed without Lightning (``tests/replay.py``: the callback's re-plan protocol, local change checks included, on
+emulated devices), over several seeds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lightning_cannikin.core.change import LocalChangeCheck, clear_change
+from lightning_cannikin.core.schedule import ReplanSchedule
+from lightning_cannikin.simulation.emulated_devices import EmulatedDevices
+from tests.replay import replay
+
+WARMUP = {"warmup_steps": 4, "warmup_factor": 3.0}
+SEEDS = range(4)
+
+
+def test_contention_slows_one_rank_every_kth_step():
+    devices = EmulatedDevices([1.0, 2.0], 10.0, contention={1: (2.5, 3)})
+    assert [devices.clean_ms(1, 10, s) for s in range(4)] == [75.0, 30.0, 30.0, 75.0]
+    assert [devices.clean_ms(0, 10, s) for s in range(3)] == [20.0, 20.0, 20.0]
+    assert devices.expected_ms(1, 10, 7) == pytest.approx(45.0)
+    for bad in ({1: (0.5, 3)}, {1: (2.0, 0)}, {-1: (2.0, 3)}, {1: 2.0}):
+        with pytest.raises(ValueError, match="contention"):
+            EmulatedDevices(1.0, contention=bad)
+    # a rank past the world size is found like a per-rank list of the wrong length
+    assert ("contention", (1.0, 1.0, 1.0)) in EmulatedDevices(1.0, contention={2: (2.0, 2)}).per_rank_values()
+
+
+def test_emulated_cluster_takes_contention():
+    from lightning_cannikin import EmulatedCluster
+
+    cluster = EmulatedCluster([1.0, 1.0], contention={0: (3.0, 2)})
+    assert cluster.delay_ms(0, 10, 0) == 30.0 and cluster.delay_ms(0, 10, 1) == 10.0
+
+
+def test_a_clear_change_needs_three_quarters_of_the_window_on_one_side():
+    assert clear_change([1.0] * 4 + [2.0] * 12, 0.25) == 2.0
+    assert clear_change([1.0] * 5 + [2.0] * 11, 0.25) is None
+    assert clear_change([1.0, 1.0, 2.5] * 6, 0.25) is None  # a stall every third step
+    assert clear_change([0.5] * 16, 0.25) == 0.5
+    assert clear_change([2.0] * 15, 0.25) is None  # too few
+
+
+def test_the_local_check_ignores_stalls_and_glitches_and_sees_a_change():
+    rng = np.random.default_rng(0)
+    stalls, glitch, change = LocalChangeCheck(), LocalChangeCheck(), LocalChangeCheck()
+    for step in range(200):
+        noise = 1.0 + 0.03 * rng.standard_normal()
+        stalls.observe(32, noise * (2.5 if step % 3 == 0 else 1.0))
+        glitch.observe(32, noise * (2.0 if 100 <= step < 108 else 1.0))
+        change.observe(32, noise * (2.0 if step >= 100 else 1.0))
+        assert not stalls.changed() and not glitch.changed()
+        if step < 100:
+            assert not change.changed()
+    assert change.changed()
+    change.observe(48, 1.0)  # a new batch size: a new reference
+    assert not change.changed()
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("new_speeds", [[0.5, 2.0, 2.0], [1.0, 1.0, 2.0]])
+def test_a_mid_epoch_halving_is_followed_within_60_steps(seed, new_speeds):
+    # one 300-step epoch, default settings (no periodic re-plan): one rank twice slower from step 100. Before this,
+    # the old split ran to the epoch's end at 1.3-1.55x the new optimum
+    devices = EmulatedDevices([0.5, 1.0, 2.0], 10.0, {100: new_speeds}, jitter_ms=2.0, seed=seed, **WARMUP)
+    run = replay(devices, 3, 96, 300, epoch_steps=300)
+    assert max(run.regret(step) for step in range(40, 100)) <= 0.02, run.decisions
+    after = [run.regret(step) for step in range(160, 300)]
+    assert max(after) <= 0.08, (max(after), run.decisions)
+    assert len(run.drifts) == 1 and run.drifts[0][0] <= 160, run.drifts
+
+
+@pytest.mark.parametrize("seed", SEEDS[:2])
+def test_periodic_stalls_and_a_glitch_are_not_changes_of_speed(seed):
+    stalls = EmulatedDevices([0.5, 1.0, 2.0], 10.0, jitter_ms=2.0, seed=seed, contention={1: (2.5, 2)}, **WARMUP)
+    glitch = EmulatedDevices(
+        [0.5, 1.0, 2.0], 10.0, {100: [0.5, 2.0, 2.0], 108: [0.5, 1.0, 2.0]}, jitter_ms=2.0, seed=seed, **WARMUP
+    )
+    for devices in (stalls, glitch):
+        run = replay(devices, 3, 96, 400, epoch_steps=400)
+        assert run.drifts == [] and run.changes == [], (run.drifts, run.changes)
+
+
+def test_the_schedule_replans_when_a_check_says_so_and_settles_after():
+    schedule = ReplanSchedule(8)
+    assert schedule.check_due(16) and not schedule.check_due(12)
+    assert schedule.due(16, True, True, changed=True) and not schedule.due(16, True, True)
+    schedule.replanned(16, total_changed=False, balance=True, changed=True)
+    assert schedule.due(24, True, True) and not schedule.due(23, True, True)
+    with pytest.raises(ValueError, match="check_every_n_steps"):
+        ReplanSchedule(8, check_every_n_steps=0)
