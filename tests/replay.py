@@ -45,6 +45,27 @@ class Replay:
         slopes, offsets = _clean_pieces(self.devices, n, step)
         return optimal_split(slopes, offsets, total).step_time / 1000 + TAIL_S
 
+    def expected_step_time(self, splits: np.ndarray, step: int = 0) -> np.ndarray:
+        """The step time of each split ``(C, n)`` averaged over the devices' contention period around ``step``."""
+        period = int(np.lcm.reduce([every for _, every in self.devices.contention.values()] or [1]))
+        first = step - step % period
+        splits = np.atleast_2d(splits)
+        costs = np.array(
+            [
+                [[self.devices.clean_ms(r, int(b), s) for r, b in enumerate(split)] for split in splits]
+                for s in range(first, first + period)
+            ]
+        )  # (period, C, n)
+        return costs.max(axis=2).mean(axis=0) / 1000 + TAIL_S
+
+    def expected_optimum(self, total: int, step: int = 0) -> float:
+        """The least expected step time any split of ``total`` has (brute force over every split; 3 ranks)."""
+        assert self.world_size == 3, "brute force over splits of three ranks"
+        first = np.repeat(np.arange(1, total - 1), np.arange(total - 2, 0, -1))
+        second = np.concatenate([np.arange(1, total - a) for a in range(1, total - 1)])
+        splits = np.stack([first, second, total - first - second], axis=1)
+        return float(self.expected_step_time(splits, step).min())
+
     def regret(self, step: int) -> float:
         """How much slower the plan in force at ``step`` is than the optimum for its total (0.05: 5% slower)."""
         plan = self.plans[step]

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from lightning_cannikin.core.change import LocalChangeCheck, clear_change
+from lightning_cannikin.core.optperf import optimal_split
 from lightning_cannikin.core.schedule import ReplanSchedule
 from lightning_cannikin.simulation.emulated_devices import EmulatedDevices
 from tests.replay import replay
@@ -75,6 +76,27 @@ def test_a_mid_epoch_halving_is_followed_within_60_steps(seed, new_speeds):
     assert len(run.drifts) == 1 and run.drifts[0][0] <= 160, run.drifts
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+def test_contention_is_planned_on_the_expected_step_time(seed):
+    # rank 2 is 2.5x slower every third step (a shared GPU): the split that balances the medians ignores the stalls
+    # and costs 1.33x the best expected step time; planning on the expected slowest rank comes within 10%
+    devices = EmulatedDevices([0.5, 1.0, 2.0], 10.0, jitter_ms=2.0, seed=seed, contention={2: (2.5, 3)}, **WARMUP)
+    run = replay(devices, 3, 96, 600, epoch_steps=100)
+    best = run.expected_optimum(96)
+    ratios = run.expected_step_time(np.array([p.local_batch_sizes for p in run.plans[40:]])) / best
+    assert np.median(ratios) <= 1.10 and ratios.max() <= 1.10, (np.median(ratios), run.decisions)
+    assert run.drifts == [] and run.changes == []
+
+
+def test_without_stalls_the_plan_is_optperf_exactly():
+    devices = EmulatedDevices([0.5, 1.0, 2.0], 10.0, seed=0)
+    run = replay(devices, 3, 96, 100, epoch_steps=50)
+    model = run.model
+    assert model.scenarios() is None
+    slopes, offsets = model.pieces()
+    assert model.plan_split(96).local_batch_sizes == optimal_split(slopes, offsets, 96).local_batch_sizes
+
+
 @pytest.mark.parametrize("seed", SEEDS[:2])
 def test_periodic_stalls_and_a_glitch_are_not_changes_of_speed(seed):
     stalls = EmulatedDevices([0.5, 1.0, 2.0], 10.0, jitter_ms=2.0, seed=seed, contention={1: (2.5, 2)}, **WARMUP)
@@ -84,6 +106,9 @@ def test_periodic_stalls_and_a_glitch_are_not_changes_of_speed(seed):
     for devices in (stalls, glitch):
         run = replay(devices, 3, 96, 400, epoch_steps=400)
         assert run.drifts == [] and run.changes == [], (run.drifts, run.changes)
+    # a one-window glitch just before epoch-end re-plans moves no plan: it is not a recurring stall either
+    run = replay(glitch, 3, 96, 300, epoch_steps=50)
+    assert max(run.regret(step) for step in range(108, 300)) <= 0.03, run.decisions
 
 
 def test_the_schedule_replans_when_a_check_says_so_and_settles_after():

@@ -16,13 +16,16 @@ Pure Python and numpy: imports neither torch nor Lightning.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
-__all__ = ["DEFAULT_WINDOW", "LocalChangeCheck", "clear_change"]
+__all__ = ["DEFAULT_WINDOW", "ChangeWatch", "LocalChangeCheck", "clear_change"]
 
 DEFAULT_WINDOW = 16  # steps of recent times judged at once: a change fills 3/4 of them within 12 steps
+# how far beyond a rank's largest timed batch size its model is still trusted to judge a change of speed
+_NEAR = 1.1
 
 
 def clear_change(ratios: Sequence[float], band: float, window: int = DEFAULT_WINDOW) -> float | None:
@@ -133,3 +136,65 @@ class LocalChangeCheck:
         small = max(self.small_band, 2.0 * spread)
         large = clear_change(ratios, self.band, self.window)
         return large is not None or clear_change(ratios, small, self.small_window) is not None
+
+
+class ChangeWatch:
+    """The speed model's side of :func:`clear_change`, over every rank's records as they arrive at re-plans.
+
+    Args:
+        world_size: ranks.
+        tolerance: the speed model's ``drift_tolerance``.
+
+    """
+
+    def __init__(self, world_size: int, tolerance: float) -> None:
+        self.tolerance = float(tolerance)
+        self._held: dict[int, list[Any]] = {}  # a suspected change of speed, kept apart until it is clear or ends
+        # each rank's latest records at batch sizes inside its timed range, across re-plans: the change window
+        self._recent: list[deque[Any]] = [deque(maxlen=DEFAULT_WINDOW) for _ in range(int(world_size))]
+
+    def clear(self) -> None:
+        """Forget what was seen (a restart, a restored state)."""
+        self._held = {}
+        for recent in self._recent:
+            recent.clear()
+
+    def judge(self, rank: int, records: list[Any], model: Callable[[int], float], sizes: Sequence[int]) -> float | None:
+        """The measured ratio of a clear change of ``rank``'s speed (rescale its old samples by it), or ``None``;
+        ``records`` (with ``step``, ``batch_size`` and ``compute``) is left holding what the rank's fit takes now.
+
+        A rank's times are compared with its ``model`` only at batch sizes inside the range it has been timed at
+        (``sizes``; or up to 10% beyond the largest: a re-split moves a rank a few samples): a new split or a new total
+        batch that moves ranks further shows nothing but the error of an extrapolation. The latest such comparisons
+        (``DEFAULT_WINDOW`` steps, across re-plans) show a change when three in four of them lie beyond the tolerance
+        on one side (:func:`clear_change`): the samples from the change on join the rescaled fit at once, whatever the
+        re-plan cadence, and those before it are superseded. A run of new samples beyond the tolerance that does not
+        yet fill the window is held apart (the old model kept) until it does, or until samples inside the band end it:
+        a one-window glitch never moves the model, and periodic stalls never fill three quarters of the window.
+        """
+        tolerance, recent = self.tolerance, self._recent[rank]
+        for r in records:
+            if sizes and sizes[0] <= r.batch_size <= _NEAR * sizes[-1] and float(model(r.batch_size)) > 0:
+                recent.append(r)
+        pending = sorted(self._held.pop(rank, []) + records, key=lambda r: r.step)
+        ratios = [r.compute / float(model(r.batch_size)) for r in recent]
+        ratio = clear_change(ratios, tolerance, recent.maxlen or DEFAULT_WINDOW)
+        if ratio is not None:
+            slower = ratio > 1.0
+            beyond = [
+                r
+                for r, q in zip(recent, ratios, strict=True)
+                if (q > 1.0 + tolerance if slower else q < 1.0 / (1.0 + tolerance))
+            ]
+            first = min(r.step for r in beyond)
+            records[:] = [r for r in pending if r.step >= first]
+            recent.clear()
+            recent.extend(r for r in records if r in beyond)
+            return ratio
+        run = trailing_run(ratios, tolerance)
+        since = list(recent)[-run].step if run else None
+        held = [r for r in pending if since is not None and r.step >= since and r in recent]
+        if held:
+            self._held[rank] = held  # suspected: keep the old model until it is clear, or ends
+        records[:] = [r for r in pending if r not in held]
+        return None

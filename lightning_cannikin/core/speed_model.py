@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from numpy.typing import ArrayLike
 
-from lightning_cannikin.core.change import DEFAULT_WINDOW, clear_change, trailing_run
+from lightning_cannikin.core.change import ChangeWatch
+from lightning_cannikin.core.expected import Scenarios, expected_split, stall_scenarios
 from lightning_cannikin.core.memory import MemoryFitter
 from lightning_cannikin.core.optperf import optimal_split, optperf, step_time
 from lightning_cannikin.core.plan import BatchBounds, Plan
@@ -25,9 +26,6 @@ from lightning_cannikin.core.timing import (
     LinearTimeModel,
     step_time_pieces,
 )
-
-# how far beyond a rank's largest timed batch size its model is still trusted to judge a change of speed
-_NEAR = 1.1
 
 
 @dataclass(frozen=True)
@@ -136,10 +134,11 @@ class SpeedModel:
         self.first_bucket_shares: deque[float] = deque(maxlen=int(self.settings.tail_window))
         self.comm_fitter = CommTimeFitter(half_life=self.settings.half_life)
         self._models: list[LinearTimeModel] | None = None  # fitted once per batch of new samples
+        # every rank's (batch size, compute) of the latest complete steps: which ranks were slow together
+        self._joint: deque[tuple[tuple[int, ...], tuple[float, ...]]] = deque(maxlen=int(self.settings.tail_window))
+        self._scenarios: tuple[Scenarios | None] | None = None  # found once per batch of new samples
         self._warm = [0] * self.world_size  # samples each rank has had since its start; the first ones are left out
-        self._held: dict[int, list[StepRecord]] = {}  # a suspected change of speed, kept apart until confirmed
-        # each rank's latest records at batch sizes inside its timed range, across re-plans: the change window
-        self._recent = [deque[StepRecord](maxlen=DEFAULT_WINDOW) for _ in range(self.world_size)]
+        self._watch = ChangeWatch(self.world_size, self.settings.drift_tolerance)
 
     def _new_fitter(self) -> ComputeTimeFitter:
         return ComputeTimeFitter(half_life=self.settings.half_life, max_samples=self.settings.max_samples)
@@ -161,7 +160,7 @@ class SpeedModel:
                 else:
                     kept.setdefault(record.rank, []).append(record)
         self.drifts = self._detect_drift(kept)
-        self._models = None
+        self._models = self._scenarios = None
         for rank_records in kept.values():
             for record in rank_records:
                 self._add_sample(record)
@@ -181,6 +180,8 @@ class SpeedModel:
         """The step's tail and all-reduce, from a step every rank reported."""
         if len(step_records) != self.world_size:
             return
+        ordered = sorted(step_records, key=lambda r: r.rank)
+        self._joint.append((tuple(r.batch_size for r in ordered), tuple(r.compute for r in ordered)))
         slowest = max(r.compute for r in step_records)
         self.tails.append(max(0.0, statistics.median(r.step_time for r in step_records) - slowest))
         reduced = [r for r in step_records if r.allreduce is not None and r.exposed is not None]
@@ -193,53 +194,16 @@ class SpeedModel:
                 self.first_bucket_shares.append(min(max(before_first_bucket / last.compute, 0.0), 1.0))
 
     def _detect_drift(self, kept: dict[int, list[StepRecord]]) -> list[int]:
-        """Judge a change of speed only where a plan change cannot fake one, and only once it is clear.
-
-        A rank's times are compared with its model only at batch sizes inside the range it has been timed at
-        (interpolation, or up to 10% beyond its largest size: a re-split moves a rank a few samples): a new split or
-        a new total batch that moves ranks further shows nothing but the error of an extrapolation. The latest such
-        comparisons (``DEFAULT_WINDOW`` steps, across re-plans) show a change when three in four of them lie beyond
-        ``drift_tolerance`` on one side (:func:`~lightning_cannikin.core.change.clear_change`): the old samples are
-        then rescaled by the measured ratio (the device keeps its measured slope) and the samples from the change on
-        join them, at once, whatever the re-plan cadence. A run of new samples beyond the tolerance that does not yet
-        fill the window is held apart (the old model kept) until it does, or until samples inside the band end it: a
-        one-window glitch never moves the model, and periodic stalls never fill three quarters of the window.
-        """
+        """The ranks whose speed changed clearly (:class:`~lightning_cannikin.core.change.ChangeWatch`); ``kept``
+        is left holding what each rank's fit takes now."""
         if not self.ready:
             return []
-        tolerance = self.settings.drift_tolerance
         drifted = []
         for rank, rank_records in sorted(kept.items()):
-            model = self.models()[rank]
-            sizes = self.fitters[rank].distinct_batch_sizes
-            recent = self._recent[rank]
-            for r in rank_records:
-                if sizes and sizes[0] <= r.batch_size <= _NEAR * sizes[-1] and float(model(r.batch_size)) > 0:
-                    recent.append(r)
-            pending = sorted(self._held.pop(rank, []) + rank_records, key=lambda r: r.step)
-            ratios = [r.compute / float(model(r.batch_size)) for r in recent]
-            ratio = clear_change(ratios, tolerance, recent.maxlen or DEFAULT_WINDOW)
+            ratio = self._watch.judge(rank, rank_records, self.models()[rank], self.fitters[rank].distinct_batch_sizes)
             if ratio is not None:
-                slower = ratio > 1.0
-                beyond = [
-                    r
-                    for r, q in zip(recent, ratios, strict=True)
-                    if (q > 1.0 + tolerance if slower else q < 1.0 / (1.0 + tolerance))
-                ]
-                first = min(r.step for r in beyond)
-                # what came before the change is superseded; the old samples keep the slope at the new speed
-                self.fitters[rank].rescale(ratio)
-                rank_records[:] = [r for r in pending if r.step >= first]
-                recent.clear()
-                recent.extend(r for r in rank_records if r in beyond)
+                self.fitters[rank].rescale(ratio)  # the device keeps its measured slope at its new speed
                 drifted.append(rank)
-                continue
-            run = trailing_run(ratios, tolerance)
-            since = list(recent)[-run].step if run else None
-            held = [r for r in pending if since is not None and r.step >= since and r in recent]
-            if held:
-                self._held[rank] = held  # suspected: keep the old model until it is clear, or ends
-            rank_records[:] = [r for r in pending if r not in held]
         return drifted
 
     @property
@@ -282,22 +246,43 @@ class SpeedModel:
     def tail(self) -> float:
         return float(np.median(self.tails)) if self.tails else 0.0
 
-    def pieces(self) -> tuple[np.ndarray, np.ndarray]:
+    def pieces(self, models: Sequence[LinearTimeModel] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Planner inputs: the per-rank pieces of the two-regime step model, once the all-reduce is measured.
 
         Compute-bound, rank ``i`` costs ``t_i(b) + tail``. Communication-bound, the all-reduce can start only when
         every rank's first bucket is ready, after a share ``s`` of its compute, and lasts ``c``: ``s t_i(b) + c +
         (tail - exposed)``. Where the all-reduce hides behind backward the second piece never binds, and the split
         is the compute-only one; where it does not, OptPerf(B) for other totals sees the communication floor.
+        ``models``: other compute models than the fitted ones (zero ones give the part no device's speed scales).
         """
+        models = self.models() if models is None else models
         comm, tail = self.comm(), self.tail()
         if comm is None or not self.first_bucket_shares:
-            return step_time_pieces(self.models(), None, overhead=tail)
+            return step_time_pieces(models, None, overhead=tail)
         share = float(np.median(self.first_bucket_shares))
         # the two-regime form with the measured share: forward_fraction = share and no further backward fraction
         return step_time_pieces(
-            self.models(), comm, backward_fraction=0.0, forward_fraction=share, overhead=max(0.0, tail - comm.exposed)
+            models, comm, backward_fraction=0.0, forward_fraction=share, overhead=max(0.0, tail - comm.exposed)
         )
+
+    def scenarios(self) -> Scenarios | None:
+        """The recurring stalls of the latest steps (:func:`~lightning_cannikin.core.expected.stall_scenarios`), or
+        ``None`` when no rank stalls: then every prediction is the deterministic step time and every split OptPerf's."""
+        if self._scenarios is None:
+            models = self.models()
+            ratios = np.array(
+                [
+                    [t / max(float(m(b)), 1e-12) for m, b, t in zip(models, sizes, times, strict=True)]
+                    for sizes, times in self._joint
+                ]
+            ).reshape(-1, self.world_size)
+            self._scenarios = (stall_scenarios(ratios),)
+        return self._scenarios[0]
+
+    def _expected(self, splits: np.ndarray, scenarios: Scenarios) -> np.ndarray:
+        slopes, offsets = self.pieces()
+        _, fixed = self.pieces([LinearTimeModel(0.0, 0.0)] * self.world_size)
+        return scenarios.expected(slopes, offsets, fixed, np.atleast_2d(splits))
 
     @property
     def bounds(self) -> BatchBounds:
@@ -306,24 +291,51 @@ class SpeedModel:
         return BatchBounds(tuple(self.lower), None if upper is None else tuple(upper))
 
     def plan_split(self, total_batch_size: int) -> Plan:
-        """The optimal integer split of ``total_batch_size`` under the bounds, with its predicted step time."""
+        """The split of ``total_batch_size`` under the bounds with the least expected step time, and that time.
+
+        Without recurring stalls that is OptPerf's exact integer split; with them, a descent from it on the expected
+        slowest rank (:func:`~lightning_cannikin.core.expected.expected_split`).
+        """
         slopes, offsets = self.pieces()
         split = optimal_split(slopes, offsets, total_batch_size, self.lower, self.upper)
-        return Plan(split.local_batch_sizes, predicted_step_time=split.step_time)
+        scenarios = self.scenarios()
+        if scenarios is None:
+            return Plan(split.local_batch_sizes, predicted_step_time=split.step_time)
+        upper = np.full(self.world_size, np.iinfo(np.int64).max) if self.upper is None else np.asarray(self.upper)
+        sizes = expected_split(
+            lambda b: self._expected(b, scenarios), split.local_batch_sizes, np.asarray(self.lower), upper
+        )
+        return Plan(sizes, predicted_step_time=float(self._expected(np.array([sizes]), scenarios)[0]))
 
     def optperf(self, total_batch_sizes: Sequence[int], accumulation_steps: ArrayLike = 1) -> np.ndarray:
-        """Predicted best step time of each global batch (``inf`` where infeasible), times its micro-steps.
+        """Predicted best step time of each global batch (``inf`` where infeasible), times its micro-steps; with
+        recurring stalls, the expected time of OptPerf's split of each (an upper bound on the expected optimum).
 
         Every micro-step is predicted at a full step's cost: the tail of a micro-step without a reduction is not
         measured apart, so accumulation is never credited with savings that were not measured.
         """
         slopes, offsets = self.pieces()
-        return optperf(slopes, offsets, np.asarray(total_batch_sizes), self.lower, self.upper) * accumulation_steps
+        totals = np.asarray(total_batch_sizes)
+        times = optperf(slopes, offsets, totals, self.lower, self.upper)
+        scenarios = self.scenarios()
+        if scenarios is not None:
+            flat = times.reshape(-1)
+            for index in np.flatnonzero(np.isfinite(flat)):
+                total = int(totals.reshape(-1)[index])
+                split = optimal_split(slopes, offsets, total, self.lower, self.upper).local_batch_sizes
+                flat[index] = self._expected(np.array([split]), scenarios)[0]
+            times = flat.reshape(times.shape)
+        return times * accumulation_steps
 
     def predict(self, local_batch_sizes: ArrayLike, accumulation_steps: ArrayLike = 1) -> float | np.ndarray:
-        """Predicted step time of a split (or of each row of a ``(C, n)`` array of splits), times its micro-steps."""
-        slopes, offsets = self.pieces()
-        return step_time(slopes, offsets, local_batch_sizes) * accumulation_steps
+        """Predicted (expected) step time of a split (or of each row of a ``(C, n)`` array of splits), times its
+        micro-steps."""
+        scenarios = self.scenarios()
+        if scenarios is None:
+            slopes, offsets = self.pieces()
+            return step_time(slopes, offsets, local_batch_sizes) * accumulation_steps
+        times = self._expected(np.asarray(local_batch_sizes), scenarios)
+        return (float(times[0]) if np.ndim(local_batch_sizes) == 1 else times) * accumulation_steps
 
     def probe(self, local_batch_sizes: Sequence[int]) -> tuple[int, ...]:
         """A split of the same total that gives every unmeasured rank a second batch size with a real lever.
@@ -358,16 +370,14 @@ class SpeedModel:
     def restarted(self) -> None:
         """The devices restarted (a resumed run): they warm up again, so their first samples are left out anew."""
         self._warm = [0] * self.world_size
-        self._held = {}
-        for recent in self._recent:
-            recent.clear()
+        self._watch.clear()
+        self._joint.clear()
 
     def load_state_dict(self, state: dict) -> None:
         """Restore fitted state; from a run with another world size only the tail is kept (devices changed)."""
         self._models = None
-        self._held = {}
-        for recent in self._recent:
-            recent.clear()
+        self._watch.clear()
+        self._joint.clear()
         warm = state.get("warm")
         same = state["world_size"] == self.world_size
         self._warm = list(warm) if same and warm is not None else [self.settings.warmup_samples] * self.world_size
