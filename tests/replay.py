@@ -74,9 +74,10 @@ class Replay:
 
 def _clean_pieces(devices: EmulatedDevices, n: int, step: int) -> tuple[np.ndarray, np.ndarray]:
     # devices may saturate: the clean cost is max(fixed + a * sat, fixed + a * b), two affine pieces
-    slopes = np.array([[0.0, devices.clean_ms(r, 2, step) - devices.clean_ms(r, 1, step)] for r in range(n)])
+    big = 10**6  # far above any saturation batch
+    slopes = np.array([[0.0, devices.clean_ms(r, big + 1, step) - devices.clean_ms(r, big, step)] for r in range(n)])
     flat = np.array([devices.clean_ms(r, 1, step) for r in range(n)])
-    linear = np.array([devices.clean_ms(r, 10**6, step) - 10**6 * slopes[r, 1] for r in range(n)])
+    linear = np.array([devices.clean_ms(r, big, step) - big * slopes[r, 1] for r in range(n)])
     return slopes, np.stack([flat, linear], axis=1)
 
 

@@ -119,3 +119,36 @@ def test_the_schedule_replans_when_a_check_says_so_and_settles_after():
     assert schedule.due(24, True, True) and not schedule.due(23, True, True)
     with pytest.raises(ValueError, match="check_every_n_steps"):
         ReplanSchedule(8, check_every_n_steps=0)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_rank_balanced_into_its_flat_region_is_not_given_an_extrapolated_split(seed):
+    # flat below 160/64/24 samples (GPU saturation), B = 192: once balanced, rank 2 sits in its flat region where a
+    # line sees no slope. Before, a split predicted only by extrapolation (rank 2 far past any size it had run lately)
+    # was adopted for whole epochs at up to 3.6x the optimum
+    devices = EmulatedDevices([0.15, 0.4, 1.0], 5.0, jitter_ms=3.0, seed=seed, saturation_batch=[160, 64, 24], **WARMUP)
+    run = replay(devices, 3, 192, 800, epoch_steps=50)
+    first_plans = run.decisions[2][0]  # the probe, the first balance, then the first epoch end
+    regrets = [run.regret(step) for step in range(first_plans, 800)]
+    assert max(regrets) <= 0.15, (max(regrets), run.decisions)
+
+
+def test_the_fit_finds_the_knee_and_keeps_the_slope_above_it():
+    from lightning_cannikin.core.timing import ComputeTimeFitter, LinearTimeModel, step_time_pieces
+
+    fitter = ComputeTimeFitter(half_life=float("inf"))
+    for b in (8, 16, 24, 32, 48, 64):
+        for _ in range(5):
+            fitter.add(b, 0.005 + 0.001 * max(b, 24))  # flat below 24 samples
+    model = fitter.fit()
+    assert model.knee == 24 and model.slope == pytest.approx(0.001) and model.intercept == pytest.approx(0.005)
+    assert model(8) == pytest.approx(0.029) and model(64) == pytest.approx(0.069)
+    # a straight device keeps a straight line
+    line = ComputeTimeFitter(half_life=float("inf"))
+    for b in (8, 16, 24, 32):
+        line.add(b, 0.005 + 0.001 * b)
+    assert line.fit().knee == 0.0
+    # the planner's pieces are the same function
+    slopes, offsets = step_time_pieces([model, LinearTimeModel(0.002, 0.0)], None)
+    for b in (1, 10, 24, 25, 100):
+        assert float(np.max(slopes[0] * b + offsets[0])) == pytest.approx(float(model(b)))

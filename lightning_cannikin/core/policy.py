@@ -178,7 +178,8 @@ def _split(model: StepTimeModel, current: Plan, global_batch: int, margin: float
     """The model's best split of ``global_batch``, unless the most even one or else the split in force (same global
     batch) is predicted within ``margin`` of it: a gain that small is within the timing noise, and chasing it moves
     identical devices apart on noise alone. The even split comes first, so a probe's split is not kept for being no
-    worse than the noise."""
+    worse than the noise. A split is kept only where the model's ``supports`` (if it has one) says its prediction is
+    evidence, not an extrapolation."""
     best = model.plan_split(global_batch).local_batch_sizes
     limit = float(model.predict(best)) * (1.0 + margin)
     kept = [most_even_split(global_batch, model.world_size, model.lower, model.upper).local_batch_sizes]
@@ -186,8 +187,10 @@ def _split(model: StepTimeModel, current: Plan, global_batch: int, margin: float
         kept.append(current.local_batch_sizes)
     lower = np.asarray(model.lower)
     upper = None if model.upper is None else np.asarray(model.upper)
+    supports = getattr(model, "supports", None)  # a model that knows where its predictions are evidence
     for sizes in kept:
         inside = bool(np.all(lower <= sizes)) and (upper is None or bool(np.all(np.asarray(sizes) <= upper)))
+        inside = inside and (supports is None or supports(sizes))
         if inside and float(model.predict(sizes)) <= limit:
             return tuple(sizes)
     return tuple(best)

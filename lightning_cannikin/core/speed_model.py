@@ -14,6 +14,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from lightning_cannikin.core.change import ChangeWatch
+from lightning_cannikin.core.evidence import trusted_bounds
 from lightning_cannikin.core.expected import Scenarios, expected_split, stall_scenarios
 from lightning_cannikin.core.memory import MemoryFitter
 from lightning_cannikin.core.optperf import optimal_split, optperf, step_time
@@ -294,18 +295,35 @@ class SpeedModel:
         """The split of ``total_batch_size`` under the bounds with the least expected step time, and that time.
 
         Without recurring stalls that is OptPerf's exact integer split; with them, a descent from it on the expected
-        slowest rank (:func:`~lightning_cannikin.core.expected.expected_split`).
+        slowest rank (:func:`~lightning_cannikin.core.expected.expected_split`). A rank whose times are flat where
+        it was timed stays near there (:meth:`trusted_bounds`) whenever the total allows it.
         """
         slopes, offsets = self.pieces()
-        split = optimal_split(slopes, offsets, total_batch_size, self.lower, self.upper)
+        trusted = self.trusted_bounds(total_batch_size)
+        lower, upper = trusted if trusted is not None else (np.asarray(self.lower), self.upper)
+        split = optimal_split(slopes, offsets, total_batch_size, lower, upper)
         scenarios = self.scenarios()
         if scenarios is None:
             return Plan(split.local_batch_sizes, predicted_step_time=split.step_time)
-        upper = np.full(self.world_size, np.iinfo(np.int64).max) if self.upper is None else np.asarray(self.upper)
-        sizes = expected_split(
-            lambda b: self._expected(b, scenarios), split.local_batch_sizes, np.asarray(self.lower), upper
-        )
+        upper = np.full(self.world_size, np.iinfo(np.int64).max) if upper is None else np.asarray(upper)
+        sizes = expected_split(lambda b: self._expected(b, scenarios), split.local_batch_sizes, lower, upper)
         return Plan(sizes, predicted_step_time=float(self._expected(np.array([sizes]), scenarios)[0]))
+
+    def trusted_bounds(self, total_batch_size: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Per-rank ``(lower, upper)`` sizes whose times the evidence supports, or ``None`` if ``total_batch_size``
+        does not fit them (:func:`~lightning_cannikin.core.evidence.trusted_bounds`)."""
+        return trusted_bounds(
+            self.fitters, self.models(), self.lower, self.upper, total_batch_size, self.settings.probe_lever
+        )
+
+    def supports(self, local_batch_sizes: Sequence[int]) -> bool:
+        """Whether every rank's size lies where its times are evidence (:meth:`trusted_bounds`; ``True`` for a total
+        no evidence can support)."""
+        trusted = self.trusted_bounds(sum(int(b) for b in local_batch_sizes))
+        if trusted is None:
+            return True
+        sizes = np.asarray(local_batch_sizes)
+        return bool(np.all((trusted[0] <= sizes) & (sizes <= trusted[1])))
 
     def optperf(self, total_batch_sizes: Sequence[int], accumulation_steps: ArrayLike = 1) -> np.ndarray:
         """Predicted best step time of each global batch (``inf`` where infeasible), times its micro-steps; with
