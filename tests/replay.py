@@ -8,6 +8,7 @@ warm-up and plan changes can be tested in milliseconds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -93,6 +94,8 @@ def replay(
     totals: dict[int, int] | None = None,
     bounds: BatchBounds | None = None,
     settings: SpeedModelSettings | None = None,
+    policy: PolicySettings | None = None,
+    noise: Callable[[int], float | None] | None = None,
 ) -> Replay:
     """Run ``steps`` steps from an even split of ``total``.
 
@@ -109,6 +112,10 @@ def replay(
             to test that a change of total is handled as one and not as a speed change.
         bounds: local batch bounds.
         settings: the speed model's settings.
+        policy: the policy settings (default ``PolicySettings()``: the total batch is kept).
+        noise: the confident noise scale after each step (``None`` while it is not confident), as every rank holds
+            it: with ``policy.max_batch_size`` the total is reconsidered whenever it leaves the band of the last
+            choice (``ReplanSchedule.total_due``), and at epoch ends.
 
     """
     out = Replay(devices, world_size)
@@ -131,7 +138,9 @@ def replay(
         epoch_end = epoch_steps is not None and done % epoch_steps == 0
         # the ranks' one-bit answers meet only on the steps the schedule names (riding on an exchange)
         changed = schedule.check_due(done) and any(check.changed() for check in checks)
-        if not (epoch_end or schedule.due(done, identified, True, changed)):
+        phi = noise(done) if noise is not None else None
+        adapt = policy is not None and policy.max_batch_size is not None and identified and schedule.total_due(phi)
+        if not (epoch_end or adapt or schedule.due(done, identified, True, changed)):
             continue
         if changed:
             out.changes.append(done)
@@ -145,7 +154,9 @@ def replay(
         forced = (totals or {}).get(done) if epoch_end else None
         if forced is not None:
             current = Plan(even_split(forced, world_size))  # the total goodput chose; decide splits it
-        decision = decide(model, current, PolicySettings(), None, total, adapt_total=epoch_end)
+        decision = decide(model, current, policy or PolicySettings(), phi, total, adapt_total=epoch_end or adapt)
+        if epoch_end or adapt:
+            schedule.adapted_at(done, phi is not None, decision.noise_band)
         out.decisions.append((done, decision))
         schedule.replanned(done, decision.plan.global_batch_size != plan.global_batch_size, True, changed)
         plan, identified = decision.plan, decision.identified

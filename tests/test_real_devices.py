@@ -11,7 +11,10 @@ import numpy as np
 import pytest
 
 from lightning_cannikin.core.change import LocalChangeCheck, clear_change
+from lightning_cannikin.core.goodput import candidate_batch_sizes, goodput
+from lightning_cannikin.core.noise_scale import NoiseScaleEstimator
 from lightning_cannikin.core.optperf import optimal_split
+from lightning_cannikin.core.policy import PolicySettings
 from lightning_cannikin.core.schedule import ReplanSchedule
 from lightning_cannikin.simulation.emulated_devices import EmulatedDevices
 from tests.replay import replay
@@ -152,3 +155,66 @@ def test_the_fit_finds_the_knee_and_keeps_the_slope_above_it():
     slopes, offsets = step_time_pieces([model, LinearTimeModel(0.002, 0.0)], None)
     for b in (1, 10, 24, 25, 100):
         assert float(np.max(slopes[0] * b + offsets[0])) == pytest.approx(float(model(b)))
+
+
+def _synthetic_estimator(noise_scale, seed, steps=1500, sizes=(32, 32, 32), dim=64):
+    """Every step's uneven-group norms from Gaussian per-sample gradients with |G|^2 = 1 and tr(Sigma) = noise_scale;
+    yields the estimator after each update."""
+    rng = np.random.default_rng(seed)
+    mean_gradient = np.ones(dim) / np.sqrt(dim)
+    b = np.array(sizes, dtype=np.float64)
+    estimator = NoiseScaleEstimator(int(b.sum()))
+    for _ in range(steps):
+        groups = mean_gradient + rng.standard_normal((len(b), dim)) * np.sqrt(noise_scale / dim / b)[:, None]
+        reduced = (b[:, None] * groups).sum(axis=0) / b.sum()
+        estimator.update((groups**2).sum(axis=1), b, float((reduced**2).sum()))
+        yield estimator
+
+
+@pytest.mark.parametrize("noise_scale", [5_000, 20_000])
+def test_the_noise_scale_is_acted_on_only_once_confident(noise_scale):
+    # B = 96 against a noise scale of 5,000-20,000: the averaged |G|^2 is often <= 0 (an infinite noise scale) long
+    # after the 20 updates that used to be enough to act on it
+    infinite_after_20 = 0
+    for seed in range(6):
+        for estimator in _synthetic_estimator(noise_scale, seed):
+            infinite_after_20 += estimator.num_updates >= 20 and estimator.noise_scale == float("inf")
+            phi = estimator.confident_noise_scale()
+            if phi is not None:
+                assert noise_scale / 2.5 <= phi <= 2.5 * noise_scale, (seed, estimator.num_updates, phi)
+    assert infinite_after_20 > 0  # what the count of updates let through
+
+
+def test_a_small_noise_scale_is_confident_early():
+    for seed in range(4):
+        confident = [e.num_updates for e in _synthetic_estimator(500, seed, steps=200) if e.confident()]
+        assert confident and confident[0] <= 60, confident[:1]
+
+
+def test_a_rising_noise_scale_is_followed_without_a_clock():
+    # the noise scale, confident from step 40, grows 4x every 100 steps; each rank holds the same estimate, so the
+    # total is reconsidered at the step it leaves the band of the last choice. With a 200-step clock the total lagged
+    # a whole interval at 0.86-0.92x the best goodput
+    def phi_at(step):
+        return 100.0 * 4 ** (step // 100) if step >= 40 else None
+
+    policy = PolicySettings(max_batch_size=4096, lr_scaling="none")
+    candidates = candidate_batch_sizes(48, 4096, 50)
+    for seed in range(3):
+        devices = EmulatedDevices([0.5, 1.0, 2.0], 20.0, jitter_ms=2.0, seed=seed, **WARMUP)
+        run = replay(devices, 3, 48, 600, epoch_steps=350, policy=policy, noise=phi_at)
+        times = {int(b): run.optimum(int(b)) for b in candidates}
+        for step in range(41, 600):
+            best = max(goodput(b, t, phi_at(step), 48) for b, t in times.items())
+            total = run.plans[step].global_batch_size
+            assert goodput(total, run.optimum(total), phi_at(step), 48) >= (1 - policy.margin) * best, (seed, step)
+        adapted = [step for step, d in run.decisions if d.noise_band is not None]
+        assert {100, 200} <= set(adapted), adapted  # at the step the estimate moved, not on a clock
+
+
+def test_the_schedule_reconsiders_the_total_when_the_noise_scale_leaves_its_band():
+    schedule = ReplanSchedule(8)
+    assert not schedule.total_due(None) and schedule.total_due(300.0)  # the first confident estimate
+    schedule.adapted_at(40, True, (200.0, 800.0))
+    assert not schedule.total_due(500.0) and not schedule.total_due(None)
+    assert schedule.total_due(900.0) and schedule.total_due(150.0)

@@ -115,6 +115,10 @@ class Decision:
         lr_factor: the multiplier of the base learning rate for the plan's total batch.
         gain: the AdaScale gain of a step at that total (B0-steps of progress per step).
         identified: whether every device's slope was measured when the decision was made.
+        noise_band: the noise scales ``(low, high)`` within which the total batch decided here stays the goodput
+            choice (within the margin), given the speeds just fitted; ``None`` when the total was not considered.
+            Every rank holds the same noise scale, so each can tell on its own, and at the same step, when the
+            estimate leaves the band (:meth:`~lightning_cannikin.core.schedule.ReplanSchedule.total_due`).
 
     """
 
@@ -122,6 +126,7 @@ class Decision:
     lr_factor: float
     gain: float
     identified: bool
+    noise_band: tuple[float, float] | None = None
 
 
 def learning_rate_scale(
@@ -171,7 +176,10 @@ def decide(
         sizes = most_even_split(global_batch, model.world_size, model.lower, model.upper).local_batch_sizes
     plan = Plan(sizes, accumulation, predicted_step_time=float(model.predict(sizes)))
     factor, gain = learning_rate_scale(settings.lr_scaling, plan.total_batch_size, base_batch_size, noise_scale, adam)
-    return Decision(plan, factor, gain, model.identified)
+    band = None
+    if adapt and (model.identified or not settings.balance):
+        band = _noise_band(model, plan, settings, noise_scale, base_batch_size)  # type: ignore[arg-type]
+    return Decision(plan, factor, gain, model.identified, band)
 
 
 def _split(model: StepTimeModel, current: Plan, global_batch: int, margin: float) -> tuple[int, ...]:
@@ -199,7 +207,57 @@ def _split(model: StepTimeModel, current: Plan, global_batch: int, margin: float
 def _choose_total(
     model: StepTimeModel, current: Plan, settings: PolicySettings, noise_scale: float, base_batch_size: int
 ) -> tuple[int, int]:
-    """``(global batch, accumulation steps)`` with the best predicted goodput, or the current ones.
+    """``(global batch, accumulation steps)`` with the best predicted goodput, or the current ones."""
+    options = _total_options(model, current, settings, base_batch_size)
+    if options is None:
+        return current.global_batch_size, current.accumulation_steps
+    micro, steps, times, kept = options
+    # Keeping the total batch means running it at its best split (re-splitting is free), not at the current split:
+    # a stale split must not credit a change of total batch with the gain of re-balancing.
+    choice = choose_batch_size(
+        micro * steps, times, noise_scale, base_batch_size, current.total_batch_size, kept, margin=settings.margin
+    )
+    if not choice.adopted:
+        return current.global_batch_size, current.accumulation_steps
+    index = int(np.flatnonzero(micro * steps == choice.batch_size)[0])
+    return int(micro[index]), int(steps[index])
+
+
+def _noise_band(
+    model: StepTimeModel, plan: Plan, settings: PolicySettings, noise_scale: float, base_batch_size: int
+) -> tuple[float, float]:
+    """The noise scales around ``noise_scale`` for which ``plan``'s total stays the goodput choice (no other total
+    gains more than the margin), on a geometric grid of 1/64x to 64x in steps of 2**(1/8); the step times are the
+    model's, computed once. The ends of the grid are open: beyond them the band extends to 0 or infinity."""
+    options = _total_options(model, plan, settings, base_batch_size)
+    if options is None or not np.isfinite(noise_scale) or noise_scale <= 0:
+        return 0.0, float("inf")
+    micro, steps, times, kept = options
+    grid = float(noise_scale) * 2.0 ** (np.arange(-48, 49) / 8.0)
+    stays = np.array(
+        [
+            not choose_batch_size(
+                micro * steps, times, phi, base_batch_size, plan.total_batch_size, kept, margin=settings.margin
+            ).adopted
+            for phi in grid
+        ]
+    )
+    middle = 48
+    if not stays[middle]:
+        return float(noise_scale), float(noise_scale)  # another total is already better: any move re-decides
+    low, high = middle, middle
+    while low > 0 and stays[low - 1]:
+        low -= 1
+    while high < len(grid) - 1 and stays[high + 1]:
+        high += 1
+    return (0.0 if low == 0 else float(grid[low])), (float("inf") if high == len(grid) - 1 else float(grid[high]))
+
+
+def _total_options(
+    model: StepTimeModel, current: Plan, settings: PolicySettings, base_batch_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, float] | None:
+    """The candidate totals (micro-step globals and their accumulation), their predicted step times and the time of
+    keeping the current total; ``None`` when no candidate fits.
 
     Candidates run from the base batch to ``max_batch_size`` (per optimizer step), within what a micro-step can
     hold: the sum of the per-rank bounds, or, for an even split, ``n`` times the tightest bound (an even split of more
@@ -225,7 +283,7 @@ def _choose_total(
         lower = max(-(-base_batch_size // steps_now), lowest)
         upper = cap // steps_now if highest is None else min(cap // steps_now, highest)
         if upper < lower:
-            return current.global_batch_size, steps_now
+            return None
         micro = candidate_batch_sizes(lower, upper, settings.candidates)
         steps = np.full_like(micro, steps_now)
     if settings.balance:
@@ -235,12 +293,4 @@ def _choose_total(
         times = np.asarray(model.predict(np.array([even_split(int(g), n) for g in micro]), steps), dtype=np.float64)
         kept_split = most_even_split(current.global_batch_size, n, lower_bounds, upper_bounds)
         kept = float(model.predict(kept_split.local_batch_sizes, steps_now))
-    # Keeping the total batch means running it at its best split (re-splitting is free), not at the current split:
-    # a stale split must not credit a change of total batch with the gain of re-balancing.
-    choice = choose_batch_size(
-        micro * steps, times, noise_scale, base_batch_size, current.total_batch_size, kept, margin=settings.margin
-    )
-    if not choice.adopted:
-        return current.global_batch_size, steps_now
-    index = int(np.flatnonzero(micro * steps == choice.batch_size)[0])
-    return int(micro[index]), int(steps[index])
+    return micro, steps, times, kept

@@ -36,6 +36,7 @@ class ReplanSchedule:
     adapted: bool = False  # a total batch was chosen with statistics that allow it
     settle_at: int | None = None  # a re-plan due once a new total batch has been timed at its new sizes
     check_every_n_steps: int | None = 8
+    noise_band: tuple[float, float] | None = None  # the noise scales the total in force was chosen for
 
     def __post_init__(self) -> None:
         if int(self.warmup_steps) < 1:
@@ -58,10 +59,26 @@ class ReplanSchedule:
             return False
         return (ready and not self.adapted) or step - self.last_adapt_step >= self.adapt_every_n_steps
 
-    def adapted_at(self, step: int, ready: bool) -> None:
-        """The total batch was reconsidered after ``step`` steps (at an epoch end too)."""
+    def total_due(self, noise_scale: float | None) -> bool:
+        """Whether to reconsider the total batch now: the noise scale is confident (``None`` while it is not, as
+        :meth:`~lightning_cannikin.core.noise_scale.NoiseScaleEstimator.confident_noise_scale` gives it) and either
+        no total was chosen with a confident one yet, or it has left the band the last choice holds in
+        (:attr:`~lightning_cannikin.core.policy.Decision.noise_band`, kept here by :meth:`adapted_at`). Every rank
+        holds the same noise scale and band, so every rank answers alike at the same step, with no collective."""
+        if noise_scale is None:
+            return False
+        if self.noise_band is None:
+            return not self.adapted
+        low, high = self.noise_band
+        return not low <= noise_scale <= high
+
+    def adapted_at(self, step: int, ready: bool, noise_band: tuple[float, float] | None = None) -> None:
+        """The total batch was reconsidered after ``step`` steps (at an epoch end too); ``noise_band``: the
+        decision's :attr:`~lightning_cannikin.core.policy.Decision.noise_band`, for :meth:`total_due`."""
         self.last_adapt_step = step
         self.adapted = self.adapted or ready
+        if noise_band is not None:
+            self.noise_band = noise_band
 
     def due(self, step: int, identified: bool, balance: bool, changed: bool = False) -> bool:
         """Whether the ranks re-plan after ``step`` steps (the same answer on every rank); ``changed``: some rank's
