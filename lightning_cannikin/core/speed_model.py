@@ -8,7 +8,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -20,6 +20,7 @@ from lightning_cannikin.core.memory import MemoryFitter
 from lightning_cannikin.core.optperf import optimal_split, optperf, step_time
 from lightning_cannikin.core.plan import BatchBounds, Plan
 from lightning_cannikin.core.probe import probe_split
+from lightning_cannikin.core.step_record import StepRecord
 from lightning_cannikin.core.timing import (
     CommModel,
     CommTimeFitter,
@@ -27,39 +28,6 @@ from lightning_cannikin.core.timing import (
     LinearTimeModel,
     step_time_pieces,
 )
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One rank's timing of one training step (seconds).
-
-    Attributes:
-        step: the step's index, equal on every rank (ranks advance in lockstep).
-        rank: global rank.
-        batch_size: samples this rank trained on in the step.
-        compute: forward + backward until this rank's gradients were ready (excludes waiting for other ranks).
-        step_time: the whole step on this rank, batch start to batch end (includes the all-reduce and the optimizer).
-        allreduce: from this rank's first gradient bucket reaching the all-reduce to the last one completing
-            (``None`` on steps without a reduction, e.g. accumulation micro-steps).
-        exposed: from this rank's last bucket (the end of its backward) to the all-reduce completing: the part of
-            the communication that backward did not hide, plus any wait for slower ranks.
-        peak_memory: the device's peak allocated bytes during the step (CUDA only).
-        memory_capacity: the memory this rank can use in bytes: free plus what it holds (CUDA only).
-
-    """
-
-    step: int
-    rank: int
-    batch_size: int
-    compute: float
-    step_time: float
-    allreduce: float | None = None
-    exposed: float | None = None
-    peak_memory: float | None = None
-    memory_capacity: float | None = None
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -133,6 +101,7 @@ class SpeedModel:
         self.tails: deque[float] = deque(maxlen=int(self.settings.tail_window))
         # the fraction of the last rank's compute done when its first gradient bucket was ready
         self.first_bucket_shares: deque[float] = deque(maxlen=int(self.settings.tail_window))
+        self.after_reduction: deque[float] = deque(maxlen=int(self.settings.tail_window))  # the tail past the reduction
         self.comm_fitter = CommTimeFitter(half_life=self.settings.half_life)
         self._models: list[LinearTimeModel] | None = None  # fitted once per batch of new samples
         # every rank's (batch size, compute) of the latest complete steps: which ranks were slow together
@@ -184,12 +153,16 @@ class SpeedModel:
         ordered = sorted(step_records, key=lambda r: r.rank)
         self._joint.append((tuple(r.batch_size for r in ordered), tuple(r.compute for r in ordered)))
         slowest = max(r.compute for r in step_records)
-        self.tails.append(max(0.0, statistics.median(r.step_time for r in step_records) - slowest))
+        tail = max(0.0, statistics.median(r.step_time for r in step_records) - slowest)
+        self.tails.append(tail)
         reduced = [r for r in step_records if r.allreduce is not None and r.exposed is not None]
         if len(reduced) == self.world_size:
             # the last rank to finish backward waits for nobody: its times are the communication's own
             last = max(reduced, key=lambda r: r.compute)
-            self.comm_fitter.add(last.allreduce, last.exposed)  # type: ignore[arg-type]
+            # the reduction's own time: a span from the first bucket also holds the backward it overlapped
+            busy = last.allreduce if last.comm_busy is None else last.comm_busy
+            self.after_reduction.append(max(0.0, tail - last.exposed))  # type: ignore[operator]  # optimizer, framework
+            self.comm_fitter.add(busy, last.exposed if last.last_bucket is None else last.last_bucket)  # type: ignore[arg-type]
             if last.compute > 0:
                 before_first_bucket = last.compute - (last.allreduce - last.exposed)  # type: ignore[operator]
                 self.first_bucket_shares.append(min(max(before_first_bucket / last.compute, 0.0), 1.0))
@@ -250,20 +223,23 @@ class SpeedModel:
     def pieces(self, models: Sequence[LinearTimeModel] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Planner inputs: the per-rank pieces of the two-regime step model, once the all-reduce is measured.
 
-        Compute-bound, rank ``i`` costs ``t_i(b) + tail``. Communication-bound, the all-reduce can start only when
-        every rank's first bucket is ready, after a share ``s`` of its compute, and lasts ``c``: ``s t_i(b) + c +
-        (tail - exposed)``. Where the all-reduce hides behind backward the second piece never binds, and the split
+        Compute-bound, rank ``i`` costs ``t_i(b) + c_last + o``, with ``c_last`` the last bucket's reduction and ``o``
+        what a step costs after the reduction. Communication-bound, the all-reduce can start only when every rank's
+        first bucket is ready, after a share ``s`` of its compute, and lasts ``c``: ``s t_i(b) + c + o``. Both are
+        exact for a bucket timeline whose buckets are alike, whatever the regime the records came from, once ``c``
+        and ``c_last`` are the reductions' own times (``StepRecord.comm_busy``, ``last_bucket``).
+        Where the all-reduce hides behind backward the second piece never binds, and the split
         is the compute-only one; where it does not, OptPerf(B) for other totals sees the communication floor.
         ``models``: other compute models than the fitted ones (zero ones give the part no device's speed scales).
         """
         models = self.models() if models is None else models
         comm, tail = self.comm(), self.tail()
-        if comm is None or not self.first_bucket_shares:
+        if comm is None or not self.first_bucket_shares or not self.after_reduction:
             return step_time_pieces(models, None, overhead=tail)
         share = float(np.median(self.first_bucket_shares))
         # the two-regime form with the measured share: forward_fraction = share and no further backward fraction
         return step_time_pieces(
-            models, comm, backward_fraction=0.0, forward_fraction=share, overhead=max(0.0, tail - comm.exposed)
+            models, comm, backward_fraction=0.0, forward_fraction=share, overhead=float(np.median(self.after_reduction))
         )
 
     def scenarios(self) -> Scenarios | None:
@@ -379,6 +355,7 @@ class SpeedModel:
             "fitters": [f.state_dict() for f in self.fitters],
             "tails": list(self.tails),
             "first_bucket_shares": list(self.first_bucket_shares),
+            "after_reduction": list(self.after_reduction),
             "comm": self.comm_fitter.state_dict(),
             "memory": [f.state_dict() for f in self.memory],
             "memory_caps": list(self.memory_caps),
@@ -409,5 +386,7 @@ class SpeedModel:
         self.tails.extend(state["tails"])
         self.first_bucket_shares.clear()
         self.first_bucket_shares.extend(state.get("first_bucket_shares", []))
+        self.after_reduction.clear()
+        self.after_reduction.extend(state.get("after_reduction", []))
         if "comm" in state:
             self.comm_fitter.load_state_dict(state["comm"])
