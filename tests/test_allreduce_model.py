@@ -87,3 +87,24 @@ def test_the_goodput_choice_is_within_three_percent_of_the_best(timeline, noise_
     best = max(goodput(b, t, noise_scale, 256) for b, t in truths.items())
     mine = goodput(chosen, timeline.optimum(chosen), noise_scale, 256)
     assert mine >= 0.97 * best, (chosen, mine / best)
+
+
+def test_stalls_a_knee_and_the_all_reduce_plan_together():
+    # rank 0 flat below 48 samples, rank 1 2.5x slower every third step, a measured all-reduce: the expected split
+    # is planned on pieces of one shape (a knee doubles them for the compute and for the part no speed scales alike)
+    model = SpeedModel(2, SpeedModelSettings(warmup_samples=0))
+    step = 0
+    for sizes in [(32, 96), (48, 80), (64, 64), (80, 48)] * 4:
+        for _ in range(6):
+            compute = [0.005 + 1e-4 * max(sizes[0], 48), (0.005 + 2e-4 * sizes[1]) * (2.5 if step % 3 == 0 else 1)]
+            end = max(compute) + 0.004
+            model.add(
+                [
+                    StepRecord(step, i, b, t, end + OPTIMIZER, end - 0.6 * t, end - t, None, None, 0.004, 0.0004)
+                    for i, (b, t) in enumerate(zip(sizes, compute, strict=True))
+                ]
+            )
+            step += 1
+    assert model.models()[0].knee == 48 and model.scenarios() is not None
+    plan = model.plan_split(128)
+    assert sum(plan.local_batch_sizes) == 128 and plan.predicted_step_time > 0

@@ -258,7 +258,8 @@ class SpeedModel:
 
     def _expected(self, splits: np.ndarray, scenarios: Scenarios) -> np.ndarray:
         slopes, offsets = self.pieces()
-        _, fixed = self.pieces([LinearTimeModel(0.0, 0.0)] * self.world_size)
+        # the part no device's speed scales, piece for piece (a knee adds its flat pieces there too)
+        _, fixed = self.pieces([LinearTimeModel(0.0, 0.0, m.knee) for m in self.models()])
         return scenarios.expected(slopes, offsets, fixed, np.atleast_2d(splits))
 
     @property
