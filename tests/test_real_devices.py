@@ -31,8 +31,11 @@ def test_contention_slows_one_rank_every_kth_step():
     for bad in ({1: (0.5, 3)}, {1: (2.0, 0)}, {-1: (2.0, 3)}, {1: 2.0}):
         with pytest.raises(ValueError, match="contention"):
             EmulatedDevices(1.0, contention=bad)
-    # a rank past the world size is found like a per-rank list of the wrong length
-    assert ("contention", (1.0, 1.0, 1.0)) in EmulatedDevices(1.0, contention={2: (2.0, 2)}).per_rank_values()
+    EmulatedDevices(1.0, contention={2: (2.0, 2)}).check_world_size(3)
+    with pytest.raises(ValueError, match="contention"):  # a rank past the world size
+        EmulatedDevices(1.0, contention={2: (2.0, 2)}).check_world_size(2)
+    with pytest.raises(ValueError, match="per_sample_ms"):
+        EmulatedDevices([1.0, 2.0]).check_world_size(3)
 
 
 def test_emulated_cluster_takes_contention():

@@ -85,9 +85,19 @@ class EmulatedDevices:
         """Every option that may hold one value per rank, by name (to check against the world size)."""
         values = [("per_sample_ms", self.per_sample_ms), ("fixed_ms", self.fixed_ms)]
         values += [("saturation_batch", self.saturation_batch)]
-        if self.contention:  # a rank index past the world size is caught like a per-rank list too long
-            values += [("contention", (1.0,) * (max(self.contention) + 1))]
         return values + [("speed_changes", value) for value in self.speed_changes.values()]
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise if an option holds one value per rank for another world size, or names a rank outside it."""
+        for name, value in self.per_rank_values():
+            if isinstance(value, tuple) and len(value) != world_size:
+                raise ValueError(
+                    f"`{name}` has {len(value)} entries but the world size is {world_size}."
+                    " Give one value per rank, or a single number for all ranks."
+                )
+        outside = [rank for rank in self.contention if rank >= world_size]
+        if outside:
+            raise ValueError(f"`contention` names ranks {outside} but the world size is {world_size}.")
 
     def stall(self, rank: int, step: int) -> float:
         """The contention factor of ``rank`` at ``step`` (1: no stall)."""

@@ -90,12 +90,7 @@ class EmulatedCluster(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # raised identically on every rank, so no rank is left waiting in a collective
-        for name, value in self.devices.per_rank_values():
-            if isinstance(value, tuple) and len(value) != trainer.world_size:
-                raise ValueError(
-                    f"`{name}` has {len(value)} entries but the world size is {trainer.world_size}."
-                    " Give one value per rank, or a single number for all ranks."
-                )
+        self.devices.check_world_size(trainer.world_size)
 
     @override
     def on_train_batch_start(
