@@ -158,6 +158,7 @@ def replay(
         if epoch_end or adapt:
             schedule.adapted_at(done, phi is not None, decision.noise_band)
         out.decisions.append((done, decision))
-        schedule.replanned(done, decision.plan.global_batch_size != plan.global_batch_size, True, changed)
+        total_changed = decision.plan.global_batch_size != plan.global_batch_size
+        schedule.replanned(done, total_changed or decision.untimed, True, changed)
         plan, identified = decision.plan, decision.identified
     return out

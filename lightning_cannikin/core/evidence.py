@@ -29,12 +29,13 @@ def trusted_bounds(
     A rank whose time is flat where it was timed lately (sizes worth a fresh sample in the recency-weighted fit;
     flat: the per-sample part is under a tenth of its time at the largest, or the knee lies above it) has shown
     no slope: a line through its flat region (below its saturation batch) predicts nothing far away, and a
-    split relying on it can cost twice its prediction. It may go a probe's lever beyond its largest timed size
-    (``probe_lever``, at least two samples) and no further, so it walks to its knee through timed sizes instead
+    split relying on it can cost twice its prediction. It may go half a probe's lever beyond its largest timed size
+    (``probe_lever / 2``, at least two samples: a step past an unseen knee costs at most that) and no further, each
+    walk re-planned once timed (``Decision.untimed``), so it walks to its knee through timed sizes instead
     of jumping across it. A rank that showed its slope, and fewer samples on any rank (times are monotone), are
     not bounded.
     """
-    lever = 1.0 + probe_lever
+    lever = 1.0 + probe_lever / 2
     total = int(total_batch_size)
     upper = np.minimum(np.full(len(fitters), total) if upper_bounds is None else np.array(upper_bounds), total)
     for rank, (fitter, model) in enumerate(zip(fitters, models, strict=True)):

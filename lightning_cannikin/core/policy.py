@@ -119,6 +119,8 @@ class Decision:
             choice (within the margin), given the speeds just fitted; ``None`` when the total was not considered.
             Every rank holds the same noise scale, so each can tell on its own, and at the same step, when the
             estimate leaves the band (:meth:`~lightning_cannikin.core.schedule.ReplanSchedule.total_due`).
+        untimed: the plan puts some rank beyond the sizes it was timed at lately (a walk towards a knee): re-plan
+            once it has been timed there, as after a change of total (``ReplanSchedule.replanned(total_changed=)``).
 
     """
 
@@ -127,6 +129,7 @@ class Decision:
     gain: float
     identified: bool
     noise_band: tuple[float, float] | None = None
+    untimed: bool = False
 
 
 def learning_rate_scale(
@@ -179,7 +182,9 @@ def decide(
     band = None
     if adapt and (model.identified or not settings.balance):
         band = _noise_band(model, plan, settings, noise_scale, base_batch_size)  # type: ignore[arg-type]
-    return Decision(plan, factor, gain, model.identified, band)
+    timed = getattr(model, "timed", None)  # a model that knows which sizes it timed lately
+    untimed = settings.balance and model.identified and timed is not None and not timed(plan.local_batch_sizes)
+    return Decision(plan, factor, gain, model.identified, band, bool(untimed))
 
 
 def _split(model: StepTimeModel, current: Plan, global_batch: int, margin: float) -> tuple[int, ...]:

@@ -293,6 +293,13 @@ class SpeedModel:
             self.fitters, self.models(), self.lower, self.upper, total_batch_size, self.settings.probe_lever
         )
 
+    def timed(self, local_batch_sizes: Sequence[int]) -> bool:
+        """Whether no rank's size lies beyond the sizes it was timed at lately (fewer samples always count)."""
+        return all(
+            int(b) <= max(f.timed_sizes() or f.distinct_batch_sizes or (0,))
+            for f, b in zip(self.fitters, local_batch_sizes, strict=True)
+        )
+
     def supports(self, local_batch_sizes: Sequence[int]) -> bool:
         """Whether every rank's size lies where its times are evidence (:meth:`trusted_bounds`; ``True`` for a total
         no evidence can support)."""
