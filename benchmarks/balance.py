@@ -13,7 +13,8 @@ compute left out). Scenarios:
 - ``contention``: the heterogeneous devices, the fastest one 2.5x slower every third step (a shared GPU);
 - ``slowdown``: the heterogeneous devices, the fastest one becoming 4x slower mid-epoch (step 40).
 
-The new scenarios' ideal is found by brute force over every split under the emulated costs (contention and a speed
+The new scenarios run at least 10 epochs (their transients: the walk to a knee, a change of speed) and their
+ideal is found by brute force over every split under the emulated costs (contention and a speed
 change included): the even split's time over the best split's, the best taken apart before and after a change of
 speed, over the steady-state steps.
 
@@ -101,14 +102,16 @@ def scenario(
     emulated: dict | None = None,
     total: int | None = None,
     brute_force: bool = False,
+    epochs: int | None = None,
 ) -> dict:
     total = args.total_batch if total is None else total
+    epochs = args.epochs if epochs is None else epochs
     batch = total // len(per_sample_ms)
     fixed = args.fixed_ms if fixed_ms is None else fixed_ms
     runs: dict[str, list[dict]] = {"ddp": [], "cannikin": []}
     for repeat in range(args.repeats):
         for strategy in ("ddp", "cannikin"):
-            result = run(f"{strategy}_fork", per_sample_ms, fixed, batch, args.epochs, seed=repeat, emulated=emulated)
+            result = run(f"{strategy}_fork", per_sample_ms, fixed, batch, epochs, seed=repeat, emulated=emulated)
             result["throughput"] = steady_throughput(result, args.skip_epochs)
             runs[strategy].append(result)
             print(f"  {name} repeat {repeat} {strategy:8s} {result['throughput']:8.1f} samples/s", flush=True)
@@ -160,12 +163,23 @@ def main(argv: list[str] | None = None) -> dict:
             emulated={"saturation_batch": [160.0, 64.0, 24.0]},
             total=192,
             brute_force=True,
+            epochs=max(args.epochs, 10),
         ),
         "contention": lambda: scenario(
-            "contention", [0.5, 1.0, 2.0], args, emulated={"contention": {0: (2.5, 3)}}, brute_force=True
+            "contention",
+            [0.5, 1.0, 2.0],
+            args,
+            emulated={"contention": {0: (2.5, 3)}},
+            brute_force=True,
+            epochs=max(args.epochs, 10),
         ),
         "slowdown": lambda: scenario(
-            "slowdown", [0.5, 1.0, 2.0], args, emulated={"speed_changes": {40: [2.0, 1.0, 2.0]}}, brute_force=True
+            "slowdown",
+            [0.5, 1.0, 2.0],
+            args,
+            emulated={"speed_changes": {40: [2.0, 1.0, 2.0]}},
+            brute_force=True,
+            epochs=max(args.epochs, 10),
         ),
     }
     names = list(scenarios) if args.only is None else args.only
