@@ -8,14 +8,23 @@ compute left out). Scenarios:
 - ``heterogeneous``: per_sample_ms 0.5, 1.0, 2.0 and fixed_ms 20 on every device;
 - ``homogeneous``: all devices equal: a control, Cannikin must cost nothing where there is nothing to balance;
 - ``unequal_intercepts``: per_sample_ms 0.5, 1.0, 2.0 and fixed_ms 10, 20, 30 (a speed-proportional split is wrong);
-- ``jittery``: the heterogeneous devices with 3 ms of per-step jitter and first steps up to 3x slower.
+- ``jittery``: the heterogeneous devices with 3 ms of per-step jitter and first steps up to 3x slower;
+- ``saturation``: 0.15, 0.4, 1.0 ms per sample, 5 ms fixed, flat below 160, 64, 24 samples, total 192;
+- ``contention``: the heterogeneous devices, the fastest one 2.5x slower every third step (a shared GPU);
+- ``slowdown``: the heterogeneous devices, the fastest one becoming 4x slower mid-epoch (step 40).
 
-    python benchmarks/balance.py [--repeats 3] [--epochs 5]
+The new scenarios run at least 10 epochs (their transients: the walk to a knee, a change of speed) and their
+ideal is found by brute force over every split under the emulated costs (contention and a speed
+change included): the even split's time over the best split's, the best taken apart before and after a change of
+speed, over the steady-state steps.
+
+    python benchmarks/balance.py [--repeats 3] [--epochs 5] [--only saturation contention slowdown]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -27,6 +36,7 @@ import numpy as np
 from benchmarks.harness import median, run
 from lightning_cannikin.core.optperf import optimal_split, step_time
 from lightning_cannikin.core.plan import even_split
+from lightning_cannikin.simulation.emulated_devices import EmulatedDevices
 
 
 def ideal_ratio(per_sample_ms: list[float], fixed_ms: float | list[float], total: int) -> float:
@@ -37,10 +47,42 @@ def ideal_ratio(per_sample_ms: list[float], fixed_ms: float | list[float], total
     return step_time(slopes, offsets, even_split(total, n)) / optimal_split(slopes, offsets, total).step_time
 
 
+def brute_ideal_ratio(
+    emulated: dict, per_sample_ms: list[float], fixed: float | list[float], total: int, steps: range
+) -> float:
+    """Even-split time over the best split's under the emulated costs, summed over ``steps``, by brute force over
+    every split of ``total`` (the best chosen apart between changes of speed)."""
+    options = {k: v for k, v in emulated.items() if k not in ("jitter_ms", "warmup_steps", "warmup_factor")}
+    devices = EmulatedDevices(per_sample_ms, fixed, **options)
+    n = len(per_sample_ms)
+    first = np.repeat(np.arange(1, total - 1), np.arange(total - 2, 0, -1))
+    second = np.concatenate([np.arange(1, total - a) for a in range(1, total - 1)])
+    splits = np.stack([first, second, total - first - second], axis=1)  # three ranks
+    assert n == 3, "brute force over the splits of three ranks"
+    costs = np.array([[[devices.clean_ms(r, b, s) for b in range(total + 1)] for s in steps] for r in range(n)])
+    even = np.array(even_split(total, n))
+    even_time = costs[np.arange(n)[:, None], np.arange(len(steps))[None, :], even[:, None]].max(axis=0).sum()
+    bounds = [0] + [i for i, s in enumerate(steps) if s in devices.speed_changes] + [len(steps)]
+    best = 0.0
+    for start, end in itertools.pairwise(bounds):
+        if end <= start:
+            continue
+        window = costs[:, start:end, :]  # (n, S, total + 1)
+        per_split = np.max([window[r][:, splits[:, r]] for r in range(n)], axis=0).sum(axis=0)  # (splits,)
+        best += float(per_split.min())
+    return float(even_time / best)
+
+
 def steady_throughput(result: dict, skip_epochs: int) -> float:
     samples = sum(result["epoch_samples"][skip_epochs:])
     seconds = sum(result["epoch_times"][skip_epochs:])
     return samples / seconds
+
+
+def steady_steps(result: dict, total: int, args: argparse.Namespace) -> range:
+    """The training steps of the steady-state epochs (every epoch runs ``samples / total`` steps)."""
+    per_epoch = [round(samples / total) for samples in result["epoch_samples"]]
+    return range(sum(per_epoch[: args.skip_epochs]), sum(per_epoch))
 
 
 def prediction_error(result: dict) -> float | None:
@@ -58,13 +100,18 @@ def scenario(
     args: argparse.Namespace,
     fixed_ms: float | list[float] | None = None,
     emulated: dict | None = None,
+    total: int | None = None,
+    brute_force: bool = False,
+    epochs: int | None = None,
 ) -> dict:
-    batch = args.total_batch // len(per_sample_ms)
+    total = args.total_batch if total is None else total
+    epochs = args.epochs if epochs is None else epochs
+    batch = total // len(per_sample_ms)
     fixed = args.fixed_ms if fixed_ms is None else fixed_ms
     runs: dict[str, list[dict]] = {"ddp": [], "cannikin": []}
     for repeat in range(args.repeats):
         for strategy in ("ddp", "cannikin"):
-            result = run(f"{strategy}_fork", per_sample_ms, fixed, batch, args.epochs, seed=repeat, emulated=emulated)
+            result = run(f"{strategy}_fork", per_sample_ms, fixed, batch, epochs, seed=repeat, emulated=emulated)
             result["throughput"] = steady_throughput(result, args.skip_epochs)
             runs[strategy].append(result)
             print(f"  {name} repeat {repeat} {strategy:8s} {result['throughput']:8.1f} samples/s", flush=True)
@@ -74,12 +121,16 @@ def scenario(
         "per_sample_ms": per_sample_ms,
         "fixed_ms": fixed,
         "emulated": emulated or {},
-        "total_batch_size": args.total_batch,
+        "total_batch_size": total,
         "ddp_samples_per_s": median([r["throughput"] for r in runs["ddp"]]),
         "cannikin_samples_per_s": median([r["throughput"] for r in runs["cannikin"]]),
         "ratio_median": median(ratios),
         "ratios": ratios,
-        "ideal_ratio": ideal_ratio(per_sample_ms, fixed, args.total_batch),
+        "ideal_ratio": (
+            brute_ideal_ratio(emulated or {}, per_sample_ms, fixed, total, steady_steps(runs["ddp"][0], total, args))
+            if brute_force
+            else ideal_ratio(per_sample_ms, fixed, total)
+        ),
         "prediction_error_median": median(errors) if errors else None,
         "final_splits": [r["history"][-1]["local_batch_sizes"] for r in runs["cannikin"] if r["history"]],
     }
@@ -93,15 +144,47 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--total-batch", type=int, default=96)
     parser.add_argument("--fixed-ms", type=float, default=20.0)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "balance.json")
+    parser.add_argument("--only", nargs="*", default=None, help="run only these scenarios")
     args = parser.parse_args(argv)
-    report = {
-        "heterogeneous": scenario("heterogeneous", [0.5, 1.0, 2.0], args),
-        "homogeneous": scenario("homogeneous", [1.0, 1.0, 1.0], args),
-        "unequal_intercepts": scenario("unequal_intercepts", [0.5, 1.0, 2.0], args, fixed_ms=[10.0, 20.0, 30.0]),
-        "jittery": scenario(
+    scenarios = {
+        "heterogeneous": lambda: scenario("heterogeneous", [0.5, 1.0, 2.0], args),
+        "homogeneous": lambda: scenario("homogeneous", [1.0, 1.0, 1.0], args),
+        "unequal_intercepts": lambda: scenario(
+            "unequal_intercepts", [0.5, 1.0, 2.0], args, fixed_ms=[10.0, 20.0, 30.0]
+        ),
+        "jittery": lambda: scenario(
             "jittery", [0.5, 1.0, 2.0], args, emulated={"jitter_ms": 3.0, "warmup_steps": 4, "warmup_factor": 3.0}
         ),
+        "saturation": lambda: scenario(
+            "saturation",
+            [0.15, 0.4, 1.0],
+            args,
+            fixed_ms=5.0,
+            emulated={"saturation_batch": [160.0, 64.0, 24.0]},
+            total=192,
+            brute_force=True,
+            epochs=max(args.epochs, 10),
+        ),
+        "contention": lambda: scenario(
+            "contention",
+            [0.5, 1.0, 2.0],
+            args,
+            emulated={"contention": {0: (2.5, 3)}},
+            brute_force=True,
+            epochs=max(args.epochs, 10),
+        ),
+        "slowdown": lambda: scenario(
+            "slowdown",
+            [0.5, 1.0, 2.0],
+            args,
+            emulated={"speed_changes": {40: [2.0, 1.0, 2.0]}},
+            brute_force=True,
+            epochs=max(args.epochs, 10),
+        ),
     }
+    names = list(scenarios) if args.only is None else args.only
+    report = json.loads(args.out.read_text()) if args.only is not None and args.out.exists() else {}
+    report.update({name: scenarios[name]() for name in names})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     for name, r in report.items():

@@ -8,10 +8,12 @@ warm-up and plan changes can be tested in milliseconds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from lightning_cannikin.core.change import LocalChangeCheck
 from lightning_cannikin.core.optperf import optimal_split
 from lightning_cannikin.core.plan import BatchBounds, Plan, even_split
 from lightning_cannikin.core.policy import Decision, PolicySettings, decide
@@ -31,6 +33,7 @@ class Replay:
     plans: list[Plan] = field(default_factory=list)  # the plan of every step
     decisions: list[tuple[int, Decision]] = field(default_factory=list)  # (step after which it was taken, decision)
     drifts: list[tuple[int, list[int]]] = field(default_factory=list)
+    changes: list[int] = field(default_factory=list)  # steps at which a rank's local check asked for a re-plan
     model: SpeedModel | None = None
 
     def clean_step_time(self, plan: Plan, step: int = 0) -> float:
@@ -43,6 +46,27 @@ class Replay:
         slopes, offsets = _clean_pieces(self.devices, n, step)
         return optimal_split(slopes, offsets, total).step_time / 1000 + TAIL_S
 
+    def expected_step_time(self, splits: np.ndarray, step: int = 0) -> np.ndarray:
+        """The step time of each split ``(C, n)`` averaged over the devices' contention period around ``step``."""
+        period = int(np.lcm.reduce([every for _, every in self.devices.contention.values()] or [1]))
+        first = step - step % period
+        splits = np.atleast_2d(splits)
+        costs = np.array(
+            [
+                [[self.devices.clean_ms(r, int(b), s) for r, b in enumerate(split)] for split in splits]
+                for s in range(first, first + period)
+            ]
+        )  # (period, C, n)
+        return costs.max(axis=2).mean(axis=0) / 1000 + TAIL_S
+
+    def expected_optimum(self, total: int, step: int = 0) -> float:
+        """The least expected step time any split of ``total`` has (brute force over every split; 3 ranks)."""
+        assert self.world_size == 3, "brute force over splits of three ranks"
+        first = np.repeat(np.arange(1, total - 1), np.arange(total - 2, 0, -1))
+        second = np.concatenate([np.arange(1, total - a) for a in range(1, total - 1)])
+        splits = np.stack([first, second, total - first - second], axis=1)
+        return float(self.expected_step_time(splits, step).min())
+
     def regret(self, step: int) -> float:
         """How much slower the plan in force at ``step`` is than the optimum for its total (0.05: 5% slower)."""
         plan = self.plans[step]
@@ -51,9 +75,10 @@ class Replay:
 
 def _clean_pieces(devices: EmulatedDevices, n: int, step: int) -> tuple[np.ndarray, np.ndarray]:
     # devices may saturate: the clean cost is max(fixed + a * sat, fixed + a * b), two affine pieces
-    slopes = np.array([[0.0, devices.clean_ms(r, 2, step) - devices.clean_ms(r, 1, step)] for r in range(n)])
+    big = 10**6  # far above any saturation batch
+    slopes = np.array([[0.0, devices.clean_ms(r, big + 1, step) - devices.clean_ms(r, big, step)] for r in range(n)])
     flat = np.array([devices.clean_ms(r, 1, step) for r in range(n)])
-    linear = np.array([devices.clean_ms(r, 10**6, step) - 10**6 * slopes[r, 1] for r in range(n)])
+    linear = np.array([devices.clean_ms(r, big, step) - big * slopes[r, 1] for r in range(n)])
     return slopes, np.stack([flat, linear], axis=1)
 
 
@@ -65,9 +90,12 @@ def replay(
     epoch_steps: int | None = None,
     warmup_steps: int = 8,
     replan_every_n_steps: int | None = None,
+    check_every_n_steps: int | None = ReplanSchedule.check_every_n_steps,
     totals: dict[int, int] | None = None,
     bounds: BatchBounds | None = None,
     settings: SpeedModelSettings | None = None,
+    policy: PolicySettings | None = None,
+    noise: Callable[[int], float | None] | None = None,
 ) -> Replay:
     """Run ``steps`` steps from an even split of ``total``.
 
@@ -79,16 +107,22 @@ def replay(
         epoch_steps: re-plan at every multiple of it too (an epoch end).
         warmup_steps: the callback's warm-up re-plan cadence.
         replan_every_n_steps: the callback's periodic re-plan cadence.
+        check_every_n_steps: the cadence of every rank's local change check (``None``: off).
         totals: ``{step: total}``: from that step's epoch-end re-plan on, force this total (what goodput would pick),
             to test that a change of total is handled as one and not as a speed change.
         bounds: local batch bounds.
         settings: the speed model's settings.
+        policy: the policy settings (default ``PolicySettings()``: the total batch is kept).
+        noise: the confident noise scale after each step (``None`` while it is not confident), as every rank holds
+            it: with ``policy.max_batch_size`` the total is reconsidered whenever it leaves the band of the last
+            choice (``ReplanSchedule.total_due``), and at epoch ends.
 
     """
     out = Replay(devices, world_size)
     model = SpeedModel(world_size, settings, bounds)
     out.model = model
-    schedule = ReplanSchedule(warmup_steps, replan_every_n_steps)
+    schedule = ReplanSchedule(warmup_steps, replan_every_n_steps, check_every_n_steps=check_every_n_steps)
+    checks = [LocalChangeCheck(model.settings.drift_tolerance) for _ in range(world_size)]
     plan = Plan(even_split(total, world_size))
     identified = False
     pending: list[StepRecord] = []
@@ -98,10 +132,20 @@ def replay(
         pending += [
             StepRecord(step, r, b, compute[r], max(compute) + TAIL_S) for r, b in enumerate(plan.local_batch_sizes)
         ]
+        for check, b, seconds in zip(checks, plan.local_batch_sizes, compute, strict=True):
+            check.observe(b, seconds)  # each rank, on its own times
         done = step + 1
         epoch_end = epoch_steps is not None and done % epoch_steps == 0
-        if not (epoch_end or schedule.due(done, identified, True)):
+        # the ranks' one-bit answers meet only on the steps the schedule names (riding on an exchange)
+        changed = schedule.check_due(done) and any(check.changed() for check in checks)
+        phi = noise(done) if noise is not None else None
+        adapt = policy is not None and policy.max_batch_size is not None and identified and schedule.total_due(phi)
+        if not (epoch_end or adapt or schedule.due(done, identified, True, changed)):
             continue
+        if changed:
+            out.changes.append(done)
+            for check in checks:
+                check.reset()
         model.add(pending)
         pending = []
         if model.drifts:
@@ -110,8 +154,11 @@ def replay(
         forced = (totals or {}).get(done) if epoch_end else None
         if forced is not None:
             current = Plan(even_split(forced, world_size))  # the total goodput chose; decide splits it
-        decision = decide(model, current, PolicySettings(), None, total, adapt_total=epoch_end)
+        decision = decide(model, current, policy or PolicySettings(), phi, total, adapt_total=epoch_end or adapt)
+        if epoch_end or adapt:
+            schedule.adapted_at(done, phi is not None, decision.noise_band)
         out.decisions.append((done, decision))
-        schedule.replanned(done, decision.plan.global_batch_size != plan.global_batch_size, True)
+        total_changed = decision.plan.global_batch_size != plan.global_batch_size
+        schedule.replanned(done, total_changed or decision.untimed, True, changed)
         plan, identified = decision.plan, decision.identified
     return out

@@ -36,6 +36,8 @@ import numpy as np
 
 __all__ = ["NoiseScaleEstimator", "pooled_moments"]
 
+_MIN_EFFECTIVE_STEPS = 10.0  # steps the moving average must span before its spread is estimated
+
 
 def _floats(values: Sequence[float] | np.ndarray) -> list[float]:
     """Plain floats, flattened: a step has a handful of groups, and numpy's per-call cost would dominate."""
@@ -110,6 +112,10 @@ class NoiseScaleEstimator:
         self._sqr_biased = 0.0
         self._var_biased = 0.0
         self._weight = 0.0
+        # what the confidence needs: averages of the single-step estimates' squares and of the squared weights
+        self._sqr_sq_biased = 0.0
+        self._var_sq_biased = 0.0
+        self._weight_sq = 0.0
         self.num_updates = 0
 
     def update(
@@ -146,6 +152,9 @@ class NoiseScaleEstimator:
         self._sqr_biased = factor * self._sqr_biased + (1.0 - factor) * grad_sqr
         self._var_biased = factor * self._var_biased + (1.0 - factor) * grad_var
         self._weight = factor * self._weight + (1.0 - factor)
+        self._sqr_sq_biased = factor * self._sqr_sq_biased + (1.0 - factor) * grad_sqr**2
+        self._var_sq_biased = factor * self._var_sq_biased + (1.0 - factor) * grad_var**2
+        self._weight_sq = factor**2 * self._weight_sq + (1.0 - factor) ** 2
         self.num_updates += 1
         return True
 
@@ -179,6 +188,39 @@ class NoiseScaleEstimator:
             return math.inf
         return var / sqr
 
+    def standard_errors(self) -> tuple[float, float] | None:
+        """Standard errors of the averaged ``|G|^2`` and ``tr(Sigma)`` (None until the average spans ten effective
+        steps, below which the spread itself is unknown).
+
+        From the statistics' own spread: the single-step estimates' variance around their average, times the sum of
+        the squared normalised weights of the moving average (one over its effective number of steps).
+        """
+        if self.num_updates < 2 or self._weight <= 0:
+            return None
+        share = self._weight_sq / self._weight**2
+        if share > 1.0 / _MIN_EFFECTIVE_STEPS:
+            return None  # a spread taken from a handful of steps is itself too uncertain to vouch for anything
+        errors = []
+        for first, second in ((self._sqr_biased, self._sqr_sq_biased), (self._var_biased, self._var_sq_biased)):
+            mean = first / self._weight
+            spread = max(second / self._weight - mean**2, 0.0)
+            errors.append(math.sqrt(spread * share))
+        return errors[0], errors[1]
+
+    def confident(self, max_relative_error: float = 0.25) -> bool:
+        """Whether both averages are positive and known to within ``max_relative_error`` of themselves (one standard
+        error; 0.25: four standard errors above zero, so that checking at every step rarely passes on a lucky run):
+        then the noise scale is finite and about right; before, no decision should move on it."""
+        errors = self.standard_errors()
+        if errors is None:
+            return False
+        sqr, var = self._sqr_biased / self._weight, self._var_biased / self._weight
+        return sqr > 0 and var > 0 and errors[0] <= max_relative_error * sqr and errors[1] <= max_relative_error * var
+
+    def confident_noise_scale(self, max_relative_error: float = 0.25) -> float | None:
+        """The noise scale once :meth:`confident`, else ``None`` (what goodput and the AdaScale gain should use)."""
+        return self.noise_scale if self.confident(max_relative_error) else None
+
     def state_dict(self) -> dict:
         """Everything needed to resume, as plain Python numbers (JSON-friendly)."""
         return {
@@ -188,6 +230,9 @@ class NoiseScaleEstimator:
             "var_biased": self._var_biased,
             "weight": self._weight,
             "num_updates": self.num_updates,
+            "sqr_sq_biased": self._sqr_sq_biased,
+            "var_sq_biased": self._var_sq_biased,
+            "weight_sq": self._weight_sq,
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -198,3 +243,9 @@ class NoiseScaleEstimator:
         self._var_biased = float(state_dict["var_biased"])
         self._weight = float(state_dict["weight"])
         self.num_updates = int(state_dict["num_updates"])
+        # a checkpoint from before the confidence: its spread is unknown, so take it as large as the averages
+        # themselves (one standard error of 100%) until new steps show the real one
+        weight = self._weight if self._weight > 0 else 1.0
+        self._sqr_sq_biased = float(state_dict.get("sqr_sq_biased", 2.0 * self._sqr_biased**2 / weight))
+        self._var_sq_biased = float(state_dict.get("var_sq_biased", 2.0 * self._var_biased**2 / weight))
+        self._weight_sq = float(state_dict.get("weight_sq", self._weight**2))

@@ -115,6 +115,12 @@ class Decision:
         lr_factor: the multiplier of the base learning rate for the plan's total batch.
         gain: the AdaScale gain of a step at that total (B0-steps of progress per step).
         identified: whether every device's slope was measured when the decision was made.
+        noise_band: the noise scales ``(low, high)`` within which the total batch decided here stays the goodput
+            choice (within the margin), given the speeds just fitted; ``None`` when the total was not considered.
+            Every rank holds the same noise scale, so each can tell on its own, and at the same step, when the
+            estimate leaves the band (:meth:`~lightning_cannikin.core.schedule.ReplanSchedule.total_due`).
+        untimed: the plan puts some rank beyond the sizes it was timed at lately (a walk towards a knee): re-plan
+            once it has been timed there, as after a change of total (``ReplanSchedule.replanned(total_changed=)``).
         best_total: the total batch with the best predicted goodput (``None``: the total was not reconsidered).
         total_gain: its predicted goodput's relative gain over keeping the total in force, against the margin
             (``PolicySettings.margin``) it had to beat to be adopted (``None``: not reconsidered).
@@ -128,6 +134,8 @@ class Decision:
     lr_factor: float
     gain: float
     identified: bool
+    noise_band: tuple[float, float] | None = None
+    untimed: bool = False
     best_total: int | None = None
     total_gain: float | None = None
     split_gain: float | None = None
@@ -167,8 +175,8 @@ def decide(
     change of total batch measures the slope.
     """
     global_batch, accumulation = current.global_batch_size, current.accumulation_steps
-    adapt = adapt_total and settings.max_batch_size is not None and noise_scale is not None
     choice, split_gain = None, None
+    adapt = adapt_total and settings.max_batch_size is not None and noise_scale is not None
     if adapt and (model.identified or not settings.balance):
         global_batch, accumulation, choice = _choose_total(model, current, settings, noise_scale, base_batch_size)  # type: ignore[arg-type]
     if settings.balance and not model.identified:
@@ -181,9 +189,14 @@ def decide(
         sizes = most_even_split(global_batch, model.world_size, model.lower, model.upper).local_batch_sizes
     plan = Plan(sizes, accumulation, predicted_step_time=float(model.predict(sizes)))
     factor, gain = learning_rate_scale(settings.lr_scaling, plan.total_batch_size, base_batch_size, noise_scale, adam)
+    band = None
+    if adapt and (model.identified or not settings.balance):
+        band = _noise_band(model, plan, settings, noise_scale, base_batch_size)  # type: ignore[arg-type]
+    timed = getattr(model, "timed", None)  # a model that knows which sizes it timed lately
+    untimed = settings.balance and model.identified and timed is not None and not timed(plan.local_batch_sizes)
     total_gain = None if choice is None else _relative_gain(choice.goodput, choice.current_goodput)
     best_total = None if choice is None else choice.batch_size
-    return Decision(plan, factor, gain, model.identified, best_total, total_gain, split_gain)
+    return Decision(plan, factor, gain, model.identified, band, bool(untimed), best_total, total_gain, split_gain)
 
 
 def _relative_gain(new: float, old: float) -> float:
@@ -197,8 +210,9 @@ def _split(
     """The model's best split of ``global_batch``, unless the most even one or else the split in force (same global
     batch) is predicted within ``margin`` of it: a gain that small is within the timing noise, and chasing it moves
     identical devices apart on noise alone. The even split comes first, so a probe's split is not kept for being no
-    worse than the noise. Also returns the best split's predicted gain over the split kept (else the smallest gain
-    over those weighed; ``None`` when none was inside the bounds)."""
+    worse than the noise. A split is kept only where the model's ``supports`` (if it has one) says its prediction is
+    evidence, not an extrapolation. Also returns the best split's predicted gain over the split kept (else the
+    smallest gain over those weighed; ``None`` when none was inside the bounds)."""
     best = model.plan_split(global_batch).local_batch_sizes
     best_time = float(model.predict(best))
     limit = best_time * (1.0 + margin)
@@ -207,10 +221,11 @@ def _split(
         kept.append(current.local_batch_sizes)
     lower = np.asarray(model.lower)
     upper = None if model.upper is None else np.asarray(model.upper)
+    supports = getattr(model, "supports", None)  # a model that knows where its predictions are evidence
     gains = []
     for sizes in kept:
         inside = bool(np.all(lower <= sizes)) and (upper is None or bool(np.all(np.asarray(sizes) <= upper)))
-        if not inside:
+        if not inside or (supports is not None and not supports(sizes)):
             continue
         time = float(model.predict(sizes))
         gains.append(_relative_gain(time, best_time))
@@ -223,7 +238,57 @@ def _choose_total(
     model: StepTimeModel, current: Plan, settings: PolicySettings, noise_scale: float, base_batch_size: int
 ) -> tuple[int, int, GoodputChoice | None]:
     """``(global batch, accumulation steps)`` with the best predicted goodput, or the current ones, and the choice
-    (``None`` when no candidate fits).
+    (``None`` when no candidate fits)."""
+    options = _total_options(model, current, settings, base_batch_size)
+    if options is None:
+        return current.global_batch_size, current.accumulation_steps, None
+    micro, steps, times, kept = options
+    # Keeping the total batch means running it at its best split (re-splitting is free), not at the current split:
+    # a stale split must not credit a change of total batch with the gain of re-balancing.
+    choice = choose_batch_size(
+        micro * steps, times, noise_scale, base_batch_size, current.total_batch_size, kept, margin=settings.margin
+    )
+    if not choice.adopted:
+        return current.global_batch_size, current.accumulation_steps, choice
+    index = int(np.flatnonzero(micro * steps == choice.batch_size)[0])
+    return int(micro[index]), int(steps[index]), choice
+
+
+def _noise_band(
+    model: StepTimeModel, plan: Plan, settings: PolicySettings, noise_scale: float, base_batch_size: int
+) -> tuple[float, float]:
+    """The noise scales around ``noise_scale`` for which ``plan``'s total stays the goodput choice (no other total
+    gains more than the margin), on a geometric grid of 1/64x to 64x in steps of 2**(1/8); the step times are the
+    model's, computed once. The ends of the grid are open: beyond them the band extends to 0 or infinity."""
+    options = _total_options(model, plan, settings, base_batch_size)
+    if options is None or not np.isfinite(noise_scale) or noise_scale <= 0:
+        return 0.0, float("inf")
+    micro, steps, times, kept = options
+    grid = float(noise_scale) * 2.0 ** (np.arange(-48, 49) / 8.0)
+    stays = np.array(
+        [
+            not choose_batch_size(
+                micro * steps, times, phi, base_batch_size, plan.total_batch_size, kept, margin=settings.margin
+            ).adopted
+            for phi in grid
+        ]
+    )
+    middle = 48
+    if not stays[middle]:
+        return float(noise_scale), float(noise_scale)  # another total is already better: any move re-decides
+    low, high = middle, middle
+    while low > 0 and stays[low - 1]:
+        low -= 1
+    while high < len(grid) - 1 and stays[high + 1]:
+        high += 1
+    return (0.0 if low == 0 else float(grid[low])), (float("inf") if high == len(grid) - 1 else float(grid[high]))
+
+
+def _total_options(
+    model: StepTimeModel, current: Plan, settings: PolicySettings, base_batch_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, float] | None:
+    """The candidate totals (micro-step globals and their accumulation), their predicted step times and the time of
+    keeping the current total; ``None`` when no candidate fits.
 
     Candidates run from the base batch to ``max_batch_size`` (per optimizer step), within what a micro-step can
     hold: the sum of the per-rank bounds, or, for an even split, ``n`` times the tightest bound (an even split of more
@@ -249,7 +314,7 @@ def _choose_total(
         lower = max(-(-base_batch_size // steps_now), lowest)
         upper = cap // steps_now if highest is None else min(cap // steps_now, highest)
         if upper < lower:
-            return current.global_batch_size, steps_now, None
+            return None
         micro = candidate_batch_sizes(lower, upper, settings.candidates)
         steps = np.full_like(micro, steps_now)
     if settings.balance:
@@ -259,12 +324,4 @@ def _choose_total(
         times = np.asarray(model.predict(np.array([even_split(int(g), n) for g in micro]), steps), dtype=np.float64)
         kept_split = most_even_split(current.global_batch_size, n, lower_bounds, upper_bounds)
         kept = float(model.predict(kept_split.local_batch_sizes, steps_now))
-    # Keeping the total batch means running it at its best split (re-splitting is free), not at the current split:
-    # a stale split must not credit a change of total batch with the gain of re-balancing.
-    choice = choose_batch_size(
-        micro * steps, times, noise_scale, base_batch_size, current.total_batch_size, kept, margin=settings.margin
-    )
-    if not choice.adopted:
-        return current.global_batch_size, steps_now, choice
-    index = int(np.flatnonzero(micro * steps == choice.batch_size)[0])
-    return int(micro[index]), int(steps[index]), choice
+    return micro, steps, times, kept

@@ -1,5 +1,5 @@
-"""When to re-plan mid-epoch: every few steps while some device's speed is unmeasured, on a fixed cadence, and when to
-reconsider the total batch mid-epoch.
+"""When to re-plan mid-epoch: every few steps while some device's speed is unmeasured, on a fixed cadence, when a
+rank's local check sees its speed change, and when to reconsider the total batch mid-epoch.
 
 Pure Python: imports neither torch nor Lightning.
 """
@@ -22,6 +22,9 @@ class ReplanSchedule:
         every_n_steps: also re-plan every this many steps (``None``: never on a cadence).
         adapt_every_n_steps: reconsider the total batch mid-epoch every this many steps, and once as soon as the
             statistics allow it (``None``: at epoch ends only).
+        check_every_n_steps: ask every rank's :class:`~lightning_cannikin.core.change.LocalChangeCheck` after every
+            this many steps (:meth:`check_due`, the same steps on every rank); a yes from any rank re-plans at that
+            step (``None``: never). The check itself is local; only its one-bit answer must reach every rank.
 
     """
 
@@ -32,15 +35,22 @@ class ReplanSchedule:
     last_adapt_step: int = 0
     adapted: bool = False  # a total batch was chosen with statistics that allow it
     settle_at: int | None = None  # a re-plan due once a new total batch has been timed at its new sizes
+    check_every_n_steps: int | None = 8
+    noise_band: tuple[float, float] | None = None  # the noise scales the total in force was chosen for
 
     def __post_init__(self) -> None:
         if int(self.warmup_steps) < 1:
             raise ValueError(f"`warmup_steps` must be >= 1, got {self.warmup_steps}.")
         if self.every_n_steps is not None and int(self.every_n_steps) < 1:
             raise ValueError(f"`replan_every_n_steps` must be a positive integer or None, got {self.every_n_steps}.")
-        every = self.adapt_every_n_steps
-        if every is not None and (isinstance(every, bool) or int(every) < 1):
-            raise ValueError(f"`adapt_every_n_steps` must be a positive integer or None, got {every}.")
+        for name in ("adapt_every_n_steps", "check_every_n_steps"):
+            every = getattr(self, name)
+            if every is not None and (isinstance(every, bool) or int(every) < 1):
+                raise ValueError(f"`{name}` must be a positive integer or None, got {every}.")
+
+    def check_due(self, step: int) -> bool:
+        """Whether every rank asks its local change check after ``step`` steps (the same answer on every rank)."""
+        return self.check_every_n_steps is not None and step % self.check_every_n_steps == 0
 
     def adapt_due(self, step: int, ready: bool) -> bool:
         """Whether to reconsider the total batch mid-epoch after ``step`` steps; ``ready``: the noise scale can be acted
@@ -49,20 +59,40 @@ class ReplanSchedule:
             return False
         return (ready and not self.adapted) or step - self.last_adapt_step >= self.adapt_every_n_steps
 
-    def adapted_at(self, step: int, ready: bool) -> None:
-        """The total batch was reconsidered after ``step`` steps (at an epoch end too)."""
+    def total_due(self, noise_scale: float | None) -> bool:
+        """Whether to reconsider the total batch now: the noise scale is confident (``None`` while it is not, as
+        :meth:`~lightning_cannikin.core.noise_scale.NoiseScaleEstimator.confident_noise_scale` gives it) and either
+        no total was chosen with a confident one yet, or it has left the band the last choice holds in
+        (:attr:`~lightning_cannikin.core.policy.Decision.noise_band`, kept here by :meth:`adapted_at`). Every rank
+        holds the same noise scale and band, so every rank answers alike at the same step, with no collective."""
+        if noise_scale is None:
+            return False
+        if self.noise_band is None:
+            return not self.adapted
+        low, high = self.noise_band
+        return not low <= noise_scale <= high
+
+    def adapted_at(self, step: int, ready: bool, noise_band: tuple[float, float] | None = None) -> None:
+        """The total batch was reconsidered after ``step`` steps (at an epoch end too); ``noise_band``: the
+        decision's :attr:`~lightning_cannikin.core.policy.Decision.noise_band`, for :meth:`total_due`."""
         self.last_adapt_step = step
         self.adapted = self.adapted or ready
+        if noise_band is not None:
+            self.noise_band = noise_band
 
-    def due(self, step: int, identified: bool, balance: bool) -> bool:
-        """Whether the ranks re-plan after ``step`` steps (the same answer on every rank)."""
+    def due(self, step: int, identified: bool, balance: bool, changed: bool = False) -> bool:
+        """Whether the ranks re-plan after ``step`` steps (the same answer on every rank); ``changed``: some rank's
+        local change check said yes at this step (:meth:`check_due`), so a device's speed moved clearly."""
+        if changed and balance:
+            return True
         warming_up = balance and not identified and step % self.warmup_steps == 0
         periodic = self.every_n_steps is not None and step - self.last_replan_step >= self.every_n_steps
         settling = self.settle_at is not None and step >= self.settle_at
         return warming_up or periodic or settling
 
-    def replanned(self, step: int, total_changed: bool, balance: bool) -> None:
-        """A re-plan happened after ``step`` steps. A new total puts every rank at sizes its model extrapolated to:
-        re-split once ``warmup_steps`` steps have timed them there (an even split has nothing to re-split)."""
+    def replanned(self, step: int, total_changed: bool, balance: bool, changed: bool = False) -> None:
+        """A re-plan happened after ``step`` steps. A new total puts every rank at sizes its model extrapolated to, and
+        a change of speed (``changed``: the re-plan a local check asked for) leaves the model rescaled from a few steps:
+        re-split once ``warmup_steps`` steps have timed the new plan (an even split has nothing to re-split)."""
         self.last_replan_step = step
-        self.settle_at = step + self.warmup_steps if total_changed and balance else None
+        self.settle_at = step + self.warmup_steps if (total_changed or changed) and balance else None

@@ -8,15 +8,19 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import ArrayLike
 
+from lightning_cannikin.core.change import ChangeWatch
+from lightning_cannikin.core.evidence import trusted_bounds
+from lightning_cannikin.core.expected import Scenarios, expected_split, stall_scenarios
 from lightning_cannikin.core.memory import MemoryFitter
 from lightning_cannikin.core.optperf import optimal_split, optperf, step_time
 from lightning_cannikin.core.plan import BatchBounds, Plan
 from lightning_cannikin.core.probe import probe_split
+from lightning_cannikin.core.step_record import StepRecord
 from lightning_cannikin.core.timing import (
     CommModel,
     CommTimeFitter,
@@ -27,47 +31,15 @@ from lightning_cannikin.core.timing import (
 
 
 @dataclass(frozen=True)
-class StepRecord:
-    """One rank's timing of one training step (seconds).
-
-    Attributes:
-        step: the step's index, equal on every rank (ranks advance in lockstep).
-        rank: global rank.
-        batch_size: samples this rank trained on in the step.
-        compute: forward + backward until this rank's gradients were ready (excludes waiting for other ranks).
-        step_time: the whole step on this rank, batch start to batch end (includes the all-reduce and the optimizer).
-        allreduce: from this rank's first gradient bucket reaching the all-reduce to the last one completing
-            (``None`` on steps without a reduction, e.g. accumulation micro-steps).
-        exposed: from this rank's last bucket (the end of its backward) to the all-reduce completing: the part of
-            the communication that backward did not hide, plus any wait for slower ranks.
-        peak_memory: the device's peak allocated bytes during the step (CUDA only).
-        memory_capacity: the memory this rank can use in bytes: free plus what it holds (CUDA only).
-
-    """
-
-    step: int
-    rank: int
-    batch_size: int
-    compute: float
-    step_time: float
-    allreduce: float | None = None
-    exposed: float | None = None
-    peak_memory: float | None = None
-    memory_capacity: float | None = None
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
 class SpeedModelSettings:
     """How a :class:`SpeedModel` fits; none of it is fitted state.
 
     Args:
         half_life: recency half-life of the compute-time fits, in samples, so a device that changes speed is followed.
         tail_window: steps over which the tail's median is taken.
-        drift_tolerance: relative change of a rank's time at a batch size it has already run, confirmed over two
-            re-plans, that counts as a change of speed.
+        drift_tolerance: relative change of a rank's time at a batch size it has already run that counts as a change
+            of speed, once three in four of its latest 16 steps show it (smaller changes are followed by the fits'
+            recency weighting).
         max_samples: timing samples kept per rank.
         warmup_samples: each rank's first samples after a start (or a restart) are left out of its fit: real
             devices are slower in their first steps (allocator, caches, autotuning, input workers).
@@ -129,10 +101,14 @@ class SpeedModel:
         self.tails: deque[float] = deque(maxlen=int(self.settings.tail_window))
         # the fraction of the last rank's compute done when its first gradient bucket was ready
         self.first_bucket_shares: deque[float] = deque(maxlen=int(self.settings.tail_window))
+        self.after_reduction: deque[float] = deque(maxlen=int(self.settings.tail_window))  # the tail past the reduction
         self.comm_fitter = CommTimeFitter(half_life=self.settings.half_life)
         self._models: list[LinearTimeModel] | None = None  # fitted once per batch of new samples
+        # every rank's (batch size, compute) of the latest complete steps: which ranks were slow together
+        self._joint: deque[tuple[tuple[int, ...], tuple[float, ...]]] = deque(maxlen=int(self.settings.tail_window))
+        self._scenarios: tuple[Scenarios | None] | None = None  # found once per batch of new samples
         self._warm = [0] * self.world_size  # samples each rank has had since its start; the first ones are left out
-        self._held: dict[int, list[StepRecord]] = {}  # a suspected change of speed, kept apart until confirmed
+        self._watch = ChangeWatch(self.world_size, self.settings.drift_tolerance)
 
     def _new_fitter(self) -> ComputeTimeFitter:
         return ComputeTimeFitter(half_life=self.settings.half_life, max_samples=self.settings.max_samples)
@@ -154,7 +130,7 @@ class SpeedModel:
                 else:
                     kept.setdefault(record.rank, []).append(record)
         self.drifts = self._detect_drift(kept)
-        self._models = None
+        self._models = self._scenarios = None
         for rank_records in kept.values():
             for record in rank_records:
                 self._add_sample(record)
@@ -174,64 +150,35 @@ class SpeedModel:
         """The step's tail and all-reduce, from a step every rank reported."""
         if len(step_records) != self.world_size:
             return
+        ordered = sorted(step_records, key=lambda r: r.rank)
+        self._joint.append((tuple(r.batch_size for r in ordered), tuple(r.compute for r in ordered)))
         slowest = max(r.compute for r in step_records)
-        self.tails.append(max(0.0, statistics.median(r.step_time for r in step_records) - slowest))
+        tail = max(0.0, statistics.median(r.step_time for r in step_records) - slowest)
+        self.tails.append(tail)
         reduced = [r for r in step_records if r.allreduce is not None and r.exposed is not None]
         if len(reduced) == self.world_size:
             # the last rank to finish backward waits for nobody: its times are the communication's own
             last = max(reduced, key=lambda r: r.compute)
-            self.comm_fitter.add(last.allreduce, last.exposed)  # type: ignore[arg-type]
+            # the reduction's own time: a span from the first bucket also holds the backward it overlapped
+            busy = last.allreduce if last.comm_busy is None else last.comm_busy
+            self.after_reduction.append(max(0.0, tail - last.exposed))  # type: ignore[operator]  # optimizer, framework
+            self.comm_fitter.add(busy, last.exposed if last.last_bucket is None else last.last_bucket)  # type: ignore[arg-type]
             if last.compute > 0:
                 before_first_bucket = last.compute - (last.allreduce - last.exposed)  # type: ignore[operator]
                 self.first_bucket_shares.append(min(max(before_first_bucket / last.compute, 0.0), 1.0))
 
-    def _detect_drift(self, kept: dict[int, list[StepRecord]], min_samples: int = 4) -> list[int]:
-        """Judge a change of speed only where a plan change cannot fake one, and only once it is confirmed.
-
-        A rank's new times are compared with its model only at batch sizes inside the range it has been timed at
-        (interpolation): a new split or a new total batch that moves ranks outside it shows nothing but the error of
-        an extrapolation. A change of more than ``drift_tolerance`` counts when the next re-plan's samples show it
-        again, in the same direction; until then the new samples are held apart and the old ones kept. A confirmed
-        change rescales the old samples by the measured ratio (the device keeps its measured slope) and the held
-        samples join them. Unconfirmed, held samples join the fit like any others.
-        """
+    def _detect_drift(self, kept: dict[int, list[StepRecord]]) -> list[int]:
+        """The ranks whose speed changed clearly (:class:`~lightning_cannikin.core.change.ChangeWatch`); ``kept``
+        is left holding what each rank's fit takes now."""
         if not self.ready:
             return []
-        tolerance = self.settings.drift_tolerance
-
-        def off(ratios: list[float]) -> float | None:
-            """The median ratio if enough samples show a change beyond the tolerance, else ``None``."""
-            if len(ratios) < min_samples:
-                return None
-            median = float(np.median(ratios))
-            return median if abs(median - 1.0) > tolerance else None
-
         drifted = []
         for rank, rank_records in sorted(kept.items()):
-            ratios = self._ratios_in_range(rank, rank_records)
-            held = self._held.pop(rank, None)
-            now = off(ratios)
-            if held is not None:
-                before = off(self._ratios_in_range(rank, held))
-                rank_records[:0] = held
-                if now is not None and before is not None and (now - 1.0) * (before - 1.0) > 0:
-                    self.fitters[rank].rescale(float(np.sqrt(now * before)))
-                    drifted.append(rank)
-                continue
-            if now is not None:
-                self._held[rank] = list(rank_records)  # suspected: keep the old model until it is confirmed
-                rank_records.clear()
+            ratio = self._watch.judge(rank, rank_records, self.models()[rank], self.fitters[rank].distinct_batch_sizes)
+            if ratio is not None:
+                self.fitters[rank].rescale(ratio)  # the device keeps its measured slope at its new speed
+                drifted.append(rank)
         return drifted
-
-    def _ratios_in_range(self, rank: int, records: list[StepRecord]) -> list[float]:
-        """Measured over predicted time, in order, for the records inside the batch sizes the rank was timed at."""
-        sizes = self.fitters[rank].distinct_batch_sizes
-        model = self.models()[rank]
-        return [
-            r.compute / float(model(r.batch_size))
-            for r in records
-            if sizes and sizes[0] <= r.batch_size <= sizes[-1] and float(model(r.batch_size)) > 0
-        ]
 
     @property
     def upper(self) -> list[int] | None:
@@ -273,22 +220,47 @@ class SpeedModel:
     def tail(self) -> float:
         return float(np.median(self.tails)) if self.tails else 0.0
 
-    def pieces(self) -> tuple[np.ndarray, np.ndarray]:
+    def pieces(self, models: Sequence[LinearTimeModel] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Planner inputs: the per-rank pieces of the two-regime step model, once the all-reduce is measured.
 
-        Compute-bound, rank ``i`` costs ``t_i(b) + tail``. Communication-bound, the all-reduce can start only when
-        every rank's first bucket is ready, after a share ``s`` of its compute, and lasts ``c``: ``s t_i(b) + c +
-        (tail - exposed)``. Where the all-reduce hides behind backward the second piece never binds, and the split
+        Compute-bound, rank ``i`` costs ``t_i(b) + c_last + o``, with ``c_last`` the last bucket's reduction and ``o``
+        what a step costs after the reduction. Communication-bound, the all-reduce can start only when every rank's
+        first bucket is ready, after a share ``s`` of its compute, and lasts ``c``: ``s t_i(b) + c + o``. Both are
+        exact for a bucket timeline whose buckets are alike, whatever the regime the records came from, once ``c``
+        and ``c_last`` are the reductions' own times (``StepRecord.comm_busy``, ``last_bucket``).
+        Where the all-reduce hides behind backward the second piece never binds, and the split
         is the compute-only one; where it does not, OptPerf(B) for other totals sees the communication floor.
+        ``models``: other compute models than the fitted ones (zero ones give the part no device's speed scales).
         """
+        models = self.models() if models is None else models
         comm, tail = self.comm(), self.tail()
-        if comm is None or not self.first_bucket_shares:
-            return step_time_pieces(self.models(), None, overhead=tail)
+        if comm is None or not self.first_bucket_shares or not self.after_reduction:
+            return step_time_pieces(models, None, overhead=tail)
         share = float(np.median(self.first_bucket_shares))
         # the two-regime form with the measured share: forward_fraction = share and no further backward fraction
         return step_time_pieces(
-            self.models(), comm, backward_fraction=0.0, forward_fraction=share, overhead=max(0.0, tail - comm.exposed)
+            models, comm, backward_fraction=0.0, forward_fraction=share, overhead=float(np.median(self.after_reduction))
         )
+
+    def scenarios(self) -> Scenarios | None:
+        """The recurring stalls of the latest steps (:func:`~lightning_cannikin.core.expected.stall_scenarios`), or
+        ``None`` when no rank stalls: then every prediction is the deterministic step time and every split OptPerf's."""
+        if self._scenarios is None:
+            models = self.models()
+            ratios = np.array(
+                [
+                    [t / max(float(m(b)), 1e-12) for m, b, t in zip(models, sizes, times, strict=True)]
+                    for sizes, times in self._joint
+                ]
+            ).reshape(-1, self.world_size)
+            self._scenarios = (stall_scenarios(ratios),)
+        return self._scenarios[0]
+
+    def _expected(self, splits: np.ndarray, scenarios: Scenarios) -> np.ndarray:
+        slopes, offsets = self.pieces()
+        # the part no device's speed scales, piece for piece (a knee adds its flat pieces there too)
+        _, fixed = self.pieces([LinearTimeModel(0.0, 0.0, m.knee) for m in self.models()])
+        return scenarios.expected(slopes, offsets, fixed, np.atleast_2d(splits))
 
     @property
     def bounds(self) -> BatchBounds:
@@ -297,24 +269,75 @@ class SpeedModel:
         return BatchBounds(tuple(self.lower), None if upper is None else tuple(upper))
 
     def plan_split(self, total_batch_size: int) -> Plan:
-        """The optimal integer split of ``total_batch_size`` under the bounds, with its predicted step time."""
+        """The split of ``total_batch_size`` under the bounds with the least expected step time, and that time.
+
+        Without recurring stalls that is OptPerf's exact integer split; with them, a descent from it on the expected
+        slowest rank (:func:`~lightning_cannikin.core.expected.expected_split`). A rank whose times are flat where
+        it was timed stays near there (:meth:`trusted_bounds`) whenever the total allows it.
+        """
         slopes, offsets = self.pieces()
-        split = optimal_split(slopes, offsets, total_batch_size, self.lower, self.upper)
-        return Plan(split.local_batch_sizes, predicted_step_time=split.step_time)
+        trusted = self.trusted_bounds(total_batch_size)
+        lower, upper = trusted if trusted is not None else (np.asarray(self.lower), self.upper)
+        split = optimal_split(slopes, offsets, total_batch_size, lower, upper)
+        scenarios = self.scenarios()
+        if scenarios is None:
+            return Plan(split.local_batch_sizes, predicted_step_time=split.step_time)
+        upper = np.full(self.world_size, np.iinfo(np.int64).max) if upper is None else np.asarray(upper)
+        sizes = expected_split(lambda b: self._expected(b, scenarios), split.local_batch_sizes, lower, upper)
+        return Plan(sizes, predicted_step_time=float(self._expected(np.array([sizes]), scenarios)[0]))
+
+    def trusted_bounds(self, total_batch_size: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Per-rank ``(lower, upper)`` sizes whose times the evidence supports, or ``None`` if ``total_batch_size``
+        does not fit them (:func:`~lightning_cannikin.core.evidence.trusted_bounds`)."""
+        return trusted_bounds(
+            self.fitters, self.models(), self.lower, self.upper, total_batch_size, self.settings.probe_lever
+        )
+
+    def timed(self, local_batch_sizes: Sequence[int]) -> bool:
+        """Whether no rank's size lies beyond the sizes it was timed at lately (fewer samples always count)."""
+        return all(
+            int(b) <= max(f.timed_sizes() or f.distinct_batch_sizes or (0,))
+            for f, b in zip(self.fitters, local_batch_sizes, strict=True)
+        )
+
+    def supports(self, local_batch_sizes: Sequence[int]) -> bool:
+        """Whether every rank's size lies where its times are evidence (:meth:`trusted_bounds`; ``True`` for a total
+        no evidence can support)."""
+        trusted = self.trusted_bounds(sum(int(b) for b in local_batch_sizes))
+        if trusted is None:
+            return True
+        sizes = np.asarray(local_batch_sizes)
+        return bool(np.all((trusted[0] <= sizes) & (sizes <= trusted[1])))
 
     def optperf(self, total_batch_sizes: Sequence[int], accumulation_steps: ArrayLike = 1) -> np.ndarray:
-        """Predicted best step time of each global batch (``inf`` where infeasible), times its micro-steps.
+        """Predicted best step time of each global batch (``inf`` where infeasible), times its micro-steps; with
+        recurring stalls, the expected time of OptPerf's split of each (an upper bound on the expected optimum).
 
         Every micro-step is predicted at a full step's cost: the tail of a micro-step without a reduction is not
         measured apart, so accumulation is never credited with savings that were not measured.
         """
         slopes, offsets = self.pieces()
-        return optperf(slopes, offsets, np.asarray(total_batch_sizes), self.lower, self.upper) * accumulation_steps
+        totals = np.asarray(total_batch_sizes)
+        times = optperf(slopes, offsets, totals, self.lower, self.upper)
+        scenarios = self.scenarios()
+        if scenarios is not None:
+            flat = times.reshape(-1)
+            for index in np.flatnonzero(np.isfinite(flat)):
+                total = int(totals.reshape(-1)[index])
+                split = optimal_split(slopes, offsets, total, self.lower, self.upper).local_batch_sizes
+                flat[index] = self._expected(np.array([split]), scenarios)[0]
+            times = flat.reshape(times.shape)
+        return times * accumulation_steps
 
     def predict(self, local_batch_sizes: ArrayLike, accumulation_steps: ArrayLike = 1) -> float | np.ndarray:
-        """Predicted step time of a split (or of each row of a ``(C, n)`` array of splits), times its micro-steps."""
-        slopes, offsets = self.pieces()
-        return step_time(slopes, offsets, local_batch_sizes) * accumulation_steps
+        """Predicted (expected) step time of a split (or of each row of a ``(C, n)`` array of splits), times its
+        micro-steps."""
+        scenarios = self.scenarios()
+        if scenarios is None:
+            slopes, offsets = self.pieces()
+            return step_time(slopes, offsets, local_batch_sizes) * accumulation_steps
+        times = self._expected(np.asarray(local_batch_sizes), scenarios)
+        return (float(times[0]) if np.ndim(local_batch_sizes) == 1 else times) * accumulation_steps
 
     def probe(self, local_batch_sizes: Sequence[int]) -> tuple[int, ...]:
         """A split of the same total that gives every unmeasured rank a second batch size with a real lever.
@@ -340,6 +363,7 @@ class SpeedModel:
             "fitters": [f.state_dict() for f in self.fitters],
             "tails": list(self.tails),
             "first_bucket_shares": list(self.first_bucket_shares),
+            "after_reduction": list(self.after_reduction),
             "comm": self.comm_fitter.state_dict(),
             "memory": [f.state_dict() for f in self.memory],
             "memory_caps": list(self.memory_caps),
@@ -349,12 +373,14 @@ class SpeedModel:
     def restarted(self) -> None:
         """The devices restarted (a resumed run): they warm up again, so their first samples are left out anew."""
         self._warm = [0] * self.world_size
-        self._held = {}
+        self._watch.clear()
+        self._joint.clear()
 
     def load_state_dict(self, state: dict) -> None:
         """Restore fitted state; from a run with another world size only the tail is kept (devices changed)."""
         self._models = None
-        self._held = {}
+        self._watch.clear()
+        self._joint.clear()
         warm = state.get("warm")
         same = state["world_size"] == self.world_size
         self._warm = list(warm) if same and warm is not None else [self.settings.warmup_samples] * self.world_size
@@ -368,5 +394,7 @@ class SpeedModel:
         self.tails.extend(state["tails"])
         self.first_bucket_shares.clear()
         self.first_bucket_shares.extend(state.get("first_bucket_shares", []))
+        self.after_reduction.clear()
+        self.after_reduction.extend(state.get("after_reduction", []))
         if "comm" in state:
             self.comm_fitter.load_state_dict(state["comm"])

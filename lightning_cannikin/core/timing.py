@@ -47,35 +47,42 @@ def _check_nonnegative(name: str, value: float) -> float:
 
 @dataclass(frozen=True)
 class LinearTimeModel:
-    """Compute time of one device: ``slope * batch_size + intercept`` seconds.
+    """Compute time of one device: ``slope * max(batch_size, knee) + intercept`` seconds.
+
+    A GPU is not busy at small batches: below its saturation batch (the ``knee``) a step costs what it costs at the
+    knee, above it the time grows linearly. ``knee = 0`` (the default) is a straight line.
 
     Args:
         slope: seconds per sample (``a_i``), >= 0.
         intercept: seconds per step independent of the batch (``a0_i``), >= 0.
+        knee: the batch size below which the time is flat, >= 0.
 
     """
 
     slope: float
     intercept: float
+    knee: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "slope", _check_nonnegative("slope", self.slope))
         object.__setattr__(self, "intercept", _check_nonnegative("intercept", self.intercept))
+        object.__setattr__(self, "knee", _check_nonnegative("knee", self.knee))
 
     def __call__(self, batch_size: ArrayLike) -> float | np.ndarray:
         """Predicted seconds for a batch size (float) or an array of them (array)."""
         if np.ndim(batch_size) == 0:
-            return self.slope * float(batch_size) + self.intercept
-        return self.slope * np.asarray(batch_size, dtype=np.float64) + self.intercept
+            return self.slope * max(float(batch_size), self.knee) + self.intercept
+        return self.slope * np.maximum(np.asarray(batch_size, dtype=np.float64), self.knee) + self.intercept
 
     def to_dict(self) -> dict:
         """A JSON- and checkpoint-friendly form."""
-        return {"slope": self.slope, "intercept": self.intercept}
+        out = {"slope": self.slope, "intercept": self.intercept}
+        return {**out, "knee": self.knee} if self.knee else out
 
     @classmethod
     def from_dict(cls, data: dict) -> LinearTimeModel:
         """Inverse of :meth:`to_dict`."""
-        return cls(data["slope"], data["intercept"])
+        return cls(data["slope"], data["intercept"], data.get("knee", 0.0))
 
 
 @dataclass(frozen=True)
@@ -164,6 +171,15 @@ class ComputeTimeFitter(_WindowedFitter):
         """The batch sizes present in the window, ascending."""
         return self._window.distinct_batch_sizes()
 
+    def timed_sizes(self, min_weight: float = 1.0) -> tuple[int, ...]:
+        """The batch sizes whose samples still weigh at least ``min_weight`` fresh samples, ascending: where the fit
+        is evidence now (an old size kept for the slope has faded below it)."""
+        if not len(self._window):
+            return ()
+        sizes, _ = self._window.columns()
+        weights = self._window.weights()
+        return tuple(int(b) for b in np.unique(sizes) if weights[sizes == b].sum() >= min_weight)
+
     def typical(self, batch_size: int) -> tuple[float, int] | None:
         """The recency-weighted median time at one batch size and how many samples hold it (``None``: none)."""
         if not len(self._window):
@@ -197,6 +213,9 @@ class ComputeTimeFitter(_WindowedFitter):
             medians = np.array([_weighted_median(seconds[sizes == b], weights[sizes == b]) for b in distinct])
             mass = np.array([weights[sizes == b].sum() for b in distinct])
             slope, intercept = (float(v) for v in np.polyfit(distinct, medians, 1, w=np.sqrt(mass)))
+            hinge = _hinge(distinct, medians, np.sqrt(mass), slope, intercept)
+            if hinge is not None:
+                return hinge
         else:
             slope, intercept = _huber(sizes, seconds, weights, fit_intercept=True)
         if slope <= 0:
@@ -227,6 +246,32 @@ class ComputeTimeFitter(_WindowedFitter):
     def load_state_dict(self, state: dict) -> None:
         """Replace the samples with those of :meth:`state_dict`."""
         self._window.restore(state["batch_sizes"], state["seconds"], (int, float))
+
+
+def _hinge(
+    sizes: np.ndarray, medians: np.ndarray, w: np.ndarray, slope: float, intercept: float
+) -> LinearTimeModel | None:
+    """A flat-then-linear model through per-size medians, if it explains them clearly better than the line.
+
+    Each size with a smaller one below it and a larger one above is tried as the knee; the fit is a weighted line in
+    ``max(b, knee)``. It is kept when its slope and intercept are non-negative and its weighted squared error is under
+    a quarter of the line's: the flat region of a saturating GPU, not noise, bends the line. The sizes above the knee
+    set the slope even when their weights have faded (the flat ones say nothing about it), so a rank balanced into
+    its flat region keeps the slope it showed above the knee.
+    """
+    if len(sizes) < 3:
+        return None
+    line_error = float(np.sum((w * (slope * sizes + intercept - medians)) ** 2))
+    best: tuple[float, LinearTimeModel] | None = None
+    for knee in sizes[1:-1]:
+        x = np.maximum(sizes, knee).astype(np.float64)
+        a, a0 = (float(v) for v in np.polyfit(x, medians, 1, w=w))
+        error = float(np.sum((w * (a * x + a0 - medians)) ** 2))
+        if a > 0 and a0 >= 0 and (best is None or error < best[0]):
+            best = (error, LinearTimeModel(a, a0, float(knee)))
+    if best is None or not best[0] < 0.25 * line_error:
+        return None
+    return best[1]
 
 
 def _huber(sizes: np.ndarray, seconds: np.ndarray, weights: np.ndarray, fit_intercept: bool) -> tuple[float, float]:
@@ -314,6 +359,13 @@ def step_time_pieces(
     a = np.array([m.slope for m in compute], dtype=np.float64)
     a0 = np.array([m.intercept for m in compute], dtype=np.float64)
     extra = _check_nonnegative("overhead", overhead)
+    knees = np.array([getattr(m, "knee", 0.0) for m in compute], dtype=np.float64)
+    if np.any(knees > 0):
+        # every piece g is non-decreasing, so g(max(b, knee)) = max(g(b), g(knee)): one flat piece per piece
+        models = [LinearTimeModel(m.slope, m.intercept) for m in compute]
+        slopes, offsets = step_time_pieces(models, comm, backward_fraction, forward_fraction, overhead)
+        flat = slopes * knees[:, None] + offsets
+        return np.concatenate([slopes, np.zeros_like(slopes)], axis=1), np.concatenate([offsets, flat], axis=1)
     if comm is None:
         return a[:, None], (a0 + extra)[:, None]
     if backward_fraction is None:

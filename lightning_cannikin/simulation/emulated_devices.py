@@ -4,7 +4,8 @@ Device ``r`` holding ``b`` samples at step ``s`` costs ``fixed_ms[r] + per_sampl
 milliseconds, times a warm-up factor over the first steps, plus per-step jitter. The options model what real GPUs
 do and the clean linear emulator does not: noise (``jitter_ms``), slower first steps (allocator, caches,
 autotuning, input workers: ``warmup_steps`` and ``warmup_factor``), and a step time that is flat below a saturation
-batch (a GPU is not busy at small batches: ``saturation_batch``). Every option is off by default.
+batch (a GPU is not busy at small batches: ``saturation_batch``), and a device shared with another job or an input
+pipeline that stalls every few steps (``contention``). Every option is off by default.
 
 :class:`~lightning_cannikin.EmulatedCluster` sleeps for these costs inside training steps; tests replay them without
 Lightning. Pure Python and numpy: imports neither torch nor Lightning.
@@ -50,6 +51,9 @@ class EmulatedDevices:
         warmup_factor: how much slower step 0 is (>= 1).
         saturation_batch: below this local batch the step costs as much as at it (one value per rank, or one for
             all; 0: linear down to one sample).
+        contention: ``{rank: (factor, every)}``: that rank's whole cost is ``factor`` times higher on every
+            ``every``-th step (steps ``0, every, 2 * every, ...``): another job sharing its GPU, an input pipeline
+            that stalls periodically. E.g. ``{2: (2.5, 3)}``: rank 2 is 2.5x slower every third step.
         seed: seed of the jitter; each (rank, step) draws its own, so runs are reproducible.
 
     """
@@ -62,6 +66,7 @@ class EmulatedDevices:
     warmup_factor: float = 1.0
     saturation_batch: tuple[float, ...] | float = 0.0
     seed: int = 0
+    contention: Mapping[int, tuple[float, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "per_sample_ms", _per_rank("per_sample_ms", self.per_sample_ms))
@@ -70,6 +75,7 @@ class EmulatedDevices:
         changes = {int(step): _per_rank("speed_changes", value) for step, value in dict(self.speed_changes).items()}
         object.__setattr__(self, "speed_changes", changes)
         _per_rank("jitter_ms", self.jitter_ms)
+        object.__setattr__(self, "contention", _check_contention(self.contention))
         if int(self.warmup_steps) < 0:
             raise ValueError(f"`warmup_steps` must be >= 0, got {self.warmup_steps}.")
         if not self.warmup_factor >= 1.0:
@@ -81,14 +87,36 @@ class EmulatedDevices:
         values += [("saturation_batch", self.saturation_batch)]
         return values + [("speed_changes", value) for value in self.speed_changes.values()]
 
+    def check_world_size(self, world_size: int) -> None:
+        """Raise if an option holds one value per rank for another world size, or names a rank outside it."""
+        for name, value in self.per_rank_values():
+            if isinstance(value, tuple) and len(value) != world_size:
+                raise ValueError(
+                    f"`{name}` has {len(value)} entries but the world size is {world_size}."
+                    " Give one value per rank, or a single number for all ranks."
+                )
+        outside = [rank for rank in self.contention if rank >= world_size]
+        if outside:
+            raise ValueError(f"`contention` names ranks {outside} but the world size is {world_size}.")
+
+    def stall(self, rank: int, step: int) -> float:
+        """The contention factor of ``rank`` at ``step`` (1: no stall)."""
+        factor, every = self.contention.get(rank, (1.0, 1))
+        return factor if step % every == 0 else 1.0
+
+    def expected_ms(self, rank: int, batch_size: int, step: int = 0) -> float:
+        """The clean cost averaged over a contention period: what the rank costs per step in the long run."""
+        _, every = self.contention.get(rank, (1.0, 1))
+        return sum(self.clean_ms(rank, batch_size, step - step % every + k) for k in range(every)) / every
+
     def clean_ms(self, rank: int, batch_size: int, step: int = 0) -> float:
-        """The cost without jitter or warm-up: what a perfect model of the device would predict."""
+        """The cost without jitter or warm-up, contention included: what a perfect model of the device predicts."""
         per_sample = self.per_sample_ms
         for change_step in sorted(self.speed_changes):
             if change_step <= step:
                 per_sample = self.speed_changes[change_step]
         samples = max(float(batch_size), _of(self.saturation_batch, rank))
-        return _of(self.fixed_ms, rank) + _of(per_sample, rank) * samples
+        return (_of(self.fixed_ms, rank) + _of(per_sample, rank) * samples) * self.stall(rank, step)
 
     def delay_ms(self, rank: int, batch_size: int, step: int = 0) -> float:
         """The emulated extra time of ``rank`` for a local batch of ``batch_size`` samples at training step ``step``."""
@@ -98,3 +126,21 @@ class EmulatedDevices:
         if self.jitter_ms > 0:
             cost += float(np.random.default_rng([self.seed, rank, step]).normal(0.0, self.jitter_ms))
         return max(cost, 0.0)
+
+
+def _check_contention(value: Mapping[int, tuple[float, int]]) -> dict[int, tuple[float, int]]:
+    out = {}
+    for rank, spec in dict(value).items():
+        try:
+            factor, every = float(spec[0]), spec[1]
+        except (TypeError, IndexError, ValueError):
+            factor, every = math.nan, 0
+        if isinstance(rank, bool) or int(rank) != rank or rank < 0:
+            raise ValueError(f"`contention` keys must be ranks (integers >= 0), got {rank!r}.")
+        if not (factor >= 1 and math.isfinite(factor)) or isinstance(every, bool) or int(every) != every or every < 1:
+            raise ValueError(
+                "`contention` maps a rank to (factor >= 1, every >= 1 steps), e.g. {2: (2.5, 3)};"
+                f" got {rank}: {spec!r}."
+            )
+        out[int(rank)] = (factor, int(every))
+    return out

@@ -36,6 +36,8 @@ class EmulatedCluster(Callback):
         warmup_factor: how much slower step 0 is.
         saturation_batch: below this local batch the step costs as much as at it (a GPU is not busy at small batches).
         seed: seed of the jitter.
+        contention: ``{rank: (factor, every)}``: that rank is ``factor`` times slower on every ``every``-th step (a
+            GPU shared with another job, an input pipeline that stalls periodically), e.g. ``{2: (2.5, 3)}``.
 
     The cost model is :class:`~lightning_cannikin.simulation.emulated_devices.EmulatedDevices`; every option but the
     first is off by default.
@@ -57,9 +59,18 @@ class EmulatedCluster(Callback):
         warmup_factor: float = 1.0,
         saturation_batch: float | Sequence[float] = 0.0,
         seed: int = 0,
+        contention: dict[int, tuple[float, int]] | None = None,
     ) -> None:
         self.devices = EmulatedDevices(
-            per_sample_ms, fixed_ms, speed_changes or {}, jitter_ms, warmup_steps, warmup_factor, saturation_batch, seed
+            per_sample_ms,
+            fixed_ms,
+            speed_changes or {},
+            jitter_ms,
+            warmup_steps,
+            warmup_factor,
+            saturation_batch,
+            seed,
+            contention or {},
         )
         self._batch_size = 0
         self._step = 0
@@ -79,12 +90,7 @@ class EmulatedCluster(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # raised identically on every rank, so no rank is left waiting in a collective
-        for name, value in self.devices.per_rank_values():
-            if isinstance(value, tuple) and len(value) != trainer.world_size:
-                raise ValueError(
-                    f"`{name}` has {len(value)} entries but the world size is {trainer.world_size}."
-                    " Give one value per rank, or a single number for all ranks."
-                )
+        self.devices.check_world_size(trainer.world_size)
 
     @override
     def on_train_batch_start(

@@ -1,0 +1,200 @@
+"""Is a device's speed changing? One rule, used by each rank on its own times and by the speed model on all of them.
+
+A *clear change* is a run of recent step times of which at least three in four sit beyond a relative band around
+what the device used to take, all on the same side. A periodic stall (every second or third step) or a one-window
+glitch never fills three quarters of the window, so neither counts; a device that halves its speed fills it within
+about ``window`` steps. A smaller change is judged the same way over a longer window; the recency-weighted fits
+follow it at the re-plan it asks for.
+
+:class:`LocalChangeCheck` is the cheap, local half: each rank feeds it its own compute time every step (a few
+floats, no collective) and asks it on the steps :class:`~lightning_cannikin.core.schedule.ReplanSchedule` says (the
+same steps on every rank); only when some rank answers yes do the ranks need to meet and re-plan.
+
+Pure Python and numpy: imports neither torch nor Lightning.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["DEFAULT_WINDOW", "ChangeWatch", "LocalChangeCheck", "clear_change"]
+
+DEFAULT_WINDOW = 16  # steps of recent times judged at once: a change fills 3/4 of them within 12 steps
+# how far beyond a rank's largest timed batch size its model is still trusted to judge a change of speed
+_NEAR = 1.1
+
+
+def clear_change(ratios: Sequence[float], band: float, window: int = DEFAULT_WINDOW) -> float | None:
+    """The measured ratio of a clear change in the last ``window`` ratios (measured / expected), or ``None``.
+
+    Args:
+        ratios: measured over expected times, oldest first.
+        band: relative change a ratio must exceed to count (0.25: beyond 0.8 or 1.25).
+        window: how many of the latest ratios are judged; fewer than this is never a change.
+
+    Returns:
+        The median of the ratios beyond the band on the side that holds at least three quarters of the window.
+
+    """
+    if len(ratios) < window:
+        return None
+    recent = np.asarray(ratios[-window:], dtype=np.float64)
+    for beyond in (recent > 1.0 + band, recent < 1.0 / (1.0 + band)):
+        if 4 * int(beyond.sum()) >= 3 * window:
+            return float(np.median(recent[beyond]))
+    return None
+
+
+def trailing_run(ratios: Sequence[float], band: float) -> int:
+    """How many of the latest ratios lie beyond the band on the side of the last one (0 if the last is inside)."""
+    if not len(ratios):
+        return 0
+    high = ratios[-1] > 1.0 + band
+    if not (high or ratios[-1] < 1.0 / (1.0 + band)):
+        return 0
+    count = 0
+    for ratio in reversed(ratios):
+        if (ratio > 1.0 + band) if high else (ratio < 1.0 / (1.0 + band)):
+            count += 1
+        else:
+            break
+    return count
+
+
+class LocalChangeCheck:
+    """One rank's watch on its own speed: fed every step, asked on the steps the schedule chooses.
+
+    The reference is the median of the first ``reference`` times at the batch size in force (after ``skip`` steps
+    that may still carry the previous plan's warm-up); later times at the same size fill a window. Two changes
+    count: a large one (beyond ``band`` in three of the last ``window`` steps in four), within about ``window``
+    steps, and a small one (beyond ``small_band``, or twice the reference's own spread if that is larger, over
+    ``small_window`` steps), later. A new batch size starts a new reference, and so does :meth:`reset` (call it after
+    a re-plan this check asked for: the speed model has then seen the change).
+
+    Args:
+        band: relative change that counts at once (the speed model's ``drift_tolerance``).
+        window: recent steps judged for a large change.
+        reference: steps whose median is the reference.
+        skip: steps left out after a change of batch size or a reset.
+        small_band: the smallest relative change that counts, over ``small_window`` steps.
+        small_window: recent steps judged for a small change.
+
+    """
+
+    def __init__(
+        self,
+        band: float = 0.25,
+        window: int = DEFAULT_WINDOW,
+        reference: int = 8,
+        skip: int = 2,
+        small_band: float = 0.08,
+        small_window: int = 48,
+    ) -> None:
+        if not (band > 0 and small_band > 0) or min(int(window), int(reference), int(small_window)) < 1 or skip < 0:
+            raise ValueError(
+                "`band`, `small_band` must be > 0, `window`, `small_window`, `reference` >= 1 and `skip` >= 0; got"
+                f" {band}, {small_band}, {window}, {small_window}, {reference}, {skip}."
+            )
+        self.band, self.window, self.reference, self.skip = float(band), int(window), int(reference), int(skip)
+        self.small_band, self.small_window = float(small_band), int(small_window)
+        self._batch_size: int | None = None
+        self._seen = 0
+        self._reference: list[float] = []
+        self._recent: deque[float] = deque(maxlen=max(self.window, self.small_window))
+
+    def reset(self) -> None:
+        """Start over: a re-plan happened (the model now knows what the times showed)."""
+        self._batch_size = None
+
+    def observe(self, batch_size: int, seconds: float) -> None:
+        """One step's compute time at ``batch_size`` (non-finite or non-positive times are ignored)."""
+        if not (np.isfinite(seconds) and seconds > 0):
+            return
+        if batch_size != self._batch_size:
+            self._batch_size, self._seen = int(batch_size), 0
+            self._reference = []
+            self._recent.clear()
+        self._seen += 1
+        if self._seen <= self.skip:
+            return
+        if len(self._reference) < self.reference:
+            self._reference.append(float(seconds))
+        else:
+            self._recent.append(float(seconds))
+
+    def changed(self) -> bool:
+        """Whether this rank's recent times show a clear change against its reference."""
+        if len(self._reference) < self.reference:
+            return False
+        expected = float(np.median(self._reference))
+        ratios = [t / expected for t in self._recent]
+        spread = 1.4826 * float(np.median(np.abs(np.asarray(self._reference) / expected - 1.0)))
+        small = max(self.small_band, 2.0 * spread)
+        large = clear_change(ratios, self.band, self.window)
+        return large is not None or clear_change(ratios, small, self.small_window) is not None
+
+
+class ChangeWatch:
+    """The speed model's side of :func:`clear_change`, over every rank's records as they arrive at re-plans.
+
+    Args:
+        world_size: ranks.
+        tolerance: the speed model's ``drift_tolerance``.
+
+    """
+
+    def __init__(self, world_size: int, tolerance: float) -> None:
+        self.tolerance = float(tolerance)
+        self._held: dict[int, list[Any]] = {}  # a suspected change of speed, kept apart until it is clear or ends
+        # each rank's latest records at batch sizes inside its timed range, across re-plans: the change window
+        self._recent: list[deque[Any]] = [deque(maxlen=DEFAULT_WINDOW) for _ in range(int(world_size))]
+
+    def clear(self) -> None:
+        """Forget what was seen (a restart, a restored state)."""
+        self._held = {}
+        for recent in self._recent:
+            recent.clear()
+
+    def judge(self, rank: int, records: list[Any], model: Callable[[int], float], sizes: Sequence[int]) -> float | None:
+        """The measured ratio of a clear change of ``rank``'s speed (rescale its old samples by it), or ``None``;
+        ``records`` (with ``step``, ``batch_size`` and ``compute``) is left holding what the rank's fit takes now.
+
+        A rank's times are compared with its ``model`` only at batch sizes inside the range it has been timed at
+        (``sizes``; or up to 10% beyond the largest: a re-split moves a rank a few samples): a new split or a new total
+        batch that moves ranks further shows nothing but the error of an extrapolation. The latest such comparisons
+        (``DEFAULT_WINDOW`` steps, across re-plans) show a change when three in four of them lie beyond the tolerance
+        on one side (:func:`clear_change`): the samples from the change on join the rescaled fit at once, whatever the
+        re-plan cadence, and those before it are superseded. A run of new samples beyond the tolerance that does not
+        yet fill the window is held apart (the old model kept) until it does, or until samples inside the band end it:
+        a one-window glitch never moves the model, and periodic stalls never fill three quarters of the window.
+        """
+        tolerance, recent = self.tolerance, self._recent[rank]
+        for r in records:
+            if sizes and sizes[0] <= r.batch_size <= _NEAR * sizes[-1] and float(model(r.batch_size)) > 0:
+                recent.append(r)
+        pending = sorted(self._held.pop(rank, []) + records, key=lambda r: r.step)
+        ratios = [r.compute / float(model(r.batch_size)) for r in recent]
+        ratio = clear_change(ratios, tolerance, recent.maxlen or DEFAULT_WINDOW)
+        if ratio is not None:
+            slower = ratio > 1.0
+            beyond = [
+                r
+                for r, q in zip(recent, ratios, strict=True)
+                if (q > 1.0 + tolerance if slower else q < 1.0 / (1.0 + tolerance))
+            ]
+            first = min(r.step for r in beyond)
+            records[:] = [r for r in pending if r.step >= first]
+            recent.clear()
+            recent.extend(r for r in records if r in beyond)
+            return ratio
+        run = trailing_run(ratios, tolerance)
+        since = list(recent)[-run].step if run else None
+        held = [r for r in pending if since is not None and r.step >= since and r in recent]
+        if held:
+            self._held[rank] = held  # suspected: keep the old model until it is clear, or ends
+        records[:] = [r for r in pending if r not in held]
+        return None

@@ -1,0 +1,52 @@
+"""One rank's timing of one training step: what the step timer measures and the speed model fits.
+
+Pure Python: imports neither torch nor Lightning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+__all__ = ["StepRecord"]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One rank's timing of one training step (seconds).
+
+    Attributes:
+        step: the step's index, equal on every rank (ranks advance in lockstep).
+        rank: global rank.
+        batch_size: samples this rank trained on in the step.
+        compute: forward + backward until this rank's gradients were ready (excludes waiting for other ranks).
+        step_time: the whole step on this rank, batch start to batch end (includes the all-reduce and the optimizer).
+        allreduce: from this rank's first gradient bucket reaching the all-reduce to the last one completing
+            (``None`` on steps without a reduction, e.g. accumulation micro-steps).
+        exposed: from this rank's last bucket (the end of its backward) to the all-reduce completing: the part of
+            the communication that backward did not hide, plus any wait for slower ranks.
+        peak_memory: the device's peak allocated bytes during the step (CUDA only).
+        memory_capacity: the memory this rank can use in bytes: free plus what it holds (CUDA only).
+        comm_busy: the time the reduction itself ran: the sum over buckets of each bucket's all-reduce, from its
+            start (its gradients ready and the previous bucket done) to its completion. Unlike ``allreduce`` it
+            holds no wait for compute, so it is the communication's cost in either regime (``None``: not measured;
+            ``allreduce`` stands in, exact only where the reduction is the bottleneck).
+        last_bucket: the last bucket's all-reduce alone, from its start to its completion: what is left after
+            backward when the reduction keeps up (``None``: not measured; ``exposed`` stands in, exact only where
+            backward hides the reduction).
+
+    """
+
+    step: int
+    rank: int
+    batch_size: int
+    compute: float
+    step_time: float
+    allreduce: float | None = None
+    exposed: float | None = None
+    peak_memory: float | None = None
+    memory_capacity: float | None = None
+    comm_busy: float | None = None
+    last_bucket: float | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
