@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # the names below, for type checkers and IDEs; at run time `_
     from lightning_cannikin.training.callback import Cannikin
     from lightning_cannikin.training.emulator import EmulatedCluster
     from lightning_cannikin.training.fabric import CannikinFabricStrategy
+    from lightning_cannikin.training.fsdp import CannikinModelParallelStrategy
     from lightning_cannikin.training.sampler import UnevenDistributedSampler
     from lightning_cannikin.training.schedules import progress_lr_lambda
     from lightning_cannikin.training.settings import CannikinSettings
@@ -31,6 +32,7 @@ _LAZY = {
     "CannikinSettings": "lightning_cannikin.training.settings",
     "CannikinStrategy": "lightning_cannikin.training.strategy",
     "CannikinFabricStrategy": "lightning_cannikin.training.fabric",
+    "CannikinModelParallelStrategy": "lightning_cannikin.training.fsdp",
     "EmulatedCluster": "lightning_cannikin.training.emulator",
     "UnevenDistributedSampler": "lightning_cannikin.training.sampler",
     "progress_lr_lambda": "lightning_cannikin.training.schedules",
@@ -39,6 +41,7 @@ _LAZY = {
 __all__ = [
     "Cannikin",
     "CannikinFabricStrategy",
+    "CannikinModelParallelStrategy",
     "CannikinSettings",
     "CannikinStrategy",
     "EmulatedCluster",
