@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from lightning_cannikin import Cannikin, CannikinModelParallelStrategy, EmulatedCluster
+from lightning_cannikin import Cannikin, CannikinModelParallelStrategy, CannikinSettings, EmulatedCluster
 from lightning_cannikin.training.lightning_hooks import BalancingCallback
 from tests.models import IndexedRegression, RecordingRegressor, quiet_trainer, read_records
 
@@ -39,6 +39,11 @@ class ShardedRegressor(RecordingRegressor):
         super().__init__(*args, **kwargs)
         self.layer = mlp(self.dataset.x.shape[1])
         self.first_step: dict | None = None
+        self.momentum = 0.0
+
+    def configure_optimizers(self):
+        # momentum: Lightning 2.6 cannot load a full-state checkpoint of an optimizer without state (plain SGD's)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
 
     def configure_model(self) -> None:
         mesh = self.device_mesh["data_parallel"]
@@ -176,3 +181,54 @@ def test_settings_it_cannot_honour_fail_on_every_rank_with_the_fix(tmp_path, can
     # the fork launcher re-raises a rank's ValueError wrapped, with its text; no rank is left waiting
     with pytest.raises(Exception, match=f"ValueError: .*{message}"):
         fit_sharded(tmp_path, batch_size=16, callbacks=[cannikin], strategy=strategy, devices=2, max_steps=1)
+
+
+# ---- checkpoints: the plan and the engine's state survive Lightning's sharded and full-state checkpoints ----------
+
+
+class SaveAt(Callback):
+    """Saves a checkpoint after training step ``step`` and has rank zero dump the engine's state beside it; on a
+    resumed fit, dumps the engine's state once training starts (after the balancing callback restored it)."""
+
+    def __init__(self, path: Path, step: int | None) -> None:
+        self.path, self.step = path, step
+
+    def _dump(self, trainer, name: str) -> None:
+        if trainer.is_global_zero:
+            balancer = next(cb for cb in trainer.callbacks if isinstance(cb, BalancingCallback))
+            state = {"engine": balancer.engine.state_dict(), "plan": list(balancer.plan.local_batch_sizes)}
+            Path(self.path.parent, name).write_text(json.dumps(state))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.step is not None and trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+            self._dump(trainer, "saved.json")
+
+    def on_train_start(self, trainer, pl_module):
+        if self.step is None:
+            self._dump(trainer, "restored.json")
+
+
+@pytest.mark.parametrize("distributed", [True, False], ids=["sharded", "full_state"])
+def test_a_checkpoint_restores_the_plan_and_the_engine_exactly_and_the_epoch_continues(tmp_path, distributed):
+    num_samples, path = 480, tmp_path / "resume.ckpt"
+    runs = [tmp_path / "first", tmp_path / "second"]
+    for run, step in zip(runs, (12, None), strict=True):
+        run.mkdir()
+        strategy = CannikinModelParallelStrategy(save_distributed_checkpoint=distributed, start_method="fork")
+        balancer = Cannikin(settings=CannikinSettings(warmup_steps=4))
+        callbacks = [EmulatedCluster([1.0, 2.0], fixed_ms=2.0), balancer, SaveAt(path, step)]
+        options = {"devices": 2, "max_epochs": 1, "max_steps": 12 if step else -1}
+        model = ShardedRegressor(IndexedRegression(num_samples), batch_size=16, record_dir=str(run))
+        model.momentum = 0.9
+        quiet_trainer(strategy, callbacks=callbacks, **options).fit(model, ckpt_path=None if step else str(path))
+    assert path.is_dir() == distributed
+    saved, restored = (json.loads((tmp_path / name).read_text()) for name in ("saved.json", "restored.json"))
+    assert saved["engine"]["history"], "the first fit re-planned before the checkpoint"
+    # a resumed run's devices warm up again (SpeedModel.restarted): their warm-up counts restart, by design
+    assert restored["engine"]["balancer"].pop("warm") == [0, 0]
+    saved["engine"]["balancer"].pop("warm")
+    assert restored == saved
+    # the resumed epoch continues where the checkpoint left it: every sample once over the two fits
+    consumed = [i for run in runs for r in read_records(run, 2) for s in r["steps"] for i in s]
+    assert sorted(consumed) == list(range(num_samples))
