@@ -75,12 +75,14 @@ class TimedCollectives:
         self._reducing = reducing  # () -> whether this backward is the window's reducing one
         self._gather = gather
         self._host = isinstance(timer.clock, HostClock)
+        self.calls = 0  # collectives issued (the strategy resets it around each backward)
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: Any, *args: Any, **kwargs: Any) -> Any:
         timer = self._timer
+        self.calls += 1
         reducing = not self._gather and self._reducing()
         if reducing:
             timer.gradient_ready()
@@ -129,6 +131,7 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
         self._init_uneven(local_batch_sizes)
         self._start_method = start_method
         self._accumulating = False
+        self._reduce: TimedCollectives | None = None
 
     @override
     def _configure_launcher(self) -> None:
@@ -169,7 +172,7 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
             raise ValueError(NOT_SHARDED_ERROR)
         timer = self._runtime.timer
         gather = TimedCollectives(timer, lambda: not self._accumulating, gather=True)
-        reduce = TimedCollectives(timer, lambda: not self._accumulating, gather=False)
+        reduce = self._reduce = TimedCollectives(timer, lambda: not self._accumulating, gather=False)
         for module in sharded:
             module.set_custom_all_gather(gather)
             module.set_custom_reduce_scatter(reduce)
@@ -203,11 +206,17 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
         loss_factor = self._runtime.loss_factor
         if loss_factor != 1.0:
             closure_loss = closure_loss * loss_factor
-        self._runtime.timer.will_reduce(not self._accumulating)
+        timer = self._runtime.timer
+        timer.will_reduce(not self._accumulating)
+        if self._reduce is not None:
+            self._reduce.calls = 0
         try:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            loss = super().backward(closure_loss, optimizer, *args, **kwargs)
         except torch.cuda.OutOfMemoryError as error:
             self._out_of_memory(error)
+        if self._reduce is not None and self._reduce.calls == 0 and not self._accumulating:
+            timer.gradient_ready()  # one rank: FSDP2 copies its gradients without a reduce-scatter
+        return loss
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
