@@ -126,7 +126,8 @@ class UnevenBatchesMixin:
         if trainer is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
         if not isinstance(dataloader, torch.utils.data.DataLoader):
-            raise ValueError(f"Cannikin needs a torch DataLoader for training, got {type(dataloader).__name__}.")
+            name = type(self).__name__
+            raise ValueError(f"{name} needs a torch DataLoader for training, got {type(dataloader).__name__}.")
         if self._train_loader is not None and not self._train_loader.iterated:
             # Lightning processes every training loader of a fit before it draws a batch from any: a loader built
             # earlier in this fit and never iterated means that this one is a second loader of the same fit
