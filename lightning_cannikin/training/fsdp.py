@@ -25,7 +25,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from typing_extensions import override
 
@@ -194,14 +193,6 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
         self._begin_step()
 
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        self._runtime.timer.forward_start()
-        try:
-            return super().training_step(*args, **kwargs)
-        except torch.cuda.OutOfMemoryError as error:
-            self._out_of_memory(error)
-
-    @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         loss_factor = self._runtime.loss_factor
         if loss_factor != 1.0:
@@ -217,14 +208,6 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
         if self._reduce is not None and self._reduce.calls == 0 and not self._accumulating:
             timer.gradient_ready()  # one rank: FSDP2 copies its gradients without a reduce-scatter
         return loss
-
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        try:
-            with self._runtime.learning_rate_scaled(optimizer):
-                return super().optimizer_step(optimizer, closure, model, **kwargs)
-        except torch.cuda.OutOfMemoryError as error:
-            self._out_of_memory(error)
 
     @override
     def teardown(self) -> None:

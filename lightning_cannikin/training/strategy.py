@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -131,15 +130,6 @@ class CannikinStrategy(UnevenBatchesMixin, DDPStrategy):
             self._capture = None
 
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        # every training step passes here, whatever the LightningModule calls inside it
-        self._runtime.timer.forward_start()
-        try:
-            return super().training_step(*args, **kwargs)
-        except torch.cuda.OutOfMemoryError as error:
-            self._out_of_memory(error)
-
-    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         if self._runtime.noise is not None:  # before the step's first backward: is this step measured?
@@ -170,14 +160,6 @@ class CannikinStrategy(UnevenBatchesMixin, DDPStrategy):
         if capture is not None and (local := capture.local_squared()) is not None:
             noise.captured(self._runtime.hook, local, capture.parameters)
         return loss
-
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        try:
-            with self._runtime.learning_rate_scaled(optimizer):
-                return super().optimizer_step(optimizer, closure, model, **kwargs)
-        except torch.cuda.OutOfMemoryError as error:
-            self._out_of_memory(error)  # the optimizer's state, or the closure's forward and backward
 
     @override
     def teardown(self) -> None:

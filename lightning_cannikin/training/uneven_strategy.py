@@ -120,6 +120,22 @@ class UnevenBatchesMixin:
             self.global_rank, batch_size, sizes, self._runtime.bounds, self.root_device
         ) from error
 
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        # every training step passes here, whatever the LightningModule calls inside it
+        self._runtime.timer.forward_start()
+        try:
+            return super().training_step(*args, **kwargs)  # type: ignore[misc]
+        except torch.cuda.OutOfMemoryError as error:
+            self._out_of_memory(error)
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """The step's learning-rate factor applied for this step only (:meth:`RuntimeState.learning_rate_scaled`)."""
+        try:
+            with self._runtime.learning_rate_scaled(optimizer):
+                return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
+        except torch.cuda.OutOfMemoryError as error:
+            self._out_of_memory(error)  # the optimizer's state, or the closure's forward and backward
+
     def process_dataloader(self, dataloader: object) -> object:
         """The training loader rebuilt around the uneven sampler; other loaders are left as they are."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
