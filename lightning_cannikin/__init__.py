@@ -1,7 +1,8 @@
 """lightning-cannikin: heterogeneity-aware data-parallel training for PyTorch Lightning.
 
 Importing the package registers ``strategy="cannikin"`` (and ``cannikin_spawn``, ``cannikin_fork``,
-``cannikin_notebook``) in Lightning's strategy registry. The package itself is lazy: its public names are imported on
+``cannikin_notebook``) and the sharded ``strategy="cannikin_fsdp"`` (and its ``_spawn``, ``_fork``, ``_notebook``) in
+Lightning's strategy registry. The package itself is lazy: its public names are imported on
 first use, and the registration waits until Lightning is imported, so the maths, the simulator and the ``cannikin``
 command (``lightning_cannikin.tools.cli``) never pay for importing torch or Lightning. See :mod:`._registration`.
 """

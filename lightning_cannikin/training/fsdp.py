@@ -35,13 +35,6 @@ from lightning_cannikin.training.uneven_strategy import UnevenBatchesMixin
 
 __all__ = ["CannikinModelParallelStrategy", "TimedCollectives"]
 
-REGISTRY_ENTRIES = (
-    ("cannikin_fsdp", "popen"),
-    ("cannikin_fsdp_spawn", "spawn"),
-    ("cannikin_fsdp_fork", "fork"),
-    ("cannikin_fsdp_notebook", "fork"),
-)
-
 TENSOR_PARALLEL_ERROR = (
     "`tensor_parallel_size={size}` is not supported by CannikinModelParallelStrategy: uneven local batches are"
     " balanced across the data-parallel dimension, and Cannikin's sampler, weights and timing assume every rank is a"
@@ -217,7 +210,14 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
-        for name, start_method in REGISTRY_ENTRIES:
+        # the names `lightning_cannikin._registration` registers lazily (it imports this module: no import back)
+        entries = (
+            ("cannikin_fsdp", "popen"),
+            ("cannikin_fsdp_spawn", "spawn"),
+            ("cannikin_fsdp_fork", "fork"),
+            ("cannikin_fsdp_notebook", "fork"),
+        )
+        for name, start_method in entries:
             if name not in strategy_registry:
                 strategy_registry.register(
                     name,
