@@ -211,17 +211,4 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         # the names `lightning_cannikin._registration` registers lazily (it imports this module: no import back)
-        entries = (
-            ("cannikin_fsdp", "popen"),
-            ("cannikin_fsdp_spawn", "spawn"),
-            ("cannikin_fsdp_fork", "fork"),
-            ("cannikin_fsdp_notebook", "fork"),
-        )
-        for name, start_method in entries:
-            if name not in strategy_registry:
-                strategy_registry.register(
-                    name,
-                    cls,
-                    description=f"Cannikin heterogeneity-aware FSDP2 with `start_method` '{start_method}'",
-                    start_method=start_method,
-                )
+        cls._register_names(strategy_registry, "cannikin_fsdp", "FSDP2")

@@ -173,21 +173,7 @@ class CannikinStrategy(UnevenBatchesMixin, DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
-        entries = (
-            ("cannikin", "popen"),
-            ("cannikin_spawn", "spawn"),
-            ("cannikin_fork", "fork"),
-            ("cannikin_notebook", "fork"),
-        )
-        for name, start_method in entries:
-            if name in strategy_registry:
-                continue  # a second import (or a reload) must not raise
-            strategy_registry.register(
-                name,
-                cls,
-                description=f"Cannikin heterogeneity-aware DDP with `start_method` '{start_method}'",
-                start_method=start_method,
-            )
+        cls._register_names(strategy_registry, "cannikin", "DDP")
 
 
 __all__ = ["CannikinStrategy"]

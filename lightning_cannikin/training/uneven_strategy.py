@@ -40,6 +40,15 @@ class UnevenBatchesMixin:
     lightning_module: Any
     root_device: torch.device
 
+    @classmethod
+    def _register_names(cls, registry: Any, base: str, kind: str) -> None:
+        """``base`` (the script launcher) and ``base_spawn``, ``base_fork``, ``base_notebook`` in Lightning's
+        registry; a name already there (a second import, a reload) is left alone."""
+        for suffix, start_method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork"), ("_notebook", "fork")):
+            if base + suffix not in registry:
+                description = f"Cannikin heterogeneity-aware {kind} with `start_method` '{start_method}'"
+                registry.register(base + suffix, cls, description=description, start_method=start_method)
+
     def _init_uneven(self, local_batch_sizes: Sequence[int] | None) -> None:
         self._fixed_sizes = validate_local_batch_sizes(local_batch_sizes)
         self._runtime = RuntimeState(fixed_split=self._fixed_sizes is not None)
