@@ -232,3 +232,15 @@ def test_a_checkpoint_restores_the_plan_and_the_engine_exactly_and_the_epoch_con
     # the resumed epoch continues where the checkpoint left it: every sample once over the two fits
     consumed = [i for run in runs for r in read_records(run, 2) for s in r["steps"] for i in s]
     assert sorted(consumed) == list(range(num_samples))
+
+
+class Unsharded(ShardedRegressor):
+    def configure_model(self) -> None:
+        pass  # no fully_shard: no gradient would be reduced
+
+
+def test_a_model_without_fully_shard_is_refused_at_setup(tmp_path):
+    model = Unsharded(IndexedRegression(64), batch_size=8, record_dir=str(tmp_path))
+    trainer = quiet_trainer(CannikinModelParallelStrategy(start_method="fork"), 2, max_steps=1)
+    with pytest.raises(Exception, match=r"ValueError: .*found no module sharded with `fully_shard`.*configure_model"):
+        trainer.fit(model)
