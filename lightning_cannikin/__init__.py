@@ -1,7 +1,8 @@
 """lightning-cannikin: heterogeneity-aware data-parallel training for PyTorch Lightning.
 
 Importing the package registers ``strategy="cannikin"`` (and ``cannikin_spawn``, ``cannikin_fork``,
-``cannikin_notebook``) in Lightning's strategy registry. The package itself is lazy: its public names are imported on
+``cannikin_notebook``) and the sharded ``strategy="cannikin_fsdp"`` (and its ``_spawn``, ``_fork``, ``_notebook``) in
+Lightning's strategy registry. The package itself is lazy: its public names are imported on
 first use, and the registration waits until Lightning is imported, so the maths, the simulator and the ``cannikin``
 command (``lightning_cannikin.tools.cli``) never pay for importing torch or Lightning. See :mod:`._registration`.
 """
@@ -19,6 +20,7 @@ if TYPE_CHECKING:  # the names below, for type checkers and IDEs; at run time `_
     from lightning_cannikin.training.callback import Cannikin
     from lightning_cannikin.training.emulator import EmulatedCluster
     from lightning_cannikin.training.fabric import CannikinFabricStrategy
+    from lightning_cannikin.training.fsdp import CannikinModelParallelStrategy
     from lightning_cannikin.training.sampler import UnevenDistributedSampler
     from lightning_cannikin.training.schedules import progress_lr_lambda
     from lightning_cannikin.training.settings import CannikinSettings
@@ -31,6 +33,7 @@ _LAZY = {
     "CannikinSettings": "lightning_cannikin.training.settings",
     "CannikinStrategy": "lightning_cannikin.training.strategy",
     "CannikinFabricStrategy": "lightning_cannikin.training.fabric",
+    "CannikinModelParallelStrategy": "lightning_cannikin.training.fsdp",
     "EmulatedCluster": "lightning_cannikin.training.emulator",
     "UnevenDistributedSampler": "lightning_cannikin.training.sampler",
     "progress_lr_lambda": "lightning_cannikin.training.schedules",
@@ -39,6 +42,7 @@ _LAZY = {
 __all__ = [
     "Cannikin",
     "CannikinFabricStrategy",
+    "CannikinModelParallelStrategy",
     "CannikinSettings",
     "CannikinStrategy",
     "EmulatedCluster",

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-__all__ = ["REGISTRY_NAMES", "register_when_lightning_is_imported"]
+__all__ = ["FSDP_REGISTRY_NAMES", "REGISTRY_NAMES", "register_when_lightning_is_imported"]
 
 # registry name -> launcher start method
 REGISTRY_NAMES: dict[str, str] = {
@@ -31,6 +31,14 @@ REGISTRY_NAMES: dict[str, str] = {
     "cannikin_spawn": "spawn",
     "cannikin_fork": "fork",
     "cannikin_notebook": "fork",
+}
+
+# the sharded (FSDP2) strategy's names -> launcher start method
+FSDP_REGISTRY_NAMES: dict[str, str] = {
+    "cannikin_fsdp": "popen",
+    "cannikin_fsdp_spawn": "spawn",
+    "cannikin_fsdp_fork": "fork",
+    "cannikin_fsdp_notebook": "fork",
 }
 
 _LIGHTNING = "lightning.pytorch"
@@ -43,17 +51,29 @@ def build_cannikin_strategy(**init_params: Any) -> Any:
     return CannikinStrategy(**init_params)
 
 
+def build_cannikin_fsdp_strategy(**init_params: Any) -> Any:
+    """What the registry calls to build a :class:`~lightning_cannikin.CannikinModelParallelStrategy` from its name."""
+    from lightning_cannikin.training.fsdp import CannikinModelParallelStrategy
+
+    return CannikinModelParallelStrategy(**init_params)
+
+
 def register(registry: Any) -> None:
     """Add the names to ``registry`` (a second call, or a name registered otherwise, is left alone)."""
-    for name, start_method in REGISTRY_NAMES.items():
-        if name in registry:
-            continue
-        registry.register(
-            name,
-            build_cannikin_strategy,
-            description=f"Cannikin heterogeneity-aware DDP with `start_method` '{start_method}'",
-            start_method=start_method,
-        )
+    families = (
+        (REGISTRY_NAMES, build_cannikin_strategy, "DDP"),
+        (FSDP_REGISTRY_NAMES, build_cannikin_fsdp_strategy, "FSDP2 (sharded data parallel)"),
+    )
+    for names, factory, kind in families:
+        for name, start_method in names.items():
+            if name in registry:
+                continue
+            registry.register(
+                name,
+                factory,
+                description=f"Cannikin heterogeneity-aware {kind} with `start_method` '{start_method}'",
+                start_method=start_method,
+            )
 
 
 def _register_in_lightning() -> None:

@@ -146,6 +146,8 @@ report["registered"] = sorted(n for n in StrategyRegistry if n.startswith("canni
 trainer = pl.Trainer(strategy="cannikin_fork", devices=2, accelerator="cpu", logger=False)
 report["strategy"] = type(trainer.strategy).__module__ + "." + type(trainer.strategy).__qualname__
 report["start_method"] = trainer.strategy._start_method
+sharded = pl.Trainer(strategy="cannikin_fsdp_fork", devices=2, accelerator="cpu", logger=False).strategy
+report["fsdp"] = [type(sharded).__qualname__, sharded._start_method]
 report["loader_restored"] = type(pl.__spec__.loader).__module__
 # and with Lightning imported first: registered at import
 import importlib
@@ -159,7 +161,10 @@ print(json.dumps(report))
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["after_cli"] == [] and report["after_package"] == [], report
-    assert report["registered"] == ["cannikin", "cannikin_fork", "cannikin_notebook", "cannikin_spawn"]
+    ddp = ["cannikin", "cannikin_fork", "cannikin_notebook", "cannikin_spawn"]
+    fsdp = ["cannikin_fsdp", "cannikin_fsdp_fork", "cannikin_fsdp_notebook", "cannikin_fsdp_spawn"]
+    assert report["registered"] == sorted(ddp + fsdp)
+    assert report["fsdp"] == ["CannikinModelParallelStrategy", "fork"]
     assert report["strategy"] == "lightning_cannikin.training.strategy.CannikinStrategy"
     assert report["start_method"] == "fork"
     assert report["loader_restored"] != "lightning_cannikin._registration", "the import hook must put the loader back"

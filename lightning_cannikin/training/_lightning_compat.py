@@ -35,8 +35,11 @@ from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 
 # `_MultiProcessingLauncher`, `_SubprocessScriptLauncher`: the launchers DDPStrategy builds in `_configure_launcher`
-# (start methods fork/spawn, and popen); Cannikin subclasses both to check a fit's arguments before they spawn
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+# (start methods fork/spawn, and popen); Cannikin subclasses both to check a fit's arguments before they spawn.
+# ModelParallelStrategy knows only the second, and "cannikin_fsdp_fork" needs the first (`launcher_for`)
+# `_WorkerOutput` and `_MultiProcessingLauncher._collect_rank_zero_results`: what rank zero of a forked fit sends back
+# (its weights through a temporary file); a sharded model's weights are gathered whole first (`_ShardedLauncher`)
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 # `_StrategyRegistry`: the type of Lightning's `StrategyRegistry`, named in `register_strategies`' signature
@@ -56,6 +59,7 @@ __all__ = [
     "foreach_norm",
     "foreach_sqrt",
     "foreach_sub",
+    "launcher_for",
     "queue_backward_callback",
     "register_ddp_comm_hook",
     "scaler_scale",
@@ -126,6 +130,38 @@ def sync_epoch_length(trainer: pl.Trainer, batches: int) -> bool:
         # Lightning's own rule for a fractional interval; an integer interval is the user's batch count and stays
         trainer.val_check_batch = max(1, int(batches * trainer.val_check_interval))
     return True
+
+
+def launcher_for(strategy: Any, start_method: str) -> Any:
+    """The launcher DDPStrategy would build for ``start_method`` ("popen": a script per rank; "fork"/"spawn": Python
+    multiprocessing), for a strategy whose own Lightning base has only the script launcher."""
+    if start_method == "popen":
+        return _SubprocessScriptLauncher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
+    return _ShardedLauncher(strategy, start_method=start_method)
+
+
+class _ShardedLauncher(_MultiProcessingLauncher):
+    """Python multiprocessing for a sharded model: rank zero sends back the full weights (gathered from the shards on
+    every rank), which the main process's unsharded module can load; Lightning's own would send DTensor shards."""
+
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
+        import os
+        import tempfile
+
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        callback = trainer.checkpoint_callback
+        best_model_path = getattr(callback, "best_model_path", None) if callback is not None else None
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state_dict = get_model_state_dict(trainer.lightning_module, options=options)  # a collective: every rank
+        if self._strategy.local_rank != 0:
+            return None
+        weights_path = None
+        if trainer.state.fn == "fit":
+            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
+        extra = self.get_extra_results(trainer)
+        return _WorkerOutput(best_model_path, weights_path, trainer.state, results, extra)
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:

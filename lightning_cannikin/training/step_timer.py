@@ -120,8 +120,9 @@ class StepTimer:
         self._in_step = False
         self._reduced = False
         self._inner_forward_pending = False
-        # finished steps whose marks may not be readable yet, oldest first: (step, rank, batch, peak, marks)
-        self._pending: deque[tuple[int, int, int, float | None, list[Any]]] = deque()
+        self._blocked = self._blocked_in_compute = 0.0  # host seconds this step waited in collectives (blocked())
+        # finished steps whose marks may not be readable yet, oldest first: (step, rank, batch, peak, marks, blocked)
+        self._pending: deque[tuple[int, int, int, float | None, list[Any], float]] = deque()
         self._spare: list[list[Any]] = []  # cleared mark lists, reused
         # read steps not handed out yet: (step, rank, batch, compute, step time, allreduce, exposed, peak)
         self._read: list[tuple] = []
@@ -131,6 +132,7 @@ class StepTimer:
         self._clear(self._marks)
         self._in_step = True
         self._reduced = self._inner_forward_pending = False
+        self._blocked = self._blocked_in_compute = 0.0
         self.clock.mark(self._marks, BATCH)
 
     def forward_start(self) -> None:
@@ -158,6 +160,7 @@ class StepTimer:
             if self._marks[FIRST_BUCKET] is None:
                 self.clock.mark(self._marks, FIRST_BUCKET)
             self.clock.mark(self._marks, LAST_BUCKET)
+            self._blocked_in_compute = self._blocked
 
     def backward_done(self) -> None:
         """Backward returned. A step without a reduction (an accumulation micro-step) ends its compute here; a step
@@ -166,8 +169,16 @@ class StepTimer:
             return
         if not self._reduced:
             self.clock.mark(self._marks, BACKWARD)
+            self._blocked_in_compute = self._blocked
         elif self._marks[REDUCED] is None and self._marks[LAST_BUCKET] is not None:
             self.clock.mark(self._marks, REDUCED)
+
+    def blocked(self, seconds: float) -> None:
+        """The host waited ``seconds`` for other ranks inside a collective of this step (FSDP's per-layer all-gathers
+        and reduce-scatters on CPU): not this device's compute, so the waits before the compute's end are taken out of
+        it. Host clock only: on CUDA the host does not wait for collectives."""
+        if self._in_step:
+            self._blocked += seconds
 
     @property
     def reduced(self) -> bool:
@@ -195,7 +206,7 @@ class StepTimer:
         self._marks = self._spare.pop() if self._spare else [None] * _POINTS
         self.clock.mark(marks, END)
         peak = self.memory.peak() if self.memory is not None else None
-        self._pending.append((step, rank, batch_size, peak, marks))
+        self._pending.append((step, rank, batch_size, peak, marks, self._blocked_in_compute))
         self._read_ready(wait=False)
 
     def records(self, wait: bool = False) -> list[StepRecord]:
@@ -227,7 +238,7 @@ class StepTimer:
     def _read_ready(self, wait: bool) -> None:
         clock = self.clock
         while self._pending:
-            step, rank, batch_size, peak, marks = self._pending[0]
+            step, rank, batch_size, peak, marks, blocked = self._pending[0]
             if wait:
                 clock.wait(marks)
             elif not clock.ready(marks):
@@ -242,6 +253,7 @@ class StepTimer:
                     exposed = clock.seconds(marks, LAST_BUCKET, REDUCED)
             else:
                 compute = clock.seconds(marks, start, BACKWARD)
+            compute = max(compute - blocked, 0.0)
             step_time = clock.seconds(marks, BATCH, END)
             self._read.append((step, rank, batch_size, compute, step_time, allreduce, exposed, peak))
             self._clear(marks)

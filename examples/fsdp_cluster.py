@@ -1,0 +1,156 @@
+"""Sharded training (FSDP2) on an emulated 3-device cluster (1x : 2x : 4x slower): Cannikin beside Lightning's own.
+
+    python examples/fsdp_cluster.py                      # both runs, their training times and the ratio
+    python examples/fsdp_cluster.py --strategy lightning # one run only: cannikin or lightning
+
+An MLP on scikit-learn's digits, sharded per layer with ``fully_shard`` in ``configure_model`` over the data-parallel
+mesh, as Lightning documents for its ``ModelParallelStrategy``. Both runs shard the same model over all ranks (pure
+sharded data parallelism), start from the same weights and train on the same total batch (``--batch-size`` x 3).
+Lightning's strategy gives every device the same batch, so the fast ones wait for the slowest at every layer's
+collective; ``strategy="cannikin_fsdp"`` learns each device's own compute (the waits inside FSDP's collectives left
+out), gives each the batch that makes them finish together, and weights each rank's loss so that FSDP's averaging
+reduce-scatter still yields the exact mean gradient over the whole batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from examples.data import accuracy, load_dataset
+from lightning_cannikin import CannikinModelParallelStrategy, EmulatedCluster
+from lightning_cannikin.training._lightning_compat import launcher_for
+
+
+class ShardedClassifier(pl.LightningModule):
+    """An MLP classifier whose every linear layer is an FSDP unit (and the whole net the root)."""
+
+    def __init__(self, in_features: int = 64, hidden: int = 128, num_classes: int = 10, lr: float = 0.05) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(in_features, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, num_classes),
+        )
+        self.lr = lr
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+class ForkedModelParallelStrategy(ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` as it is (even batches), launched with fork so that one script can run
+    it beside Cannikin (Lightning's own launcher for it re-runs the script once per rank)."""
+
+    def _configure_launcher(self) -> None:
+        self._launcher = launcher_for(self, "fork")
+
+
+def strategy_for(name: str, devices: int) -> ModelParallelStrategy:
+    """``cannikin``: ``CannikinModelParallelStrategy``; ``lightning``: Lightning's, both pure sharded data parallel."""
+    if name == "cannikin":
+        return CannikinModelParallelStrategy(start_method="fork")
+    return ForkedModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
+
+
+class TrainClock(Callback):
+    """Rank zero's training time so far, logged at each epoch end (so it reaches the launching process too)."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.started = time.perf_counter()
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        pl_module.log("train_time", time.perf_counter() - self.started, rank_zero_only=True)
+        plan = getattr(trainer.strategy, "plan", None)
+        if trainer.is_global_zero and plan is not None:
+            print(f"epoch {trainer.current_epoch}: local batch sizes {list(plan.local_batch_sizes)}", flush=True)
+
+
+# the training time is rank zero's own clock, on purpose not averaged over the ranks as Lightning suggests
+warnings.filterwarnings("ignore", message=".*when logging on epoch level in distributed setting.*")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--strategy", default="both", choices=["both", "cannikin", "lightning"])
+    parser.add_argument("--per-sample-ms", type=float, nargs="+", default=[1.0, 2.0, 4.0])
+    parser.add_argument("--fixed-ms", type=float, default=10.0)
+    parser.add_argument("--batch-size", type=int, default=32, help="per-device batch size (total = x devices)")
+    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def run(name: str, args: argparse.Namespace) -> dict:
+    """One fit on the emulated cluster; returns rank zero's training time and the test accuracy."""
+    pl.seed_everything(args.seed, verbose=False)  # the same initial weights for every run
+    train, test, _shape = load_dataset("digits", seed=args.seed)
+    devices = len(args.per_sample_ms)
+    trainer = pl.Trainer(
+        strategy=strategy_for(name, devices),
+        accelerator="cpu",
+        devices=devices,
+        max_epochs=args.epochs,
+        callbacks=[EmulatedCluster(args.per_sample_ms, args.fixed_ms), TrainClock()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    model = ShardedClassifier()
+    print(f"--- {name}: {devices} emulated devices, per_sample_ms={args.per_sample_ms}", flush=True)
+    trainer.fit(model, DataLoader(train, batch_size=args.batch_size, shuffle=True))
+    # the launcher brings rank zero's full (gathered) weights back to this process's unsharded model
+    result = {"train_time": float(trainer.callback_metrics["train_time"]), "test_accuracy": accuracy(model, test)}
+    print(f"{name}: train_time={result['train_time']:.1f}s test_accuracy={result['test_accuracy']:.4f}", flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(1)  # several ranks share two cores: one thread each avoids oversubscription
+    names = ["cannikin", "lightning"] if args.strategy == "both" else [args.strategy]
+    results = {name: run(name, args) for name in names}
+    if len(results) == 2:
+        ratio = results["lightning"]["train_time"] / results["cannikin"]["train_time"]
+        print(
+            f"Cannikin FSDP {results['cannikin']['train_time']:.1f}s vs Lightning FSDP"
+            f" {results['lightning']['train_time']:.1f}s: {ratio:.2f}x faster (same cluster, data, total batch and"
+            f" {args.epochs} epochs)",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""``CannikinModelParallelStrategy``: sharded data parallelism (FSDP2) with uneven local batches.
+
+Lightning's :class:`~lightning.pytorch.strategies.ModelParallelStrategy` with Cannikin's uneven loader, step weights,
+timing and re-plans (through the same :class:`~lightning_cannikin.training.engine.BalancingEngine` as DDP). The user's
+``configure_model`` applies ``fully_shard`` over ``self.device_mesh["data_parallel"]`` as Lightning documents.
+
+FSDP2's reduce-scatter averages the ranks' gradients, so each rank's loss carries ``n * b_i / B`` (computed in
+:meth:`~lightning_cannikin.training.runtime.RuntimeState.begin_step`): the shards then hold the exact mean over the
+global batch. Under gradient accumulation FSDP2 reduce-scatters every micro-batch (as Lightning's own strategy does)
+and adds the shards; the weights make the sum the window's exact mean.
+
+Timing: FSDP's per-layer all-gathers and reduce-scatters make a fast rank wait for a slow one inside forward and
+backward. The collectives go through FSDP2's public custom-comm seam (``set_custom_all_gather``,
+``set_custom_reduce_scatter``), which tells the step timer where gradients are ready and, on CPU, how long the host
+waited in them, so each rank's own compute is what the speed model fits.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_cannikin.training._lightning_compat import StrategyRegistryType, launcher_for
+from lightning_cannikin.training.lightning_hooks import BalancingCallback
+from lightning_cannikin.training.step_timer import HostClock, StepTimer, step_timer_for
+from lightning_cannikin.training.uneven_strategy import UnevenBatchesMixin
+
+__all__ = ["CannikinModelParallelStrategy", "TimedCollectives"]
+
+TENSOR_PARALLEL_ERROR = (
+    "`tensor_parallel_size={size}` is not supported by CannikinModelParallelStrategy: uneven local batches are"
+    " balanced across the data-parallel dimension, and Cannikin's sampler, weights and timing assume every rank is a"
+    " data-parallel replica. Leave `tensor_parallel_size` unset (or 1) for sharded data parallelism over all ranks,"
+    " or use Lightning's `ModelParallelStrategy` for tensor parallelism with even batches."
+)
+NOISE_UNDER_FSDP_ERROR = (
+    "The noise scale (needed by `max_batch_size`, and by AdaScale with `base_batch_size`) is not measured under"
+    " `strategy='cannikin_fsdp'` yet: the local gradient's norm before FSDP's reduce-scatter is not collected."
+    " Balancing works: drop `max_batch_size` (and `base_batch_size`, or pass `lr_scaling='none'`), or use"
+    " `strategy='cannikin'` (DDP) for the adaptive total batch."
+)
+NOT_SHARDED_ERROR = (
+    "CannikinModelParallelStrategy found no module sharded with `fully_shard`: without it no gradient is reduced."
+    " In `configure_model`, apply `torch.distributed.fsdp.fully_shard(layer, mesh=self.device_mesh['data_parallel'])`"
+    " to each large layer and then to the whole model."
+)
+
+
+class TimedCollectives:
+    """FSDP2's all-gather and reduce-scatter, told to the step timer (an object FSDP2's custom-comm seam accepts).
+
+    Before each reduce-scatter of a reducing backward, a gradient bucket is ready (the latest one marks the end of
+    the compute); after it, the reduction is done. On the host clock the time the host spent inside a collective is
+    waiting for the other ranks (and the transfer), not this device's compute: the timer takes it out.
+    """
+
+    def __init__(self, timer: StepTimer, reducing: Any, gather: bool) -> None:
+        self._timer = timer
+        self._reducing = reducing  # () -> whether this backward is the window's reducing one
+        self._gather = gather
+        self._host = isinstance(timer.clock, HostClock)
+        self.calls = 0  # collectives issued (the strategy resets it around each backward)
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: Any, *args: Any, **kwargs: Any) -> Any:
+        timer = self._timer
+        self.calls += 1
+        reducing = not self._gather and self._reducing()
+        if reducing:
+            timer.gradient_ready()
+        start = time.perf_counter()
+        if self._gather:
+            work = dist.all_gather_single(output_tensor, input_tensor, group=group, **kwargs)
+        else:
+            op = args[0] if args else kwargs.pop("op")
+            work = dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, **kwargs)
+        if self._host and work is None:  # a synchronous collective: the host waited in it
+            timer.blocked(time.perf_counter() - start)
+        if reducing:
+            timer.after_reduce(None, None, output_tensor)  # type: ignore[arg-type]
+        return work
+
+
+class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
+    """FSDP2 sharded data parallelism with a per-rank local batch size and the exact mean gradient over all samples.
+
+    Args:
+        local_batch_sizes: a fixed split, one entry per rank. It turns split planning off. When ``None``, the first
+            plan gives every rank the training DataLoader's ``batch_size``.
+        data_parallel_size: ``"auto"`` (the default) is the world size: pure sharded data parallelism (unlike
+            ``ModelParallelStrategy``'s own "auto", which is the number of nodes).
+        tensor_parallel_size: ``"auto"`` or 1; larger values are refused (see :data:`TENSOR_PARALLEL_ERROR`).
+        start_method: "popen" (a script per rank, the default), "spawn" or "fork" (Python multiprocessing).
+        **kwargs: every other :class:`~lightning.pytorch.strategies.ModelParallelStrategy` argument.
+
+    """
+
+    strategy_name = "cannikin_fsdp"
+
+    def __init__(
+        self,
+        local_batch_sizes: Sequence[int] | None = None,
+        data_parallel_size: Any = "auto",
+        tensor_parallel_size: Any = "auto",
+        start_method: str = "popen",
+        **kwargs: Any,
+    ) -> None:
+        if tensor_parallel_size not in ("auto", 1):
+            raise ValueError(TENSOR_PARALLEL_ERROR.format(size=tensor_parallel_size))
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ValueError(f"`start_method` must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}.")
+        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=1, **kwargs)
+        self._init_uneven(local_batch_sizes)
+        self._start_method = start_method
+        self._accumulating = False
+        self._reduce: TimedCollectives | None = None
+
+    @override
+    def _configure_launcher(self) -> None:
+        # the earliest point where the world size is known and no process has been launched yet
+        assert self.cluster_environment is not None
+        world_size = self.num_nodes * self.num_processes
+        self._check_split_length(world_size, self.num_nodes, self.num_processes)
+        if self._data_parallel_size not in ("auto", world_size):
+            raise ValueError(
+                f"`data_parallel_size={self._data_parallel_size}` must equal the world size ({world_size}) under"
+                " CannikinModelParallelStrategy (tensor parallelism is not supported). Leave it unset."
+            )
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = launcher_for(self, self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        trainer = self._add_balancing_callback()
+        callbacks = trainer.callbacks if trainer is not None else []
+        for callback in callbacks:
+            engine = getattr(callback, "engine", None) if isinstance(callback, BalancingCallback) else None
+            if engine is not None and (engine.track_noise_scale or engine.policy.max_batch_size is not None):
+                raise ValueError(NOISE_UNDER_FSDP_ERROR)  # every rank alike, before the process group exists
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+        self._runtime.use_timer(step_timer_for(self.root_device))
+        # FSDP2's reduce-scatter averages over the ranks: n * b_i / B on the loss makes its mean the weighted mean
+        self._runtime.hook.weight_in_loss = True
+        self._runtime.hook.mean_over = self.world_size
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        from torch.distributed.fsdp import FSDPModule
+
+        sharded = [module for module in self.model.modules() if isinstance(module, FSDPModule)]
+        if not sharded and self.world_size > 1:
+            raise ValueError(NOT_SHARDED_ERROR)
+        timer = self._runtime.timer
+        gather = TimedCollectives(timer, lambda: not self._accumulating, gather=True)
+        reduce = self._reduce = TimedCollectives(timer, lambda: not self._accumulating, gather=False)
+        for module in sharded:
+            module.set_custom_all_gather(gather)
+            module.set_custom_reduce_scatter(reduce)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        # Lightning enters this around an accumulation micro-step; FSDP2 still reduce-scatters it (as Lightning's own
+        # strategy does: its unsharded gradients would cost the memory sharding saves), but the step is no window end
+        self._accumulating = True
+        try:
+            yield None
+        finally:
+            self._accumulating = False
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self._begin_step()
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        loss_factor = self._runtime.loss_factor
+        if loss_factor != 1.0:
+            closure_loss = closure_loss * loss_factor
+        timer = self._runtime.timer
+        timer.will_reduce(not self._accumulating)
+        if self._reduce is not None:
+            self._reduce.calls = 0
+        try:
+            loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+        except torch.cuda.OutOfMemoryError as error:
+            self._out_of_memory(error)
+        if self._reduce is not None and self._reduce.calls == 0 and not self._accumulating:
+            timer.gradient_ready()  # one rank: FSDP2 copies its gradients without a reduce-scatter
+        return loss
+
+    @override
+    def teardown(self) -> None:
+        self._release_loader()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
+        # the names `lightning_cannikin._registration` registers lazily (it imports this module: no import back)
+        cls._register_names(strategy_registry, "cannikin_fsdp", "FSDP2")

@@ -1,0 +1,193 @@
+"""What every Cannikin Lightning strategy does the same way, whatever wraps the model (DDP, FSDP2): the uneven training
+loader, each step's sizes and weights, the plan in force, and the out-of-memory error that names the rank.
+
+A mixin placed before the Lightning strategy class (``class X(UnevenBatchesMixin, ModelParallelStrategy)``); the
+strategy calls :meth:`UnevenBatchesMixin._init_uneven` in its ``__init__``. The step weight itself is computed in
+:meth:`~lightning_cannikin.training.runtime.RuntimeState.begin_step` and nowhere else.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+import torch
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+
+from lightning_cannikin.core.plan import Plan
+from lightning_cannikin.training._lightning_compat import uses_distributed_sampler
+from lightning_cannikin.training.comm_hook import WeightedAllReduceState
+from lightning_cannikin.training.device_memory import LocalBatchOutOfMemoryError, out_of_memory_error
+from lightning_cannikin.training.lightning_hooks import BalancingCallback
+from lightning_cannikin.training.loader import UnevenDataLoader, loader_batch_size, rebuild_uneven
+from lightning_cannikin.training.runtime import RuntimeState
+from lightning_cannikin.training.strategy_checks import (
+    MULTIPLE_LOADERS_ERROR,
+    NO_DISTRIBUTED_SAMPLER_ERROR,
+    validate_local_batch_sizes,
+    warn_about_fixed_total,
+)
+
+__all__ = ["UnevenBatchesMixin"]
+
+
+class UnevenBatchesMixin:
+    """Uneven local batches for a Lightning ``ParallelStrategy`` subclass (see the module's docstring)."""
+
+    # provided by the Lightning strategy this is mixed into
+    world_size: int
+    global_rank: int
+    lightning_module: Any
+    root_device: torch.device
+
+    @classmethod
+    def _register_names(cls, registry: Any, base: str, kind: str) -> None:
+        """``base`` (the script launcher) and ``base_spawn``, ``base_fork``, ``base_notebook`` in Lightning's
+        registry; a name already there (a second import, a reload) is left alone."""
+        for suffix, start_method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork"), ("_notebook", "fork")):
+            if base + suffix not in registry:
+                description = f"Cannikin heterogeneity-aware {kind} with `start_method` '{start_method}'"
+                registry.register(base + suffix, cls, description=description, start_method=start_method)
+
+    def _init_uneven(self, local_batch_sizes: Sequence[int] | None) -> None:
+        self._fixed_sizes = validate_local_batch_sizes(local_batch_sizes)
+        self._runtime = RuntimeState(fixed_split=self._fixed_sizes is not None)
+        self._train_loader: UnevenDataLoader | None = None
+
+    @property
+    def runtime(self) -> RuntimeState:
+        """The state this strategy shares with the balancing engine (driven by the Cannikin callback)."""
+        return self._runtime
+
+    @property
+    def hook_state(self) -> WeightedAllReduceState:
+        """The weighted reduction's state (weights, observers)."""
+        return self._runtime.hook
+
+    @property
+    def plan(self) -> Plan | None:
+        """The split in force (``None`` before the training DataLoader is set up)."""
+        return self._runtime.plan
+
+    @property
+    def step_sizes(self) -> tuple[int, ...] | None:
+        """Every rank's sample count in the training step in progress (``None`` outside training steps)."""
+        return self._runtime.step_sizes
+
+    @property
+    def lr_factor(self) -> float:
+        """The multiplier applied to the learning rate for each optimizer step (set by the Cannikin callback)."""
+        return self._runtime.lr_factor
+
+    @property
+    def fixed_split(self) -> bool:
+        """Whether the user fixed the split with ``local_batch_sizes`` (the planner must leave it alone)."""
+        return self._runtime.fixed_split
+
+    @property
+    def train_loader(self) -> UnevenDataLoader | None:
+        """The uneven training loader built by :meth:`process_dataloader`."""
+        return self._train_loader
+
+    def set_plan(self, plan: Plan, from_batch: int | None = None) -> None:
+        """Put ``plan`` in force (``from_batch``: in the running epoch from this global batch on; ``None``: from the
+        next time the training DataLoader is built)."""
+        if plan.world_size != self.world_size:
+            raise ValueError(
+                f"The plan splits across {plan.world_size} ranks, but the world size is {self.world_size}."
+            )
+        self._runtime.adopt(plan, from_batch)
+
+    def _check_split_length(self, world_size: int, num_nodes: int, num_processes: int) -> None:
+        """Before any process is launched: one fixed size per rank."""
+        if self._fixed_sizes is not None and len(self._fixed_sizes) != world_size:
+            raise ValueError(
+                f"`local_batch_sizes` has {len(self._fixed_sizes)} entries but the world size is {world_size}"
+                f" ({num_nodes} node(s) x {num_processes} device(s)). Give one size per rank."
+            )
+
+    def _add_balancing_callback(self) -> Any:
+        """``strategy="cannikin..."`` alone still balances: a balancing callback with the default engine unless the
+        user passed one or fixed the split. Raised on every rank alike, before the process group exists. Returns the
+        trainer (``None`` outside a Trainer)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        if fitting and not uses_distributed_sampler(trainer):
+            raise ValueError(NO_DISTRIBUTED_SAMPLER_ERROR)  # the launcher checked it; here for entry points without one
+        wanted = trainer is not None and not self.fixed_split
+        if wanted and not any(isinstance(cb, BalancingCallback) for cb in trainer.callbacks):
+            trainer.callbacks.append(BalancingCallback())
+        return trainer
+
+    def _out_of_memory(self, error: torch.cuda.OutOfMemoryError) -> NoReturn:
+        """Raise an out-of-memory error that names this rank, its local batch and the bounds."""
+        if isinstance(error, LocalBatchOutOfMemoryError):
+            raise error
+        sizes = self._runtime.step_sizes
+        batch_size = sizes[self.global_rank] if sizes else None
+        raise out_of_memory_error(
+            self.global_rank, batch_size, sizes, self._runtime.bounds, self.root_device
+        ) from error
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        # every training step passes here, whatever the LightningModule calls inside it
+        self._runtime.timer.forward_start()
+        try:
+            return super().training_step(*args, **kwargs)  # type: ignore[misc]
+        except torch.cuda.OutOfMemoryError as error:
+            self._out_of_memory(error)
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """The step's learning-rate factor applied for this step only (:meth:`RuntimeState.learning_rate_scaled`)."""
+        try:
+            with self._runtime.learning_rate_scaled(optimizer):
+                return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
+        except torch.cuda.OutOfMemoryError as error:
+            self._out_of_memory(error)  # the optimizer's state, or the closure's forward and backward
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """The training loader rebuilt around the uneven sampler; other loaders are left as they are."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
+        if not isinstance(dataloader, torch.utils.data.DataLoader):
+            name = type(self).__name__
+            raise ValueError(f"{name} needs a torch DataLoader for training, got {type(dataloader).__name__}.")
+        if self._train_loader is not None and not self._train_loader.iterated:
+            # Lightning processes every training loader of a fit before it draws a batch from any: a loader built
+            # earlier in this fit and never iterated means that this one is a second loader of the same fit
+            raise ValueError(MULTIPLE_LOADERS_ERROR)
+        accumulation = trainer.accumulate_grad_batches
+        if self._fixed_sizes is not None:
+            plan = Plan(self._fixed_sizes, accumulation)
+            warn_about_fixed_total(self._fixed_sizes, loader_batch_size(dataloader), self.world_size)
+        elif self.plan is not None:
+            plan = Plan(self.plan.local_batch_sizes, accumulation, self.plan.predicted_step_time)
+        else:
+            # the user's batch size on every rank, moved inside the bounds (same total) if it violates them
+            plan = self._runtime.first_plan(
+                loader_batch_size(dataloader) * self.world_size, self.world_size, accumulation
+            )
+        loader = rebuild_uneven(dataloader, plan, self.global_rank)
+        self._runtime.use_loader(plan, loader.uneven_sampler)
+        self._train_loader = loader
+        return loader
+
+    def _begin_step(self) -> None:
+        """The training step's sizes and weights, from the batch the loader handed out for it."""
+        loader = self._train_loader
+        if loader is None or not loader.pending_steps:
+            self._runtime.begin_step(None, None, self.global_rank)
+            return
+        position, sizes = loader.pending_steps.popleft()
+        trainer = self.lightning_module.trainer
+        # Lightning closes an accumulation window early at the epoch's last batch (or `limit_train_batches`)
+        end = trainer.num_training_batches
+        end = int(end) if math.isfinite(end) else -1
+        self._runtime.begin_step(position, sizes, self.global_rank, trainer.accumulate_grad_batches, end)
+
+    def _release_loader(self) -> None:
+        """The fit ends: the loader goes, the plan stays (a later fit starts from it)."""
+        self._train_loader = None
+        self._runtime.use_loader(self._runtime.plan, None)
