@@ -172,7 +172,10 @@ def test_a_split_of_the_wrong_length_is_refused_before_launching():
 @pytest.mark.parametrize(
     ("cannikin", "message"),
     [
-        (Cannikin(local_batch_bounds=(1, [4, 4])), "cannot hold the initial global batch of 32.*widen the bounds"),
+        (
+            Cannikin(local_batch_bounds=(1, [4, 4])),
+            "upper bounds \\[4, 4\\] hold at most 8 .*initial global batch of 32.*raise the upper bounds",
+        ),
         (Cannikin(max_batch_size=256), "not measured under `strategy='cannikin_fsdp'`.*drop `max_batch_size`"),
     ],
 )
