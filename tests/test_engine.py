@@ -178,3 +178,27 @@ def test_the_first_plan_respects_the_bounds_for_every_frontend():
     assert runtime.first_plan(24, 2).local_batch_sizes == (4, 20)
     with pytest.raises(ValueError, match="local_batch_bounds"):
         runtime.first_plan(50, 2)
+
+
+def test_the_change_vote_is_read_one_check_later_and_not_again_after_the_replan_it_caused():
+    from lightning_cannikin.core.change import LocalChangeCheck
+    from lightning_cannikin.training.change_vote import ChangeVote
+
+    class OneRank:  # a collective whose vote is read later, as the real one's is (one rank: its own answer)
+        rank, world_size = 0, 1
+
+        def any_later(self, flag):
+            return lambda: flag
+
+    vote = ChangeVote(LocalChangeCheck(), OneRank())
+    for _ in range(20):
+        vote.observe(16, 0.020)
+    assert not vote.poll() and not vote.check.changed()
+    for _ in range(16):
+        vote.observe(16, 0.040)  # the device takes twice as long from here on
+    assert vote.check.changed()
+    assert not vote.poll(), "this check's answer goes out now; it is read at the next check"
+    assert vote.poll(), "read one check later, on every rank alike"
+    vote.reset()  # the re-plan followed it
+    assert not vote.poll(), "the vote cast before the re-plan is dropped"
+    assert not vote.poll()

@@ -140,6 +140,35 @@ def test_cannikin_callback_requires_the_cannikin_strategy():
         Cannikin().setup(trainer, None, "fit")
 
 
+def test_a_device_that_halves_its_speed_mid_epoch_is_followed_with_default_settings(tmp_path):
+    # one long epoch, `strategy="cannikin"` as a new user writes it: no re-plan cadence, so only the ranks' local
+    # change checks (compared every few steps in a vote nobody waits for) can bring the re-plan before the epoch ends
+    from lightning_cannikin import EmulatedCluster
+    from lightning_cannikin.simulation.emulated_devices import EmulatedDevices
+
+    change, total = 100, 32
+    emulator = EmulatedCluster([1.0, 1.0], fixed_ms=5.0, speed_changes={change: [1.0, 2.0]})
+    _, records = _fit(
+        tmp_path,
+        2,
+        num_samples=total * 240,
+        batch_size=16,
+        max_epochs=1,
+        enable_checkpointing=False,
+        callbacks=[emulator],
+    )
+    sizes = [tuple(len(rank["steps"][s]) for rank in records) for s in range(len(records[0]["steps"]))]
+    devices = EmulatedDevices([1.0, 2.0], [5.0, 5.0])
+
+    def cost(split):
+        return max(devices.clean_ms(rank, b) for rank, b in enumerate(split))
+
+    best = min(cost((b, total - b)) for b in range(1, total))
+    assert cost(sizes[change - 1]) > 1.3 * best, "the check must be able to fail: the old split is far off after"
+    late = sizes[change + 60 :]
+    assert len(late) >= 60 and max(cost(split) for split in late) <= 1.08 * best, sorted(set(late))
+
+
 def test_a_device_that_slows_down_is_rebalanced_within_two_replans(tmp_path):
     from lightning_cannikin import EmulatedCluster
     from tests.test_balancing import DumpCannikin

@@ -108,7 +108,9 @@ class LocalChangeCheck:
 
     def reset(self) -> None:
         """Start over: a re-plan happened (the model now knows what the times showed)."""
-        self._batch_size = None
+        self._batch_size, self._seen = None, 0
+        self._reference = []
+        self._recent.clear()
 
     def observe(self, batch_size: int, seconds: float) -> None:
         """One step's compute time at ``batch_size`` (non-finite or non-positive times are ignored)."""

@@ -1,4 +1,4 @@
-"""The two collectives a re-plan needs, as a small interface any frontend can give the balancing engine.
+"""The collectives the balancing engine needs, as a small interface any frontend can give it.
 
 A frontend over another launcher (Ray Train, plain ``torch.distributed``) implements :class:`Collective`; Lightning's
 and Fabric's strategies share the methods :class:`StrategyCollective` uses.
@@ -6,15 +6,20 @@ and Fabric's strategies share the methods :class:`StrategyCollective` uses.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
+
+from lightning_cannikin.training.host_transfer import HostTransfer, PinnedTransfer
 
 __all__ = ["Collective", "StrategyCollective"]
 
 
 class Collective(Protocol):
-    """The two collectives a re-plan needs, over small picklable Python objects; every rank calls them alike."""
+    """The collectives a re-plan needs, over small picklable Python objects, and one vote that nobody waits for;
+    every rank calls them alike."""
 
     @property
     def rank(self) -> int: ...
@@ -30,6 +35,11 @@ class Collective(Protocol):
         """Rank ``src``'s ``obj`` on every rank."""
         ...
 
+    def any_later(self, flag: bool) -> Callable[[], bool]:
+        """Start finding whether ``flag`` is true on any rank without waiting; the returned function reads the
+        answer (called a while later, it does not wait either)."""
+        ...
+
 
 class StrategyCollective:
     """A :class:`Collective` over a Lightning or a Fabric strategy: the strategy's own ``broadcast`` and rank, and
@@ -37,6 +47,7 @@ class StrategyCollective:
 
     def __init__(self, strategy: Any) -> None:
         self._strategy = strategy
+        self._transfer: HostTransfer | PinnedTransfer | None = None
 
     @property
     def rank(self) -> int:
@@ -55,3 +66,14 @@ class StrategyCollective:
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return self._strategy.broadcast(obj, src=src)
+
+    def any_later(self, flag: bool) -> Callable[[], bool]:
+        if not (dist.is_available() and dist.is_initialized()):
+            return lambda: flag
+        vote = torch.tensor([1.0 if flag else 0.0], device=self._strategy.root_device)
+        work = dist.all_reduce(vote, op=dist.ReduceOp.MAX, async_op=True)
+        if self._transfer is None:
+            self._transfer = PinnedTransfer() if vote.is_cuda else HostTransfer()
+        transfer = self._transfer
+        handle = transfer.start(vote, work)
+        return lambda: transfer.read(handle)[0] > 0

@@ -20,6 +20,7 @@ from typing import Any
 # Lightning's and Fabric's rank-zero message (the same function; it imports no Trainer and no Fabric)
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 
+from lightning_cannikin.core.change import LocalChangeCheck
 from lightning_cannikin.core.history import PlanHistory
 from lightning_cannikin.core.lr_scaling import Progress, check_family
 from lightning_cannikin.core.noise_scale import NoiseScaleEstimator
@@ -28,7 +29,9 @@ from lightning_cannikin.core.policy import Decision, PolicySettings, decide, lea
 from lightning_cannikin.core.profile import PROFILE_FILENAME, build_profile, save_profile
 from lightning_cannikin.core.schedule import ReplanSchedule
 from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings, StepRecord
+from lightning_cannikin.training.change_vote import ChangeVote
 from lightning_cannikin.training.collective import Collective
+from lightning_cannikin.training.engine_state import engine_state, restore_engine
 from lightning_cannikin.training.explain import explain
 from lightning_cannikin.training.grad_stats import GradientNormObserver
 from lightning_cannikin.training.optimizers import optimizer_family_of, unwrapped
@@ -66,7 +69,12 @@ class BalancingEngine:
         self.policy = PolicySettings(
             max_batch_size, balance, settings.adapt_margin, lr_scaling, accumulate=settings.accumulate
         )
-        self.schedule = ReplanSchedule(settings.warmup_steps, replan_every_n_steps, settings.adapt_every_n_steps)
+        self.schedule = ReplanSchedule(
+            settings.warmup_steps,
+            replan_every_n_steps,
+            settings.adapt_every_n_steps,
+            check_every_n_steps=settings.check_every_n_steps,
+        )
         self.local_batch_bounds = local_batch_bounds
         self.base_batch_size = base_batch_size
         track = settings.track_noise_scale
@@ -82,6 +90,8 @@ class BalancingEngine:
         self.observer: GradientNormObserver | None = None
         self.runtime: RuntimeState | None = None
         self.collective: Collective | None = None
+        self.vote: ChangeVote | None = None  # this rank's speed-change check and the ranks' vote on it
+        self._changed = False  # the vote of this step: some rank's speed changed clearly
         self.step = 0  # optimizer steps and micro-steps run this fit (as the schedule counts them)
         self.identified = False  # rank zero's word, broadcast: every rank's slope has been measured
         self.adam = False
@@ -101,6 +111,10 @@ class BalancingEngine:
             every = (self.settings.noise_exchange_every, self.settings.noise_every_n_steps)
             self.observer = GradientNormObserver(collective.rank, world_size, None, *every)
         runtime.attach(self.speed_model.bounds, self.observer, self.scale)
+        self.vote = None
+        if world_size > 1 and self.policy.balance and self.schedule.check_every_n_steps is not None:
+            self.vote = ChangeVote(LocalChangeCheck(self.speed_model.settings.drift_tolerance), collective)
+            runtime.timer.listeners[:] = [self.vote.observe]  # its own times, as the timer reads them
         self.runtime, self.collective, self._on_adopt = runtime, collective, on_adopt
 
     def start(self, optimizer: Any = None, scaler: Any = None, accumulation_allowed: bool = True) -> None:
@@ -204,12 +218,14 @@ class BalancingEngine:
         assert runtime is not None
         if not runtime.timer.reduced or runtime.fixed_split:
             return False, False  # no re-plan mid-window: a window's micro-batches share one layout
+        vote = self.vote
+        self._changed = vote is not None and self.schedule.check_due(self.step) and vote.poll()
         adapt = (
             self.policy.max_batch_size is not None
             and self.schedule.adapt_due(self.step, self.adapt_ready)
             and resizable
         )
-        return adapt or self.schedule.due(self.step, self.identified, self.policy.balance), adapt
+        return adapt or self.schedule.due(self.step, self.identified, self.policy.balance, self._changed), adapt
 
     def decide(
         self, records: list[StepRecord], current: Plan | None, mid_epoch: bool, adapt_total: bool | None = None
@@ -257,10 +273,14 @@ class BalancingEngine:
             self.schedule.replanned(self.step, total_changed=False, balance=self.policy.balance)
             return None
         if adapt_total:
-            self.schedule.adapted_at(self.step, self.adapt_ready)
+            self.schedule.adapted_at(self.step, self.adapt_ready, decision.noise_band)
         plan = decision.plan
         total_changed = plan.total_batch_size != current.total_batch_size
-        self.schedule.replanned(self.step, total_changed, self.policy.balance)
+        # a new total, a walk to a device's knee, or a change of speed: re-split once the new sizes are timed
+        self.schedule.replanned(self.step, total_changed or decision.untimed, self.policy.balance, self._changed)
+        if self._changed and self.vote is not None:
+            self.vote.reset()
+        self._changed = False
         self.identified = decision.identified
         probe_steps = 0 if decision.identified else self.schedule.warmup_steps
         self._adopt(plan, current, mid_epoch, from_batch, probe_steps)
@@ -294,21 +314,7 @@ class BalancingEngine:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resume needs (the keys of the checkpoints the callback wrote before the engine existed)."""
-        runtime = self.runtime
-        return {
-            "balancer": self.speed_model.state_dict() if self.speed_model is not None else None,
-            "estimator": self.estimator.state_dict() if self.estimator is not None else None,
-            "progress": self.progress.state_dict(),
-            "lr_factor": runtime.lr_factor if runtime is not None else 1.0,
-            "gain": runtime.gain if runtime is not None else 1.0,
-            "plan": self.plan.to_dict() if self.plan is not None else None,
-            "history": self.history.entries,
-            "step": self.step,
-            "identified": self.identified,
-            "last_adapt_step": self.schedule.last_adapt_step,
-            "adapted": self.schedule.adapted,
-            "noise_in_flight": self.observer.state_dict() if self.observer is not None else None,
-        }
+        return engine_state(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> Plan | None:
         """Put the saved plan in force now (the loader is built with it); the rest waits for :meth:`start` (the
@@ -329,18 +335,4 @@ class BalancingEngine:
         return plan
 
     def _load(self, state: dict[str, Any]) -> None:
-        if state.get("balancer") is not None and self.speed_model is not None:
-            self.speed_model.load_state_dict(state["balancer"])
-            self.speed_model.restarted()
-        if state.get("estimator") is not None and self.estimator is not None:
-            self.estimator.load_state_dict(state["estimator"])
-        self.progress.load_state_dict(state["progress"])
-        self.history.entries = list(state["history"])
-        self.step = self.schedule.last_replan_step = state["step"]
-        self.schedule.last_adapt_step = int(state.get("last_adapt_step", self.step))
-        self.schedule.adapted = bool(state.get("adapted", True))
-        if state.get("noise_in_flight") is not None and self.observer is not None:
-            self.observer.load_state_dict(state["noise_in_flight"])
-        world_size = self.collective.world_size if self.collective is not None else 1
-        same_devices = state.get("balancer") is not None and state["balancer"]["world_size"] == world_size
-        self.identified = bool(state.get("identified", False)) and same_devices
+        restore_engine(self, state)

@@ -32,7 +32,7 @@ from lightning_cannikin.training.comm_hook import weighted_allreduce_hook
 from lightning_cannikin.training.engine import BalancingEngine
 from lightning_cannikin.training.loader import UnevenDataLoader, loader_batch_size, rebuild_uneven
 from lightning_cannikin.training.runtime import RuntimeState
-from lightning_cannikin.training.settings import SETTING_NAMES, CannikinSettings, split_deprecated
+from lightning_cannikin.training.settings import LEGACY_NAMES, CannikinSettings, split_deprecated
 from lightning_cannikin.training.step_timer import step_timer_for
 
 __all__ = ["CannikinFabricStrategy"]
@@ -83,7 +83,7 @@ class CannikinFabricStrategy(DDPStrategy):
         settings: CannikinSettings | None = None,
         **kwargs: Any,
     ) -> None:
-        legacy = {name: kwargs.pop(name) for name in list(kwargs) if name in SETTING_NAMES}
+        legacy = {name: kwargs.pop(name) for name in list(kwargs) if name in LEGACY_NAMES}
         if legacy:
             settings = split_deprecated(settings, legacy, rank_zero_deprecation)
         super().__init__(**kwargs)

@@ -71,6 +71,7 @@ class RuntimeState:
         """Time with ``timer`` from now on (it takes the old one's place among the hook's observers)."""
         observers = self.hook.observers
         observers[observers.index(self.timer)] = timer
+        timer.listeners = self.timer.listeners
         self.timer = timer
 
     def attach(

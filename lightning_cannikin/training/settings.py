@@ -37,6 +37,7 @@ class CannikinSettings:
     | ``min_noise_updates`` | 20 | measured steps of noise statistics before the total batch may change |
     | ``noise_every_n_steps`` | 8 | measure the noise statistics on one optimizer step in this many |
     | ``noise_exchange_every`` | 8 | measured steps whose statistics share one all-reduce of a few floats |
+    | ``check_every_n_steps`` | 8 | how often the ranks compare their local speed-change checks (``None``: off) |
     | ``progress_bar`` | False | show the total and rank zero's local batch on Lightning's progress bar |
 
     Args:
@@ -61,6 +62,10 @@ class CannikinSettings:
             DDP's throughput, one step in four 7% and one in eight 4-7%, about what balancing alone costs there.
         noise_exchange_every: measured steps whose statistics share one all-reduce of a few floats, never waited for
             (the same numbers, folded up to twice this many measured steps later).
+        check_every_n_steps: every rank checks its own step times for a clear change of speed (a co-tenant, a
+            throttled device) at no cost; every this many steps the ranks compare the answers in one all-reduce of a
+            single number that nobody waits for (read at the next check), and re-plan mid-epoch when some rank saw
+            one. ``None``: changes are followed at the re-plans that come anyway.
         progress_bar: also show the total and rank zero's local batch on Lightning's progress bar (every logger
             receives every ``cannikin/*`` value either way; at 80 columns the bar truncates their names).
 
@@ -76,13 +81,15 @@ class CannikinSettings:
     noise_every_n_steps: int = 8
     noise_exchange_every: int = 8
     progress_bar: bool = False
+    check_every_n_steps: int | None = 8
 
     def __post_init__(self) -> None:
         _positive("warmup_steps", self.warmup_steps)
         _positive("noise_every_n_steps", self.noise_every_n_steps)
         _positive("noise_exchange_every", self.noise_exchange_every)
-        if self.adapt_every_n_steps is not None:
-            _positive("adapt_every_n_steps", self.adapt_every_n_steps)
+        for name in ("adapt_every_n_steps", "check_every_n_steps"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
         if isinstance(self.min_noise_updates, bool) or not isinstance(self.min_noise_updates, int):
             raise ValueError(f"`min_noise_updates` must be an integer, got {self.min_noise_updates!r}.")
         if not self.half_life > 0:
@@ -92,6 +99,8 @@ class CannikinSettings:
 
 
 SETTING_NAMES = frozenset(f.name for f in fields(CannikinSettings))
+# the settings `Cannikin(...)` took as keywords before they moved here (the later ones were never keywords)
+LEGACY_NAMES = SETTING_NAMES - {"progress_bar", "check_every_n_steps"}
 
 
 def split_deprecated(settings: CannikinSettings | None, legacy: dict[str, Any], warn: Any) -> CannikinSettings:
@@ -101,7 +110,7 @@ def split_deprecated(settings: CannikinSettings | None, legacy: dict[str, Any], 
         TypeError: for a keyword that is no setting (as Python would for an unknown argument).
 
     """
-    unknown = sorted(set(legacy) - SETTING_NAMES)
+    unknown = sorted(set(legacy) - LEGACY_NAMES)
     if unknown:
         raise TypeError(f"Cannikin() got unexpected keyword argument(s): {', '.join(unknown)}.")
     for name in legacy:

@@ -126,6 +126,8 @@ class StepTimer:
         self._spare: list[list[Any]] = []  # cleared mark lists, reused
         # read steps not handed out yet: (step, rank, batch, compute, step time, allreduce, exposed, peak)
         self._read: list[tuple] = []
+        # called with (batch size, compute seconds) of every step as it is read, in step order (a local change check)
+        self.listeners: list[Callable[[int, float], None]] = []
 
     def start(self) -> None:
         """A training step begins (a step left unfinished, e.g. by an exception, is dropped)."""
@@ -256,6 +258,8 @@ class StepTimer:
             compute = max(compute - blocked, 0.0)
             step_time = clock.seconds(marks, BATCH, END)
             self._read.append((step, rank, batch_size, compute, step_time, allreduce, exposed, peak))
+            for listener in self.listeners:
+                listener(batch_size, compute)
             self._clear(marks)
             self._spare.append(marks)
 

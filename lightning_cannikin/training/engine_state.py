@@ -1,0 +1,48 @@
+"""What a checkpoint keeps of the balancing engine, and how a resume puts it back.
+
+The keys are those of the checkpoints the ``Cannikin`` callback wrote before the engine existed, so those still load.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["engine_state", "restore_engine"]
+
+
+def engine_state(engine: Any) -> dict[str, Any]:
+    """Everything a resume of ``engine`` (a :class:`~lightning_cannikin.training.engine.BalancingEngine`) needs."""
+    runtime = engine.runtime
+    return {
+        "balancer": engine.speed_model.state_dict() if engine.speed_model is not None else None,
+        "estimator": engine.estimator.state_dict() if engine.estimator is not None else None,
+        "progress": engine.progress.state_dict(),
+        "lr_factor": runtime.lr_factor if runtime is not None else 1.0,
+        "gain": runtime.gain if runtime is not None else 1.0,
+        "plan": engine.plan.to_dict() if engine.plan is not None else None,
+        "history": engine.history.entries,
+        "step": engine.step,
+        "identified": engine.identified,
+        "last_adapt_step": engine.schedule.last_adapt_step,
+        "adapted": engine.schedule.adapted,
+        "noise_in_flight": engine.observer.state_dict() if engine.observer is not None else None,
+    }
+
+
+def restore_engine(engine: Any, state: dict[str, Any]) -> None:
+    """Put a checkpoint's ``state`` back into ``engine`` (at training start: the estimator needs B0)."""
+    if state.get("balancer") is not None and engine.speed_model is not None:
+        engine.speed_model.load_state_dict(state["balancer"])
+        engine.speed_model.restarted()
+    if state.get("estimator") is not None and engine.estimator is not None:
+        engine.estimator.load_state_dict(state["estimator"])
+    engine.progress.load_state_dict(state["progress"])
+    engine.history.entries = list(state["history"])
+    engine.step = engine.schedule.last_replan_step = state["step"]
+    engine.schedule.last_adapt_step = int(state.get("last_adapt_step", engine.step))
+    engine.schedule.adapted = bool(state.get("adapted", True))
+    if state.get("noise_in_flight") is not None and engine.observer is not None:
+        engine.observer.load_state_dict(state["noise_in_flight"])
+    world_size = engine.collective.world_size if engine.collective is not None else 1
+    same_devices = state.get("balancer") is not None and state["balancer"]["world_size"] == world_size
+    engine.identified = bool(state.get("identified", False)) and same_devices
