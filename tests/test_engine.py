@@ -202,3 +202,23 @@ def test_the_change_vote_is_read_one_check_later_and_not_again_after_the_replan_
     vote.reset()  # the re-plan followed it
     assert not vote.poll(), "the vote cast before the re-plan is dropped"
     assert not vote.poll()
+
+
+def test_the_engine_acts_only_on_a_confident_noise_scale():
+    # B = 96 against a true noise scale of 20,000: after the 20 updates that used to be enough, the averaged |G|^2 is
+    # often <= 0 (an infinite noise scale, which would send the total to max_batch_size and the gain to B / B0)
+    from tests.test_real_devices import _synthetic_estimator
+
+    guarded, counted = (
+        BalancingEngine(max_batch_size=4096),
+        BalancingEngine(max_batch_size=4096, settings=CannikinSettings(max_noise_error=None)),
+    )
+    infinite = 0
+    for estimator in _synthetic_estimator(20_000, 0):
+        guarded.estimator = counted.estimator = estimator
+        phi = guarded.usable_noise_scale()
+        assert phi is None or 20_000 / 2.5 <= phi <= 2.5 * 20_000, (estimator.num_updates, phi)
+        infinite += counted.usable_noise_scale() == float("inf")
+        if phi is None:
+            assert guarded.scale(960) == (1.0, 1.0), "no gain on an estimate that is not confident"
+    assert infinite > 0, "the check must be able to fail: the count alone lets an infinite estimate through"

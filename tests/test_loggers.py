@@ -40,7 +40,10 @@ def _fit(tmp_path: Path, logger: Logger, devices: int = 2) -> None:
     model = RecordingRegressor(IndexedRegression(320), batch_size=16, record_dir=str(tmp_path))
     callbacks = [
         EmulatedCluster([1.0, 3.0][:devices], fixed_ms=2.0),
-        Cannikin(max_batch_size=64, settings=CannikinSettings(min_noise_updates=3, noise_every_n_steps=1)),
+        Cannikin(
+            max_batch_size=64,
+            settings=CannikinSettings(min_noise_updates=3, max_noise_error=None, noise_every_n_steps=1),
+        ),
     ]
     trainer = quiet_trainer(
         CannikinStrategy(start_method="fork"), devices, callbacks, max_epochs=2, logger=logger, log_every_n_steps=2

@@ -136,7 +136,12 @@ def test_per_step_gain_and_progress_schedule_equal_the_formula_on_a_replay(tmp_p
         return 1.0 / (1.0 + 0.05 * progress)
 
     settings = CannikinSettings(
-        min_noise_updates=3, warmup_steps=1000, adapt_every_n_steps=None, noise_exchange_every=1, noise_every_n_steps=1
+        min_noise_updates=3,
+        max_noise_error=None,
+        warmup_steps=1000,
+        adapt_every_n_steps=None,
+        noise_exchange_every=1,
+        noise_every_n_steps=1,
     )
     cannikin = Cannikin(
         base_batch_size=8, settings=settings
@@ -176,7 +181,13 @@ def known_step_times(monkeypatch, accumulation_is_free: bool = False) -> None:
 
 def total_changing_cannikin(lr_scaling: str = "adascale", base_batch_size: int | None = None, **kwargs) -> Cannikin:
     settings = CannikinSettings(
-        **{"min_noise_updates": 3, "adapt_every_n_steps": 6, "noise_every_n_steps": 1, **kwargs}
+        **{
+            "min_noise_updates": 3,
+            "max_noise_error": None,
+            "adapt_every_n_steps": 6,
+            "noise_every_n_steps": 1,
+            **kwargs,
+        }
     )
     return Cannikin(48, None, lr_scaling, base_batch_size, balance=False, settings=settings)
 
@@ -257,7 +268,9 @@ def test_totals_reached_by_accumulation_give_the_exact_mean_gradient(tmp_path, m
     # measured apart), so on its own it never finds accumulation worth it. Stand in for a cluster whose reduction and
     # optimizer dominate: micro-steps beyond the first cost nothing.
     known_step_times(monkeypatch, accumulation_is_free=True)
-    settings = CannikinSettings(min_noise_updates=3, adapt_every_n_steps=None, noise_every_n_steps=1)
+    settings = CannikinSettings(
+        min_noise_updates=3, max_noise_error=None, adapt_every_n_steps=None, noise_every_n_steps=1
+    )
     cannikin = Cannikin(max_batch_size=48, balance=False, local_batch_bounds=8, lr_scaling="none", settings=settings)
     initial, records, extra = fit(tmp_path, cannikin, max_epochs=2)
     accumulation = extra[0]["accumulation"]

@@ -160,10 +160,13 @@ class BalancingEngine:
         return self.estimator.noise_scale if self.estimator is not None else None
 
     def usable_noise_scale(self) -> float | None:
-        """The noise scale once enough steps have been averaged to act on it (``None`` before)."""
-        if self.estimator is None or self.estimator.num_updates < self.settings.min_noise_updates:
+        """The noise scale once it can be acted on: ``min_noise_updates`` measured steps averaged, and the statistics'
+        own spread puts both of its parts well above zero (``None`` before: an infinite or wild estimate would move
+        the total batch and the gain the most)."""
+        estimator, error = self.estimator, self.settings.max_noise_error
+        if estimator is None or estimator.num_updates < self.settings.min_noise_updates:
             return None
-        return self.estimator.noise_scale
+        return estimator.noise_scale if error is None else estimator.confident_noise_scale(error)
 
     def scale(self, total_batch_size: int) -> tuple[float, float]:
         """``(lr factor, AdaScale gain)`` of a step at ``total_batch_size`` with what is known now (the same on every

@@ -37,6 +37,7 @@ class CannikinSettings:
     | ``min_noise_updates`` | 20 | measured steps of noise statistics before the total batch may change |
     | ``noise_every_n_steps`` | 8 | measure the noise statistics on one optimizer step in this many |
     | ``noise_exchange_every`` | 8 | measured steps whose statistics share one all-reduce of a few floats |
+    | ``max_noise_error`` | 0.25 | act on the noise scale once its parts' standard errors are within this share |
     | ``check_every_n_steps`` | 8 | how often the ranks compare their local speed-change checks (``None``: off) |
     | ``progress_bar`` | False | show the total and rank zero's local batch on Lightning's progress bar |
 
@@ -62,6 +63,10 @@ class CannikinSettings:
             DDP's throughput, one step in four 7% and one in eight 4-7%, about what balancing alone costs there.
         noise_exchange_every: measured steps whose statistics share one all-reduce of a few floats, never waited for
             (the same numbers, folded up to twice this many measured steps later).
+        max_noise_error: the total batch and the AdaScale gain follow the noise scale only once the standard errors
+            of both of its parts (``|G|^2`` and ``tr(Sigma)``, from the statistics' own spread) are within this share
+            of their values, over at least ten effective steps: an estimate whose ``|G|^2`` may still be zero or
+            negative (an infinite noise scale) moves nothing. ``None``: on ``min_noise_updates`` alone.
         check_every_n_steps: every rank checks its own step times for a clear change of speed (a co-tenant, a
             throttled device) at no cost; every this many steps the ranks compare the answers in one all-reduce of a
             single number that nobody waits for (read at the next check), and re-plan mid-epoch when some rank saw
@@ -81,6 +86,7 @@ class CannikinSettings:
     noise_every_n_steps: int = 8
     noise_exchange_every: int = 8
     progress_bar: bool = False
+    max_noise_error: float | None = 0.25
     check_every_n_steps: int | None = 8
 
     def __post_init__(self) -> None:
@@ -94,13 +100,15 @@ class CannikinSettings:
             raise ValueError(f"`min_noise_updates` must be an integer, got {self.min_noise_updates!r}.")
         if not self.half_life > 0:
             raise ValueError(f"`half_life` must be > 0, got {self.half_life}.")
+        if self.max_noise_error is not None and not self.max_noise_error > 0:
+            raise ValueError(f"`max_noise_error` must be > 0 or None, got {self.max_noise_error}.")
         if not self.adapt_margin >= 0:
             raise ValueError(f"`adapt_margin` must be >= 0, got {self.adapt_margin}.")
 
 
 SETTING_NAMES = frozenset(f.name for f in fields(CannikinSettings))
 # the settings `Cannikin(...)` took as keywords before they moved here (the later ones were never keywords)
-LEGACY_NAMES = SETTING_NAMES - {"progress_bar", "check_every_n_steps"}
+LEGACY_NAMES = SETTING_NAMES - {"progress_bar", "check_every_n_steps", "max_noise_error"}
 
 
 def split_deprecated(settings: CannikinSettings | None, legacy: dict[str, Any], warn: Any) -> CannikinSettings:
