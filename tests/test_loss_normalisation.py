@@ -220,7 +220,9 @@ def test_two_gloo_ranks_with_token_mean_weights_match_one_process(tmp_path):
         args=(2, str(tmp_path / "store"), str(tmp_path), groups, units),
         nprocs=2,
         join=False,
-        start_method="fork",
+        # spawn, not fork: a fork of a test process whose earlier tests left torch's or gloo's threads behind can
+        # inherit a held lock and hang (it did once in a full CI run)
+        start_method="spawn",
     )
     deadline = time.monotonic() + 60.0
     while not context.join(timeout=1.0):  # False while a rank is still running
