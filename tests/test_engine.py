@@ -192,10 +192,10 @@ def test_the_change_vote_is_read_one_check_later_and_not_again_after_the_replan_
 
     vote = ChangeVote(LocalChangeCheck(), OneRank())
     for _ in range(20):
-        vote.observe(16, 0.020)
+        vote.check.observe(16, 0.020)
     assert not vote.poll() and not vote.check.changed()
     for _ in range(16):
-        vote.observe(16, 0.040)  # the device takes twice as long from here on
+        vote.check.observe(16, 0.040)  # the device takes twice as long from here on
     assert vote.check.changed()
     assert not vote.poll(), "this check's answer goes out now; it is read at the next check"
     assert vote.poll(), "read one check later, on every rank alike"

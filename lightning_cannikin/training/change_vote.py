@@ -22,7 +22,7 @@ class ChangeVote:
     """One rank's change check and the vote in flight.
 
     Args:
-        check: this rank's local check (fed by :meth:`observe`).
+        check: this rank's local check (the step timer feeds it each step's time as it reads it).
         collective: where the answers meet.
 
     """
@@ -32,10 +32,6 @@ class ChangeVote:
         self._collective = collective
         self._in_flight: Callable[[], bool] | None = None
         self._stale = False  # the vote in flight was cast before the re-plan that answered it
-
-    def observe(self, batch_size: int, compute: float) -> None:
-        """One step's compute time on this rank, as the step timer read it."""
-        self.check.observe(batch_size, compute)
 
     def poll(self) -> bool:
         """At a check step (every rank alike): whether some rank saw a change at the previous check; this rank's

@@ -114,7 +114,7 @@ class BalancingEngine:
         self.vote = None
         if world_size > 1 and self.policy.balance and self.schedule.check_every_n_steps is not None:
             self.vote = ChangeVote(LocalChangeCheck(self.speed_model.settings.drift_tolerance), collective)
-            runtime.timer.listeners[:] = [self.vote.observe]  # its own times, as the timer reads them
+            runtime.timer.listeners[:] = [self.vote.check.observe]  # its own times, as the timer reads them
         self.runtime, self.collective, self._on_adopt = runtime, collective, on_adopt
 
     def start(self, optimizer: Any = None, scaler: Any = None, accumulation_allowed: bool = True) -> None:
