@@ -17,8 +17,13 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from lightning_cannikin import Cannikin, CannikinModelParallelStrategy, CannikinSettings, EmulatedCluster
+from lightning_cannikin.training import engine as engine_module
+from lightning_cannikin.training.engine import BalancingEngine
 from lightning_cannikin.training.lightning_hooks import BalancingCallback
-from tests.models import IndexedRegression, RecordingRegressor, quiet_trainer, read_records
+from lightning_cannikin.training.runtime import RuntimeState
+from lightning_cannikin.training.sharded_grad_stats import ShardedGradientNormObserver
+from tests.models import IndexedRegression, RecordingRegressor, quiet_trainer, read_records, record_estimator_inputs
+from tests.test_mid_epoch_total import known_step_times, noisy_dataset, total_changing_cannikin
 
 
 def mlp(dim: int = 4) -> nn.Sequential:
@@ -177,7 +182,6 @@ def test_a_split_of_the_wrong_length_is_refused_before_launching():
             Cannikin(local_batch_bounds=(1, [4, 4])),
             "upper bounds \\[4, 4\\] hold at most 8 .*initial global batch of 32.*raise the upper bounds",
         ),
-        (Cannikin(max_batch_size=256), "not measured under `strategy='cannikin_fsdp'`.*drop `max_batch_size`"),
     ],
 )
 def test_settings_it_cannot_honour_fail_on_every_rank_with_the_fix(tmp_path, cannikin, message):
@@ -248,3 +252,196 @@ def test_a_model_without_fully_shard_is_refused_at_setup(tmp_path):
     trainer = quiet_trainer(CannikinModelParallelStrategy(start_method="fork"), 2, max_steps=1)
     with pytest.raises(Exception, match=r"ValueError: .*found no module sharded with `fully_shard`.*configure_model"):
         trainer.fit(model)
+
+
+# ---- noise statistics under sharding: the adaptive total works under FSDP2 ---------------------------------------
+
+
+class RecordNoiseInputs(Callback):
+    """Every rank writes what its noise estimator was fed, ``[Z per group, sizes, Y, steps]`` per update."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.fed = path, []
+
+    def on_train_start(self, trainer, pl_module):
+        record_estimator_inputs(trainer, self.fed)
+
+    def on_train_end(self, trainer, pl_module):
+        Path(self.path, f"fed{trainer.global_rank}.json").write_text(json.dumps(self.fed))
+
+
+def replay_statistics(dataset, initial, records, accumulate, momentum=0.0):
+    """One process, in float64: each window's ``Z`` per group (rank-major: a rank's micro-batches in order), sizes and
+    ``Y`` of the exact mean gradient, then the SGD step the ranks took (lr 0.1)."""
+    net = mlp(dataset.x.shape[1]).double()
+    net.load_state_dict(initial)
+    x, y = dataset.x.double(), dataset.y.double()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=momentum)
+
+    def gradient(indices):
+        net.zero_grad()
+        rows = torch.tensor(indices)
+        nn.functional.mse_loss(net(x[rows]), y[rows]).backward()
+        return torch.cat([p.grad.reshape(-1) for p in net.parameters()])
+
+    steps, epochs, start, windows = records[0]["steps"], records[0]["epochs"], 0, []
+    while start < len(steps):
+        end = start
+        while end < len(steps) and end - start < accumulate and epochs[end] == epochs[start]:
+            end += 1
+        groups = [r["steps"][k] for r in records for k in range(start, end)]
+        local = [gradient(g).square().sum().item() for g in groups]
+        whole = gradient([i for g in groups for i in g])
+        windows.append([local, [len(g) for g in groups], whole.square().sum().item()])
+        optimizer.step()  # the gradient of the window's exact mean is still in .grad
+        start = end
+    return windows
+
+
+def test_sharded_noise_statistics_equal_one_process_on_uneven_accumulated_batches(tmp_path):
+    # three ranks, uneven 20:10:3, two micro-batches per step; 150 samples: the epoch's third window has one
+    cannikin = Cannikin(
+        lr_scaling="none",
+        settings=CannikinSettings(track_noise_scale=True, noise_every_n_steps=1, noise_exchange_every=1),
+    )
+    recorder = RecordNoiseInputs(tmp_path)
+    sizes = [20, 10, 3]
+    dataset, initial, _ = fit_sharded(
+        tmp_path, sizes, 150, callbacks=[cannikin, recorder], accumulate_grad_batches=2, max_steps=6
+    )
+    records = read_records(tmp_path, 3)
+    fed = [json.loads((tmp_path / f"fed{r}.json").read_text()) for r in range(3)]
+    assert fed[0] == fed[1] == fed[2], "the ranks' estimators were fed different numbers"
+    expected = replay_statistics(dataset, initial, records, 2)
+    assert len(fed[0]) == 4, "six steps: the statistics of the first four arrive (two steps later each)"
+    assert [len(step[1]) for step in fed[0]] == [6, 6, 3, 6], "3 ranks x 2 micro-batches; the epoch's last window 1"
+    for step, (got, want) in enumerate(zip(fed[0], expected, strict=False)):
+        local, group_sizes, global_sqr, steps = got
+        assert group_sizes == want[1] and steps == 1
+        assert local == pytest.approx(want[0], rel=1e-6), f"Z of step {step}"
+        assert global_sqr == pytest.approx(want[2], rel=1e-6), f"Y of step {step}"
+
+
+class LearningRates(ShardedRegressor):
+    """Also writes the learning rate each optimizer step ran with."""
+
+    def on_before_optimizer_step(self, optimizer):
+        self.__dict__.setdefault("stepped", []).append(optimizer.param_groups[0]["lr"])
+
+    def on_train_end(self):
+        super().on_train_end()
+        Path(self.record_dir, f"lrs{self.global_rank}.json").write_text(json.dumps(self.stepped))
+
+
+def test_the_adaptive_total_changes_on_the_sharded_estimate_with_its_learning_rate(tmp_path, monkeypatch):
+    # noise dominates (labels of pure noise) and the step time is a known function of the split (the ranks are forked:
+    # they see the patch), so the total grows from 16 to `max_batch_size` 48 on the noise scale alone
+    known_step_times(monkeypatch)
+    model = LearningRates(noisy_dataset(480), batch_size=8, record_dir=str(tmp_path), lr=0.01)
+    cannikin = total_changing_cannikin(lr_scaling="linear", base_batch_size=8)
+    callbacks = [cannikin, EmulatedCluster([0.1, 0.1], fixed_ms=20.0), RecordNoiseInputs(tmp_path)]
+    strategy = CannikinModelParallelStrategy(start_method="fork")
+    quiet_trainer(strategy, 2, callbacks, max_epochs=1).fit(model)
+    records = read_records(tmp_path, 2)
+    totals = [len(a) + len(b) for a, b in zip(records[0]["steps"], records[1]["steps"], strict=True)][:-1]
+    assert totals[0] == 16 and 48 in totals, f"the total did not change on the estimate: {totals}"
+    fed = [json.loads((tmp_path / f"fed{r}.json").read_text()) for r in range(2)]
+    assert fed[0] == fed[1] and len(fed[0]) >= 3, "the ranks' estimators were fed the same numbers"
+    # every step ran at the learning-rate factor of the plan it ran ("linear": lr x total / B0)
+    lrs = [json.loads((tmp_path / f"lrs{r}.json").read_text()) for r in range(2)]
+    assert lrs[0] == lrs[1]
+    assert lrs[0][: len(totals)] == pytest.approx([0.01 * total / 8 for total in totals], rel=1e-12)
+
+
+class DumpEngine(Callback):
+    """Every rank takes the engine's state (the noise observer's takes a collective); rank zero writes it: after the
+    training step ``step`` (then saves a checkpoint), or once training starts (after a resume restored it)."""
+
+    def __init__(self, path: Path, step: int | None) -> None:
+        self.path, self.step = path, step
+
+    def _dump(self, trainer, name: str) -> None:
+        balancer = next(cb for cb in trainer.callbacks if isinstance(cb, BalancingCallback))
+        state = {"engine": balancer.engine.state_dict(), "plan": list(balancer.plan.local_batch_sizes)}
+        if trainer.is_global_zero:
+            Path(self.path.parent, name).write_text(json.dumps(state))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.step is not None and trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+            self._dump(trainer, "saved.json")
+
+    def on_train_start(self, trainer, pl_module):
+        if self.step is None:
+            self._dump(trainer, "restored.json")
+
+
+def test_a_sharded_checkpoint_of_three_ranks_resumes_on_two_with_its_total_and_noise_statistics(tmp_path, monkeypatch):
+    told = tmp_path / "told.txt"  # the forked ranks inherit the patched module: rank zero's message lands here
+    monkeypatch.setattr(engine_module, "rank_zero_info", lambda text: told.open("a").write(text + "\n"))
+    num_samples, path = 480, tmp_path / "resume.ckpt"
+    dataset = IndexedRegression(num_samples)
+    runs = [tmp_path / "first", tmp_path / "second"]
+    settings = CannikinSettings(
+        warmup_steps=4, track_noise_scale=True, noise_every_n_steps=1, noise_exchange_every=1, max_noise_error=None
+    )
+    for run, devices, step in zip(runs, (3, 2), (12, None), strict=True):
+        run.mkdir()
+        strategy = CannikinModelParallelStrategy(save_distributed_checkpoint=True, start_method="fork")
+        cannikin = Cannikin(lr_scaling="none", settings=settings)
+        callbacks = [EmulatedCluster([1.0, 2.0, 2.0][:devices], fixed_ms=2.0), cannikin, DumpEngine(path, step)]
+        callbacks.append(RecordNoiseInputs(run))
+        model = ShardedRegressor(dataset, batch_size=8, record_dir=str(run))
+        model.momentum = 0.9
+        if step:
+            initial = copy.deepcopy(model.layer.state_dict())
+        options = {"max_epochs": 1, "max_steps": 12 if step else -1}
+        quiet_trainer(strategy, devices, callbacks, **options).fit(model, ckpt_path=None if step else str(path))
+    saved, restored = (json.loads((tmp_path / name).read_text()) for name in ("saved.json", "restored.json"))
+    assert "resuming a 3-rank run on 2 ranks" in told.read_text()
+    # the global batch of 24 is kept, split across two ranks; the speed models restart (the devices changed)
+    assert sum(saved["plan"]) == sum(restored["plan"]) == 24 and len(restored["plan"]) == 2
+    assert restored["engine"]["identified"] is False and restored["engine"]["balancer"]["world_size"] == 2
+    assert restored["engine"]["estimator"] == saved["engine"]["estimator"]
+    assert restored["engine"]["progress"] == saved["engine"]["progress"]
+    # the interrupted epoch continues on two ranks: every sample once over the two fits
+    first, second = read_records(runs[0], 3), read_records(runs[1], 2)
+    assert sorted(i for r in first + second for s in r["steps"] for i in s) == list(range(num_samples))
+    # the noise statistics in flight at the checkpoint reach the resumed estimator: the last two steps of three ranks,
+    # the last one's Y summed over its three shards at the save, each as one process computes it. Twelve float32 steps
+    # with momentum drift from the float64 replay by about 1e-6 (the first steps agree within 1e-7); a Y of one shard,
+    # or of every rank's copy, would be off by a third or by twice
+    expected = replay_statistics(dataset, initial, first, 1, momentum=0.9)
+    fed = [json.loads((run / "fed0.json").read_text()) for run in runs]
+    assert len(fed[0]) == 10 and [len(step[1]) for step in fed[1][:3]] == [3, 3, 2]
+    for got, want in zip(fed[0] + fed[1][:2], expected, strict=True):
+        assert got[1] == want[1]
+        assert got[0] == pytest.approx(want[0], rel=1e-5) and got[2] == pytest.approx(want[2], rel=1e-5)
+
+
+class TwoRanks:
+    """Rank zero of two, for an engine that runs no collective."""
+
+    rank, world_size = 0, 2
+
+
+def test_the_noise_of_an_adam_family_optimizer_is_refused_under_fsdp_with_the_reason():
+    # FSDP shards Adam's second moments, which the noise of its preconditioned gradient needs element by element
+    runtime = RuntimeState()
+    runtime.noise_observer_type = ShardedGradientNormObserver  # what CannikinModelParallelStrategy sets
+    engine = BalancingEngine(max_batch_size=64)
+    engine.attach(runtime, TwoRanks())
+    assert isinstance(engine.observer, ShardedGradientNormObserver) and runtime.noise is engine.observer
+    weight = nn.Parameter(torch.ones(3))
+    weight.grad = torch.ones(3)
+    adam = torch.optim.Adam([weight])
+    adam.step()  # its family shows in what it holds (a second moment), as after the first training step
+    with pytest.raises(ValueError, match=r"Adam-family optimizer is not measured under `strategy='cannikin_fsdp'`"):
+        engine.start(adam)
+    sgd = torch.optim.SGD([weight], lr=0.1, momentum=0.9)
+    sgd.step()
+    runtime = RuntimeState(noise_observer_type=ShardedGradientNormObserver)
+    engine = BalancingEngine(max_batch_size=64)
+    engine.attach(runtime, TwoRanks())
+    engine.start(sgd)  # an SGD-family optimizer is measured, on its raw gradients
+    assert engine.adam is False and isinstance(runtime.noise, ShardedGradientNormObserver)

@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
-from lightning_cannikin import Cannikin, CannikinStrategy
+from lightning_cannikin import Cannikin, CannikinModelParallelStrategy, CannikinStrategy
 from lightning_cannikin.training import launch_checks
 from tests.models import IndexedRegression, quiet_trainer
 
@@ -112,18 +112,24 @@ REFUSED = {
 REFUSED["DataLoader subclass"] = (LoaderSubclass(DATA, batch_size=8), [], {}, r"is a subclass \(LoaderSubclass\)")
 
 
+STRATEGIES = {"ddp": CannikinStrategy, "fsdp": CannikinModelParallelStrategy}
+
+
+@pytest.mark.parametrize("kind", sorted(STRATEGIES))
 @pytest.mark.parametrize("case", sorted(REFUSED))
-def test_each_check_fails_in_the_launching_process_with_fork(case):
+def test_each_check_fails_in_the_launching_process_with_fork(case, kind):
     loader, callbacks, trainer_kwargs, message = REFUSED[case]
-    trainer = quiet_trainer(CannikinStrategy(start_method="fork"), 2, callbacks, max_epochs=1, **trainer_kwargs)
+    strategy = STRATEGIES[kind](start_method="fork")
+    trainer = quiet_trainer(strategy, 2, callbacks, max_epochs=1, **trainer_kwargs)
     with pytest.raises(ValueError, match=message):
         trainer.fit(Regressor(), train_dataloaders=loader)
 
 
+@pytest.mark.parametrize("name", ["cannikin", "cannikin_fsdp"])
 @pytest.mark.parametrize("case", ["max_batch_size below the initial total", "custom sampler"])
-def test_the_popen_launcher_checks_before_it_starts_the_children(case):
+def test_the_popen_launcher_checks_before_it_starts_the_children(case, name):
     loader, callbacks, trainer_kwargs, message = REFUSED[case]
-    trainer = quiet_trainer("cannikin", 2, callbacks, max_epochs=1, **trainer_kwargs)
+    trainer = quiet_trainer(name, 2, callbacks, max_epochs=1, **trainer_kwargs)
     with pytest.raises(ValueError, match=message):
         trainer.fit(Regressor(), train_dataloaders=loader)
 
@@ -140,8 +146,10 @@ def test_a_fixed_split_is_checked_against_max_batch_size_without_a_loader():
         trainer.fit(ModelLoader())
 
 
-def test_a_valid_fit_reaches_the_launcher_and_a_resume_leaves_the_plan_to_the_checkpoint():
-    trainer = quiet_trainer(CannikinStrategy(start_method="fork"), 2, [Cannikin(max_batch_size=16)], max_epochs=1)
+@pytest.mark.parametrize("kind", sorted(STRATEGIES))
+def test_a_valid_fit_reaches_the_launcher_and_a_resume_leaves_the_plan_to_the_checkpoint(kind):
+    strategy = STRATEGIES[kind](start_method="fork")
+    trainer = quiet_trainer(strategy, 2, [Cannikin(max_batch_size=16)], max_epochs=1)
     with pytest.raises(Spawned):
         trainer.fit(Regressor(), train_dataloaders=DataLoader(DATA, batch_size=8))
     # a checkpoint's plan replaces the first plan: the ranks check it, not the launching process

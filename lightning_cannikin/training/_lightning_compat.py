@@ -59,6 +59,7 @@ __all__ = [
     "foreach_norm",
     "foreach_sqrt",
     "foreach_sub",
+    "fsdp_predivide_factor",
     "launcher_for",
     "queue_backward_callback",
     "register_ddp_comm_hook",
@@ -179,3 +180,15 @@ def scaler_scale(scaler: Any) -> torch.Tensor | float:
     (the scale tensor as is); ``get_scale()`` (which syncs) where that is missing."""
     scale = scaler._get_scale_async() if hasattr(scaler, "_get_scale_async") else None
     return float(scaler.get_scale()) if scale is None else scale
+
+
+def fsdp_predivide_factor(group: Any, dtype: torch.dtype, device_type: str) -> float:
+    """What FSDP2 divided a reduce-scatter's input by: fp16 gradients about ``sqrt(n)`` against overflow (the rest
+    after the reduction), fp32 and bf16 nothing. Its own rule (``_get_gradient_divide_factors``, torch 2.6 on), read
+    from FSDP2; where that is missing, its default for fp32 and bf16."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
+    except ImportError:  # pragma: no cover - another torch
+        return 1.0
+    factors = _get_gradient_divide_factors(group, None, dtype, device_type)
+    return float(factors[0]) if factors[0] is not None else 1.0

@@ -109,7 +109,7 @@ class BalancingEngine:
             self.speed_model = SpeedModel(world_size, speed, bounds)
         if self.observer is None and world_size > 1 and self.track_noise_scale:
             every = (self.settings.noise_exchange_every, self.settings.noise_every_n_steps)
-            self.observer = GradientNormObserver(collective.rank, world_size, None, *every)
+            self.observer = runtime.noise_observer_type(collective.rank, world_size, None, *every)
         runtime.attach(self.speed_model.bounds, self.observer, self.scale)
         self.vote = None
         if world_size > 1 and self.policy.balance and self.schedule.check_every_n_steps is not None:

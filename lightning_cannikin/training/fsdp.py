@@ -12,7 +12,8 @@ and adds the shards; the weights make the sum the window's exact mean.
 Timing: FSDP's per-layer all-gathers and reduce-scatters make a fast rank wait for a slow one inside forward and
 backward. The collectives go through FSDP2's public custom-comm seam (``set_custom_all_gather``,
 ``set_custom_reduce_scatter``), which tells the step timer where gradients are ready and, on CPU, how long the host
-waited in them, so each rank's own compute is what the speed model fits.
+waited in them, so each rank's own compute is what the speed model fits. The same reduce-scatters give the noise
+statistics their inputs (:mod:`~lightning_cannikin.training.sharded_grad_stats`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -28,8 +30,9 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_cannikin.training._lightning_compat import StrategyRegistryType, launcher_for
-from lightning_cannikin.training.lightning_hooks import BalancingCallback
+from lightning_cannikin.training._lightning_compat import StrategyRegistryType
+from lightning_cannikin.training.launch_checks import check_before_launch, checked_launcher
+from lightning_cannikin.training.sharded_grad_stats import ShardedGradientNormObserver
 from lightning_cannikin.training.step_timer import HostClock, StepTimer, step_timer_for
 from lightning_cannikin.training.uneven_strategy import UnevenBatchesMixin
 
@@ -40,12 +43,6 @@ TENSOR_PARALLEL_ERROR = (
     " balanced across the data-parallel dimension, and Cannikin's sampler, weights and timing assume every rank is a"
     " data-parallel replica. Leave `tensor_parallel_size` unset (or 1) for sharded data parallelism over all ranks,"
     " or use Lightning's `ModelParallelStrategy` for tensor parallelism with even batches."
-)
-NOISE_UNDER_FSDP_ERROR = (
-    "The noise scale (needed by `max_batch_size`, and by AdaScale with `base_batch_size`) is not measured under"
-    " `strategy='cannikin_fsdp'` yet: the local gradient's norm before FSDP's reduce-scatter is not collected."
-    " Balancing works: drop `max_batch_size` (and `base_batch_size`, or pass `lr_scaling='none'`), or use"
-    " `strategy='cannikin'` (DDP) for the adaptive total batch."
 )
 NOT_SHARDED_ERROR = (
     "CannikinModelParallelStrategy found no module sharded with `fully_shard`: without it no gradient is reduced."
@@ -59,11 +56,15 @@ class TimedCollectives:
 
     Before each reduce-scatter of a reducing backward, a gradient bucket is ready (the latest one marks the end of
     the compute); after it, the reduction is done. On the host clock the time the host spent inside a collective is
-    waiting for the other ranks (and the transfer), not this device's compute: the timer takes it out.
+    waiting for the other ranks (and the transfer), not this device's compute: the timer takes it out. ``noise``
+    (reduce-scatters only) sees each local gradient before it is reduced.
     """
 
-    def __init__(self, timer: StepTimer, reducing: Any, gather: bool) -> None:
+    def __init__(
+        self, timer: StepTimer, reducing: Any, gather: bool, noise: ShardedGradientNormObserver | None = None
+    ) -> None:
         self._timer = timer
+        self._noise = noise
         self._reducing = reducing  # () -> whether this backward is the window's reducing one
         self._gather = gather
         self._host = isinstance(timer.clock, HostClock)
@@ -78,6 +79,8 @@ class TimedCollectives:
         reducing = not self._gather and self._reducing()
         if reducing:
             timer.gradient_ready()
+        if self._noise is not None and not self._gather:
+            self._noise.reduce_scatter_input(input_tensor, group)
         start = time.perf_counter()
         if self._gather:
             work = dist.all_gather_single(output_tensor, input_tensor, group=group, **kwargs)
@@ -121,6 +124,7 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
             raise ValueError(f"`start_method` must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}.")
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=1, **kwargs)
         self._init_uneven(local_batch_sizes)
+        self._runtime.noise_observer_type = ShardedGradientNormObserver  # read at FSDP2's reduce-scatters
         self._start_method = start_method
         self._accumulating = False
         self._reduce: TimedCollectives | None = None
@@ -136,17 +140,14 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
                 f"`data_parallel_size={self._data_parallel_size}` must equal the world size ({world_size}) under"
                 " CannikinModelParallelStrategy (tensor parallelism is not supported). Leave it unset."
             )
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = launcher_for(self, self._start_method)
+        # Lightning's launchers (a sharded model's for fork and spawn), checking what the fit's arguments already show
+        # before they start any process (under torchrun or SLURM: in every process, before the process group exists)
+        check = partial(check_before_launch, world_size=world_size, fixed_sizes=self._fixed_sizes)
+        self._launcher = checked_launcher(self, self._start_method, check, sharded=True)
 
     @override
     def setup_environment(self) -> None:
-        trainer = self._add_balancing_callback()
-        callbacks = trainer.callbacks if trainer is not None else []
-        for callback in callbacks:
-            engine = getattr(callback, "engine", None) if isinstance(callback, BalancingCallback) else None
-            if engine is not None and (engine.track_noise_scale or engine.policy.max_batch_size is not None):
-                raise ValueError(NOISE_UNDER_FSDP_ERROR)  # every rank alike, before the process group exists
+        self._add_balancing_callback()
         self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
         self._runtime.use_timer(step_timer_for(self.root_device))
@@ -164,7 +165,9 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
             raise ValueError(NOT_SHARDED_ERROR)
         timer = self._runtime.timer
         gather = TimedCollectives(timer, lambda: not self._accumulating, gather=True)
-        reduce = self._reduce = TimedCollectives(timer, lambda: not self._accumulating, gather=False)
+        noise = self._noise()
+        reduce = TimedCollectives(timer, lambda: not self._accumulating, gather=False, noise=noise)
+        self._reduce = reduce
         for module in sharded:
             module.set_custom_all_gather(gather)
             module.set_custom_reduce_scatter(reduce)
@@ -183,6 +186,8 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
+        if (noise := self._noise()) is not None:  # before the step's first backward: is this step measured?
+            noise.start_step(self.lightning_module.trainer.global_step)
         self._begin_step()
 
     @override
@@ -200,7 +205,15 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
             self._out_of_memory(error)
         if self._reduce is not None and self._reduce.calls == 0 and not self._accumulating:
             timer.gradient_ready()  # one rank: FSDP2 copies its gradients without a reduce-scatter
+        noise = self._noise()
+        if noise is not None and not self._accumulating:  # the window's shards are reduced: its statistics
+            noise.reduced(self._runtime.hook, self.model.parameters())
         return loss
+
+    def _noise(self) -> ShardedGradientNormObserver | None:
+        """The noise statistics' observer, where the engine measures them (it builds it as this strategy asks)."""
+        noise = self._runtime.noise
+        return noise if isinstance(noise, ShardedGradientNormObserver) else None
 
     @override
     def teardown(self) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
@@ -24,6 +24,7 @@ from lightning_cannikin.core.plan import BatchBounds, Plan
 from lightning_cannikin.training._lightning_compat import (
     MultiProcessingLauncher,
     SubprocessScriptLauncher,
+    _ShardedLauncher,
     fit_arguments,
     uses_distributed_sampler,
 )
@@ -34,6 +35,7 @@ from lightning_cannikin.training.strategy_checks import NO_DISTRIBUTED_SAMPLER_E
 
 __all__ = [
     "CheckedMultiProcessingLauncher",
+    "CheckedShardedLauncher",
     "CheckedSubprocessScriptLauncher",
     "check_before_launch",
     "checked_launcher",
@@ -110,11 +112,20 @@ class CheckedMultiProcessingLauncher(_ChecksBeforeLaunch, MultiProcessingLaunche
     """Lightning's launcher of the fork and spawn start methods, checking before it starts the processes."""
 
 
-def checked_launcher(strategy: DDPStrategy, start_method: str, check: Check) -> _ChecksBeforeLaunch:
-    """What ``DDPStrategy._configure_launcher`` builds for ``start_method``, checking with ``check`` first."""
+class CheckedShardedLauncher(_ChecksBeforeLaunch, _ShardedLauncher):
+    """The fork and spawn launcher of ``strategy="cannikin_fsdp"`` (rank zero sends back full weights), checking
+    before it starts the processes."""
+
+
+def checked_launcher(
+    strategy: ParallelStrategy, start_method: str, check: Check, sharded: bool = False
+) -> _ChecksBeforeLaunch:
+    """What ``DDPStrategy._configure_launcher`` builds for ``start_method``, checking with ``check`` first
+    (``sharded``: a sharded model's fork or spawn launcher)."""
     if start_method == "popen":
         assert strategy.cluster_environment is not None
         return CheckedSubprocessScriptLauncher(
             check, strategy.cluster_environment, strategy.num_processes, strategy.num_nodes
         )
-    return CheckedMultiProcessingLauncher(check, strategy, start_method=start_method)
+    launcher = CheckedShardedLauncher if sharded else CheckedMultiProcessingLauncher
+    return launcher(check, strategy, start_method=start_method)

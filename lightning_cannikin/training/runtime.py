@@ -47,6 +47,7 @@ class RuntimeState:
             :meth:`use_timer`).
         sampler: the training loader's uneven sampler, once built.
         noise: the noise statistics' observer, set by the engine when it measures them (``None``: not measured).
+        noise_observer_type: what the engine builds it as: the strategy's choice (FSDP reads its reduce-scatters).
 
     """
 
@@ -63,6 +64,7 @@ class RuntimeState:
     timer: StepTimer = field(default_factory=StepTimer)
     sampler: UnevenBatchSampler | None = None
     noise: GradientNormObserver | None = None
+    noise_observer_type: type[GradientNormObserver] = GradientNormObserver
 
     def __post_init__(self) -> None:
         self.hook.observers.append(self.timer)
