@@ -202,9 +202,10 @@ class SaveAt(Callback):
         self.path, self.step = path, step
 
     def _dump(self, trainer, name: str) -> None:
+        balancer = next(cb for cb in trainer.callbacks if isinstance(cb, BalancingCallback))
+        # every rank takes it, as a checkpoint does (the noise observer's state sums what the ranks hold)
+        state = {"engine": balancer.engine.state_dict(), "plan": list(balancer.plan.local_batch_sizes)}
         if trainer.is_global_zero:
-            balancer = next(cb for cb in trainer.callbacks if isinstance(cb, BalancingCallback))
-            state = {"engine": balancer.engine.state_dict(), "plan": list(balancer.plan.local_batch_sizes)}
             Path(self.path.parent, name).write_text(json.dumps(state))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -353,29 +354,6 @@ def test_the_adaptive_total_changes_on_the_sharded_estimate_with_its_learning_ra
     assert lrs[0][: len(totals)] == pytest.approx([0.01 * total / 8 for total in totals], rel=1e-12)
 
 
-class DumpEngine(Callback):
-    """Every rank takes the engine's state (the noise observer's takes a collective); rank zero writes it: after the
-    training step ``step`` (then saves a checkpoint), or once training starts (after a resume restored it)."""
-
-    def __init__(self, path: Path, step: int | None) -> None:
-        self.path, self.step = path, step
-
-    def _dump(self, trainer, name: str) -> None:
-        balancer = next(cb for cb in trainer.callbacks if isinstance(cb, BalancingCallback))
-        state = {"engine": balancer.engine.state_dict(), "plan": list(balancer.plan.local_batch_sizes)}
-        if trainer.is_global_zero:
-            Path(self.path.parent, name).write_text(json.dumps(state))
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if self.step is not None and trainer.global_step == self.step:
-            trainer.save_checkpoint(self.path)
-            self._dump(trainer, "saved.json")
-
-    def on_train_start(self, trainer, pl_module):
-        if self.step is None:
-            self._dump(trainer, "restored.json")
-
-
 def test_a_sharded_checkpoint_of_three_ranks_resumes_on_two_with_its_total_and_noise_statistics(tmp_path, monkeypatch):
     told = tmp_path / "told.txt"  # the forked ranks inherit the patched module: rank zero's message lands here
     monkeypatch.setattr(engine_module, "rank_zero_info", lambda text: told.open("a").write(text + "\n"))
@@ -389,7 +367,7 @@ def test_a_sharded_checkpoint_of_three_ranks_resumes_on_two_with_its_total_and_n
         run.mkdir()
         strategy = CannikinModelParallelStrategy(save_distributed_checkpoint=True, start_method="fork")
         cannikin = Cannikin(lr_scaling="none", settings=settings)
-        callbacks = [EmulatedCluster([1.0, 2.0, 2.0][:devices], fixed_ms=2.0), cannikin, DumpEngine(path, step)]
+        callbacks = [EmulatedCluster([1.0, 2.0, 2.0][:devices], fixed_ms=2.0), cannikin, SaveAt(path, step)]
         callbacks.append(RecordNoiseInputs(run))
         model = ShardedRegressor(dataset, batch_size=8, record_dir=str(run))
         model.momentum = 0.9
