@@ -60,6 +60,7 @@ __all__ = [
     "foreach_sqrt",
     "foreach_sub",
     "fsdp_predivide_factor",
+    "fsdp_sharded_parameters",
     "launcher_for",
     "queue_backward_callback",
     "register_ddp_comm_hook",
@@ -192,3 +193,10 @@ def fsdp_predivide_factor(group: Any, dtype: torch.dtype, device_type: str) -> f
         return 1.0
     factors = _get_gradient_divide_factors(group, None, dtype, device_type)
     return float(factors[0]) if factors[0] is not None else 1.0
+
+
+def fsdp_sharded_parameters(module: Any) -> list[tuple[torch.nn.Parameter, int]]:
+    """The parameters a ``fully_shard``-ed module's reduce-scatter carries, in its order, each with the number of
+    elements of its padded shard (FSDP2's ``FSDPParamGroup.fsdp_params``: one group per module with a custom comm)."""
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    return [(p.sharded_param, p.padded_sharded_param_size.numel()) for g in groups for p in g.fsdp_params]

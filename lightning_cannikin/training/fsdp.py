@@ -32,7 +32,7 @@ from typing_extensions import override
 
 from lightning_cannikin.training._lightning_compat import StrategyRegistryType
 from lightning_cannikin.training.launch_checks import check_before_launch, checked_launcher
-from lightning_cannikin.training.sharded_grad_stats import ShardedGradientNormObserver
+from lightning_cannikin.training.sharded_grad_stats import NoiseReduceScatter, ShardedGradientNormObserver
 from lightning_cannikin.training.step_timer import HostClock, StepTimer, step_timer_for
 from lightning_cannikin.training.uneven_strategy import UnevenBatchesMixin
 
@@ -56,15 +56,11 @@ class TimedCollectives:
 
     Before each reduce-scatter of a reducing backward, a gradient bucket is ready (the latest one marks the end of
     the compute); after it, the reduction is done. On the host clock the time the host spent inside a collective is
-    waiting for the other ranks (and the transfer), not this device's compute: the timer takes it out. ``noise``
-    (reduce-scatters only) sees each local gradient before it is reduced.
+    waiting for the other ranks (and the transfer), not this device's compute: the timer takes it out.
     """
 
-    def __init__(
-        self, timer: StepTimer, reducing: Any, gather: bool, noise: ShardedGradientNormObserver | None = None
-    ) -> None:
+    def __init__(self, timer: StepTimer, reducing: Any, gather: bool) -> None:
         self._timer = timer
-        self._noise = noise
         self._reducing = reducing  # () -> whether this backward is the window's reducing one
         self._gather = gather
         self._host = isinstance(timer.clock, HostClock)
@@ -79,8 +75,6 @@ class TimedCollectives:
         reducing = not self._gather and self._reducing()
         if reducing:
             timer.gradient_ready()
-        if self._noise is not None and not self._gather:
-            self._noise.reduce_scatter_input(input_tensor, group)
         start = time.perf_counter()
         if self._gather:
             work = dist.all_gather_single(output_tensor, input_tensor, group=group, **kwargs)
@@ -165,12 +159,13 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
             raise ValueError(NOT_SHARDED_ERROR)
         timer = self._runtime.timer
         gather = TimedCollectives(timer, lambda: not self._accumulating, gather=True)
+        reduce = self._reduce = TimedCollectives(timer, lambda: not self._accumulating, gather=False)
         noise = self._noise()
-        reduce = TimedCollectives(timer, lambda: not self._accumulating, gather=False, noise=noise)
-        self._reduce = reduce
+        if noise is not None:  # Adam's preconditioner is all-gathered on measured steps: a wait, not compute
+            noise.blocked = timer.blocked if isinstance(timer.clock, HostClock) else None
         for module in sharded:
             module.set_custom_all_gather(gather)
-            module.set_custom_reduce_scatter(reduce)
+            module.set_custom_reduce_scatter(reduce if noise is None else NoiseReduceScatter(reduce, noise, module))
 
     @contextmanager
     @override

@@ -1,4 +1,5 @@
-"""The noise statistics under FSDP2 (``strategy="cannikin_fsdp"``), read at its reduce-scatter, with no gradient copy.
+"""The noise statistics under FSDP2 (``strategy="cannikin_fsdp"``), read at its reduce-scatter, with no copy of the
+gradient.
 
 FSDP2 copies each parameter group's local (unsharded) gradient into one flat buffer and reduce-scatters it; the
 strategy issues that reduce-scatter itself, through FSDP2's public custom-comm seam
@@ -10,43 +11,39 @@ strategy issues that reduce-scatter itself, through FSDP2's public custom-comm s
   each input is that micro-batch's gradient alone: a group of its own, as on the DDP path.
 - ``Y = |g|^2``, the reduced gradient of the whole window, is the sum over the ranks of each rank's squared norm of
   its gradient *shards* once the window's last backward has accumulated them. Each rank writes its part into the slot
-  where the DDP path's rank zero writes the whole ``Y``: the exchange that sums the ``Z`` sums the parts too, so no
-  collective is added and every rank still folds the same numbers.
+  where the DDP path's rank zero writes the whole ``Y``: the exchange that sums the ``Z`` sums the parts too, so it
+  needs no collective of its own and every rank still folds the same numbers.
 
 The weights on the loss (``n * b_i / B``, and a micro-batch's share of its window) and FSDP2's division before the
 reduce-scatter (fp16 gradients only) are divided out, so the statistics are those of per-sample-mean gradients, as
 on the DDP path (:class:`~lightning_cannikin.training.grad_stats.GradientNormObserver`, whose exchange, fold and
 checkpoint this reuses).
 
-Adam-family optimizers are refused: the DDP path measures the noise of Adam's preconditioned gradient
-``g_i / (sqrt(v_hat) + eps)``, and every element of the local gradient needs its own second moment, which FSDP2
-shards across the ranks: rank ``i`` holds ``v_hat`` for ``1/n`` of ``g_i``'s elements. ``Z_i`` would need the other
-ranks' second moments, an all-gather as large as the parameters on every measured step.
+Adam-family optimizers: as on the DDP path, the noise is that of the preconditioned gradient
+``g / (sqrt(v_hat) + eps)``, element by element. FSDP2 shards ``v_hat`` like the parameters, so on a measured step
+each reduce-scatter first all-gathers its group's denominators (one layer's worth, as FSDP2 all-gathers the layer's
+parameters in forward, into a buffer that then holds the preconditioned gradient for its norm and is freed): one
+collective per layer on a measured step. ``Y`` needs only each rank's own shards.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lightning_cannikin.training._lightning_compat import fsdp_predivide_factor
+from lightning_cannikin.training._lightning_compat import fsdp_predivide_factor, fsdp_sharded_parameters
 from lightning_cannikin.training.comm_hook import WeightedAllReduceState
 from lightning_cannikin.training.grad_norms import squared_norm
 from lightning_cannikin.training.grad_stats import GradientNormObserver
 
-__all__ = ["ADAM_UNDER_FSDP_ERROR", "ShardedGradientNormObserver"]
+__all__ = ["NoiseReduceScatter", "ShardedGradientNormObserver"]
 
-ADAM_UNDER_FSDP_ERROR = (
-    "The noise scale (needed by `max_batch_size`, by AdaScale with `base_batch_size`, and by `track_noise_scale`) of"
-    " an Adam-family optimizer is not measured under `strategy='cannikin_fsdp'`: it is the noise of Adam's"
-    " preconditioned gradient, and each rank's local gradient would need every element's second moment, which FSDP"
-    " shards across the ranks (an all-gather as large as the model on every measured step). Use an SGD-family"
-    " optimizer, drop `max_batch_size` (and `base_batch_size`, or pass `lr_scaling='none'`) to balance alone, or use"
-    " `strategy='cannikin'` (DDP)."
-)
+Parameters = Callable[[], Sequence[tuple[torch.Tensor, int]]]  # a group's sharded parameters, padded shard sizes
 
 
 class ShardedGradientNormObserver(GradientNormObserver):
@@ -56,27 +53,65 @@ class ShardedGradientNormObserver(GradientNormObserver):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._backward: torch.Tensor | None = None  # this backward's reduce-scatter inputs, squared and summed
+        self._adam: torch.optim.Optimizer | None = None
+        self._groups: dict[int, dict] = {}
+        self.blocked: Callable[[float], None] | None = None  # told the host's wait in a collective (the step timer)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
-        """Always ``None``: the noise of Adam's preconditioned gradient is not measured under FSDP (setting one
-        raises, on every rank alike)."""
-        return None
+        """An Adam-family optimizer to precondition by (``None``: raw gradients), as on the DDP path."""
+        return self._adam
 
     @optimizer.setter
     def optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
-        if optimizer is not None:
-            raise ValueError(ADAM_UNDER_FSDP_ERROR)
+        self._adam = optimizer
+        self._groups = {id(p): g for g in optimizer.param_groups for p in g["params"]} if optimizer else {}
 
-    def reduce_scatter_input(self, tensor: torch.Tensor, group: Any) -> None:
-        """A parameter group's local gradient, about to be reduce-scattered (before the collective: it may reuse it)."""
+    def reduce_scatter_input(self, tensor: torch.Tensor, group: Any, parameters: Parameters | None = None) -> None:
+        """A parameter group's local gradient, about to be reduce-scattered (before the collective: it may reuse it);
+        ``parameters``: the group's, for Adam's preconditioner."""
         if not self.measuring:
             return
-        squared = squared_norm(tensor.detach())
+        tensor = tensor.detach()
+        if self._adam is not None and parameters is not None:
+            squared = self._preconditioned(tensor, group, parameters())
+        else:
+            squared = squared_norm(tensor)
         predivide = fsdp_predivide_factor(group, tensor.dtype, tensor.device.type)
         if predivide != 1.0:
             squared = squared * predivide**2
         self._backward = squared if self._backward is None else self._backward + squared
+
+    def _denominator(self, parameter: torch.Tensor) -> torch.Tensor | None:
+        """This rank's shard of ``sqrt(v_hat) + eps`` for ``parameter``, flat (``None`` before its first step)."""
+        state = self._adam.state.get(parameter) if self._adam is not None else None
+        if not state or "exp_avg_sq" not in state or "step" not in state:
+            return None
+        group = self._groups[id(parameter)]
+        correction = math.sqrt(1.0 - group["betas"][1] ** float(state["step"]))
+        return (_local_tensor(state["exp_avg_sq"]).reshape(-1).float().sqrt() / correction).add_(group["eps"])
+
+    def _preconditioned(
+        self, tensor: torch.Tensor, group: Any, parameters: Sequence[tuple[torch.Tensor, int]]
+    ) -> torch.Tensor:
+        """``|g / (sqrt(v_hat) + eps)|^2`` of a reduce-scatter's input: the group's denominators all-gathered into the
+        input's layout (rank-major rows, each the ranks' padded shards in order; 1 where nothing was measured)."""
+        row = torch.ones(sum(padded for _, padded in parameters), dtype=torch.float32, device=tensor.device)
+        offset = 0
+        for parameter, padded in parameters:
+            denominator = self._denominator(parameter)
+            if denominator is not None:
+                row[offset : offset + denominator.numel()] = denominator
+            offset += padded
+        if row.numel() * dist.get_world_size(group) != tensor.numel():
+            # some of the group's parameters got no gradient this step: the layout is unknown, the step not measured
+            return torch.full((), math.nan, dtype=torch.float32, device=tensor.device)
+        gathered = torch.empty(tensor.numel(), dtype=torch.float32, device=tensor.device)
+        start = time.perf_counter()
+        dist.all_gather_into_tensor(gathered, row, group=group)
+        if self.blocked is not None:
+            self.blocked(time.perf_counter() - start)
+        return squared_norm(torch.div(tensor, gathered, out=gathered))
 
     def _local_of_backward(self, weight: float) -> torch.Tensor:
         """``|g|^2`` of the backward that just ended (zero on a rank whose parameters got no gradient), with what the
@@ -100,9 +135,13 @@ class ShardedGradientNormObserver(GradientNormObserver):
         if self._micro:  # a rank's groups share one device for the exchange
             self._micro = [z.to(self._local.device) for z in self._micro]
         self._close_block(state)
-        shards = [_local_tensor(p.grad) for p in parameters if p.grad is not None]
-        part = torch.stack([squared_norm(s) for s in shards]).sum() if shards else torch.zeros(())
-        self._global = part
+        squares = []
+        for parameter in parameters:
+            if parameter.grad is not None:
+                shard = _local_tensor(parameter.grad).reshape(-1)
+                denominator = self._denominator(parameter)
+                squares.append(squared_norm(shard if denominator is None else shard.float() / denominator))
+        self._global = torch.stack(squares).sum() if squares else torch.zeros(())
 
     def _close_block(self, state: WeightedAllReduceState) -> None:
         super()._close_block(state)
@@ -139,3 +178,21 @@ def _local_tensor(gradient: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a sharded (DTensor) gradient, as a plain tensor (no copy, no collective)."""
     local = getattr(gradient, "to_local", None)
     return (local() if local is not None else gradient).detach()
+
+
+class NoiseReduceScatter:
+    """One ``fully_shard``-ed module's reduce-scatter (an object FSDP2's custom-comm seam accepts): the noise observer
+    sees its input, then ``reduce_scatter`` (the strategy's timed one) reduces it."""
+
+    def __init__(self, reduce_scatter: Any, noise: ShardedGradientNormObserver, module: Any) -> None:
+        self._reduce_scatter, self._noise = reduce_scatter, noise
+        self._parameters = lambda: fsdp_sharded_parameters(module)
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self._reduce_scatter.allocate(size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, *args: Any, **kw: Any
+    ) -> Any:
+        self._noise.reduce_scatter_input(input_tensor, group, self._parameters)
+        return self._reduce_scatter(output_tensor, input_tensor, group, *args, **kw)
