@@ -237,7 +237,7 @@ def markdown(report: dict[str, Any], variants: tuple[str, ...]) -> str:
     lines = [
         f"# Per-step cost at zero emulated delay (`{setup['command']}`)",
         "",
-        f"{setup['world_size']} CPU ranks (gloo, fork, one thread each), fixed total batch {setup['total_batch_size']},"
+        f"{setup['world_size']} ranks (fork launcher), fixed total batch {setup['total_batch_size']},"
         f" {setup['model']}; {setup['repeats']} interleaved repeats of {setup['epochs']} epochs"
         f" ({setup['samples_per_epoch']} samples each), the first {setup['skip_epochs']} left out; medians of the"
         " per-repeat ratios to Lightning DDP in the same repeat. CPU time per sample is every rank's"
@@ -263,7 +263,16 @@ def markdown(report: dict[str, Any], variants: tuple[str, ...]) -> str:
         "",
         f"Spread of DDP's own repeats (max - min over the median): {100 * report['ddp_spread']:.0f}% in samples/s,"
         f" {100 * report['ddp_cpu_spread']:.0f}% in CPU per sample. Where the wall-clock spread is far above 5%, the"
-        " samples/s ratios cannot show a 5% difference; the CPU ratios are the figure to read then.",
+        " samples/s ratios cannot show a 5% difference; the CPU ratios are the figure to read then: at 0.95x DDP's"
+        " throughput a variant may spend at most 1/0.95 = 1.053x DDP's CPU per sample.",
+        "",
+        'Variants: `ddp` Lightning\'s DDPStrategy (the reference); `cannikin` `strategy="cannikin"` alone (balancing,'
+        " fixed total); `cannikin_adaptive` `Cannikin(max_batch_size=96)` with the default settings (noise statistics"
+        " on one step in eight, local change checks compared every 8 steps, the total reconsidered every 200 steps;"
+        " capped at the starting total so the machinery is measured, not a larger batch); `fixed` a fixed even split"
+        " through Cannikin's strategy, no callback. Re-plans: plans adopted per run (warm-up, epoch ends, speed"
+        " changes the ranks' checks saw, the settling re-plan after each, the total's reconsiderations); on a shared"
+        " host each one is rank zero's fit and decision while the other ranks wait.",
         "",
     ]
     return "\n".join(lines)
