@@ -30,12 +30,24 @@ sample (``time.process_time``, every thread of every rank) over the same span, a
 own cost, less disturbed by the machine's load (gloo waits in the kernel, not spinning).
 
     python benchmarks/overhead.py [--repeats 7] [--epochs 4] [--model deep] [--variants ...]
+    python benchmarks/overhead.py --quick --variants cannikin_adaptive   # a few minutes, for diagnosing
+    python benchmarks/overhead.py --quick --variants cannikin_adaptive --profile cannikin_adaptive
+    python benchmarks/overhead.py --quick --variants cannikin_adaptive --set noise_every_n_steps=16
+
+``--quick`` runs 3 repeats of 3 epochs and saves to the temporary folder; ``--profile VARIANT`` first runs that
+variant once more with cProfile in rank 0 over the measured span (left out of the figures) and prints where its
+CPU time goes (``--profile ddp`` for the reference); ``--set`` changes the default adaptive configuration's
+:class:`CannikinSettings` (diagnosis only; the saved report names it).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import os
+import pstats
 import statistics
 import sys
 import tempfile
@@ -74,7 +86,9 @@ class HookedStrategy(CannikinStrategy):
         return True
 
 
-def strategy_and_callbacks(variant: str, total_batch: int) -> tuple[Any, list[Callback]]:
+def strategy_and_callbacks(
+    variant: str, total_batch: int, overrides: dict[str, Any] | None = None
+) -> tuple[Any, list[Callback]]:
     even = [total_batch // WORLD_SIZE] * WORLD_SIZE
     if variant == "ddp":
         return "ddp_fork", []
@@ -85,6 +99,8 @@ def strategy_and_callbacks(variant: str, total_batch: int) -> tuple[Any, list[Ca
     if variant == "cannikin":
         return "cannikin_fork", []  # as a new user writes it: the strategy adds its default callback
     if variant == "cannikin_adaptive":
+        if overrides:  # diagnosis only (`--set`): the report names what was changed
+            return "cannikin_fork", [Cannikin(max_batch_size=total_batch, settings=CannikinSettings(**overrides))]
         return "cannikin_fork", [Cannikin(max_batch_size=total_batch)]  # the default settings
     # every step measured unless the variant says otherwise
     every = 4 if variant.endswith("_every4") else 1
@@ -122,14 +138,19 @@ class Clock(Callback):
     re-plans, whichever order the callbacks run in) is inside it for every variant.
     """
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, profile_from: int | None = None) -> None:
         self.out = out
+        self.profile_from = profile_from  # rank zero runs cProfile from this epoch's start on (None: never)
+        self.profiler: cProfile.Profile | None = None
         self.starts: list[float] = []
         self.cpu_starts: list[float] = []
         self.samples: list[int] = []
         self.splits: list[list[int]] = []
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero and self.profile_from == trainer.current_epoch:
+            self.profiler = cProfile.Profile(time.process_time)  # CPU time, as the figures count it
+            self.profiler.enable()
         self.starts.append(time.perf_counter())
         self.cpu_starts.append(time.process_time())
         self.samples.append(0)
@@ -145,20 +166,34 @@ class Clock(Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         end, cpu_end = time.perf_counter(), time.process_time()
+        if self.profiler is not None:
+            self.profiler.disable()
+            self.profiler.dump_stats(str(self.out / "profile.prof"))
         cpu = [cpu_end - start for start in self.cpu_starts]  # this rank's CPU seconds from each epoch's start on
         (self.out / f"cpu{trainer.global_rank}.json").write_text(json.dumps(cpu))
         if trainer.is_global_zero:
+            engine = next((cb.engine for cb in trainer.callbacks if hasattr(cb, "engine")), None)
+            replans = len(engine.history.entries) if engine is not None else 0  # plans adopted (one per step)
             result = {"starts": self.starts, "end": end, "samples": self.samples, "splits": self.splits}
+            result["replans"] = replans
             (self.out / "clock.json").write_text(json.dumps(result))
 
 
 def run(
-    variant: str, dataset: TensorDataset, total_batch: int, epochs: int, seed: int, deep: bool = False
+    variant: str,
+    dataset: TensorDataset,
+    total_batch: int,
+    epochs: int,
+    seed: int,
+    deep: bool = False,
+    overrides: dict[str, Any] | None = None,
+    profile_from: int | None = None,
 ) -> dict[str, Any]:
-    """One fit of ``variant``; rank zero's epoch times, samples and splits."""
+    """One fit of ``variant``; rank zero's epoch times, samples and splits, every rank's CPU times, and rank zero's
+    profile (``profile_from``: the epoch it starts at) as text."""
     torch.set_num_threads(1)
     pl.seed_everything(seed, verbose=False)
-    strategy, callbacks = strategy_and_callbacks(variant, total_batch)
+    strategy, callbacks = strategy_and_callbacks(variant, total_batch, overrides)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         trainer = pl.Trainer(
@@ -166,7 +201,7 @@ def run(
             accelerator="cpu",
             devices=WORLD_SIZE,
             max_epochs=epochs,
-            callbacks=[*callbacks, Clock(out)],
+            callbacks=[*callbacks, Clock(out, profile_from)],
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
@@ -176,6 +211,12 @@ def run(
         trainer.fit(MLP(deep=deep), loader)
         result = json.loads((out / "clock.json").read_text())
         result["cpu"] = [json.loads((out / f"cpu{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
+        if (out / "profile.prof").is_file():
+            text = io.StringIO()
+            stats = pstats.Stats(str(out / "profile.prof"), stream=text)
+            stats.sort_stats("tottime").print_stats(25)
+            stats.sort_stats("cumulative").print_stats("lightning_cannikin", 40)  # the package's own share
+            result["profile"] = text.getvalue()
         return result
 
 
@@ -190,29 +231,48 @@ def cpu_per_sample(result: dict[str, Any], skip_epochs: int) -> float:
 
 
 def markdown(report: dict[str, Any], variants: tuple[str, ...]) -> str:
-    """A short table of the report, for ``benchmarks/results/overhead.md``."""
+    """The report as a self-explanatory table (``<out>.md`` beside the JSON)."""
     setup = report["setup"]
+    load = setup["load_average"]
     lines = [
-        "# Per-step cost at zero emulated delay (`python benchmarks/overhead.py`)",
+        f"# Per-step cost at zero emulated delay (`{setup['command']}`)",
         "",
-        f"{setup['world_size']} CPU ranks (gloo, fork), fixed total batch {setup['total_batch_size']},"
+        f"{setup['world_size']} ranks (fork launcher), fixed total batch {setup['total_batch_size']},"
         f" {setup['model']}; {setup['repeats']} interleaved repeats of {setup['epochs']} epochs"
-        f" ({setup['samples_per_epoch']} samples each), the first {setup['skip_epochs']} left out; medians.",
+        f" ({setup['samples_per_epoch']} samples each), the first {setup['skip_epochs']} left out; medians of the"
+        " per-repeat ratios to Lightning DDP in the same repeat. CPU time per sample is every rank's"
+        " `time.process_time` (all threads) over the measured span, summed over the ranks, divided by the samples:"
+        " the work each variant does, which the machine's other load disturbs much less than the wall clock.",
+        f"Machine: {setup['cpus']} CPUs; load average (1, 5, 15 min) {load['start']} at the start,"
+        f" {load['end']} at the end; `cannikin_adaptive` settings: {setup['cannikin_adaptive_settings']}.",
         "",
-        "| variant | samples/s | / DDP (median of repeats) | per repeat | CPU time per sample / DDP |",
-        "|---|---:|---:|---|---:|",
-        f"| ddp | {report['samples_per_s_median']['ddp']:.0f} | 1.000 | | 1.000 |",
+        "| variant | CPU per sample / DDP | per repeat | samples/s / DDP | per repeat | re-plans (median) |",
+        "|---|---:|---|---:|---|---:|",
+        f"| ddp ({report['cpu_us_per_sample_median']['ddp']:.0f} CPU-us/sample,"
+        f" {report['samples_per_s_median']['ddp']:.0f} samples/s) | 1.000 | | 1.000 | | 0 |",
     ]
     for variant in variants[1:]:
         r = report[f"{variant}_vs_ddp"]
-        per_repeat = ", ".join(f"{x:.2f}" for x in r["ratios"])
+        cpu_repeats = ", ".join(f"{x:.2f}" for x in r["cpu_per_sample_ratios"])
+        wall_repeats = ", ".join(f"{x:.2f}" for x in r["ratios"])
         lines.append(
-            f"| {variant} | {report['samples_per_s_median'][variant]:.0f} | {r['median']:.3f} | {per_repeat}"
-            f" | {r['cpu_per_sample_median']:.3f} |"
+            f"| {variant} | {r['cpu_per_sample_median']:.3f} | {cpu_repeats} | {r['median']:.3f} | {wall_repeats}"
+            f" | {statistics.median(report['replans'][variant]):.0f} |"
         )
     lines += [
         "",
-        f"DDP's own repeats spread over {100 * report['ddp_spread']:.0f}% of its median: the machine is shared.",
+        f"Spread of DDP's own repeats (max - min over the median): {100 * report['ddp_spread']:.0f}% in samples/s,"
+        f" {100 * report['ddp_cpu_spread']:.0f}% in CPU per sample. Where the wall-clock spread is far above 5%, the"
+        " samples/s ratios cannot show a 5% difference; the CPU ratios are the figure to read then: at 0.95x DDP's"
+        " throughput a variant may spend at most 1/0.95 = 1.053x DDP's CPU per sample.",
+        "",
+        'Variants: `ddp` Lightning\'s DDPStrategy (the reference); `cannikin` `strategy="cannikin"` alone (balancing,'
+        " fixed total); `cannikin_adaptive` `Cannikin(max_batch_size=96)` with the default settings (noise statistics"
+        " on one step in eight, local change checks compared every 8 steps, the total reconsidered every 200 steps;"
+        " capped at the starting total so the machinery is measured, not a larger batch); `fixed` a fixed even split"
+        " through Cannikin's strategy, no callback. Re-plans: plans adopted per run (warm-up, epoch ends, speed"
+        " changes the ranks' checks saw, the settling re-plan after each, the total's reconsiderations); on a shared"
+        " host each one is rank zero's fit and decision while the other ranks wait.",
         "",
     ]
     return "\n".join(lines)
@@ -228,8 +288,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="ddp is always run")
     parser.add_argument("--model", choices=("mlp", "deep"), default="mlp", help="deep: 52 parameter tensors, not 6")
     parser.add_argument("--out", type=Path, help="default: results/overhead.json (overhead_deep.json for --model deep)")
+    parser.add_argument("--quick", action="store_true", help="3 repeats of 3 epochs (diagnosis; not for the record)")
+    parser.add_argument("--profile", choices=VARIANTS, help="cProfile rank 0 of this variant in an extra run first")
+    parser.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="NAME=VALUE",
+        help="change a CannikinSettings field of cannikin_adaptive (diagnosis), e.g. noise_every_n_steps=16",
+    )
     args = parser.parse_args(argv)
+    if args.quick:
+        args.repeats, args.epochs = min(args.repeats, 3), min(args.epochs, 3)
+    overrides = {name: _value(value) for name, value in (item.split("=", 1) for item in args.set)}
     deep = args.model == "deep"
+    if args.out is None and args.quick:  # a diagnosis never overwrites a recorded result
+        args.out = Path(tempfile.gettempdir()) / "overhead_quick.json"
     if args.out is None:
         args.out = Path(__file__).parent / "results" / ("overhead_deep.json" if deep else "overhead.json")
     variants = ("ddp", *(v for v in VARIANTS if v in args.variants and v != "ddp"))
@@ -241,18 +315,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     throughput: dict[str, list[float]] = {v: [] for v in variants}
     cpu: dict[str, list[float]] = {v: [] for v in variants}
     splits: dict[str, list[list[int]]] = {v: [] for v in variants}
-    started = time.perf_counter()
+    replans: dict[str, list[int]] = {v: [] for v in variants}
+    started, load_at_start = time.perf_counter(), _load()
+    if args.profile:  # a run of its own, left out of the figures (the profiler slows rank zero down)
+        result = run(args.profile, dataset, args.total_batch, args.epochs, 0, deep, overrides, args.skip_epochs)
+        print(f"--- rank 0 profile of {args.profile}, epochs {args.skip_epochs}+ ---\n{result['profile']}", flush=True)
     for repeat in range(args.repeats):
         # rotate the order too, so that no variant always runs first (or right after another one) in a repeat
         order = variants[repeat % len(variants) :] + variants[: repeat % len(variants)]
         for variant in order:
-            result = run(variant, dataset, args.total_batch, args.epochs, seed=repeat, deep=deep)
+            result = run(variant, dataset, args.total_batch, args.epochs, repeat, deep, overrides)
             throughput[variant].append(steady_throughput(result, args.skip_epochs))
             cpu[variant].append(cpu_per_sample(result, args.skip_epochs))
             splits[variant].append(result["splits"][-1])
+            replans[variant].append(result["replans"])
             print(
                 f"  repeat {repeat} {variant:20s} {throughput[variant][-1]:8.1f} samples/s"
-                f" {1e6 * cpu[variant][-1]:7.1f} CPU-us/sample",
+                f" {1e6 * cpu[variant][-1]:7.1f} CPU-us/sample {result['replans']:3d} re-plans",
                 flush=True,
             )
     report: dict[str, Any] = {
@@ -266,11 +345,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "model": ("MLP 784-128-(24 x 128)-10" if deep else "MLP 784-256-256-10")
             + ", SGD, random 28x28 inputs, CPU, gloo, one thread per rank",
             "wall_time_s": time.perf_counter() - started,
+            "cannikin_adaptive_settings": overrides or "defaults",
+            "command": " ".join(["python benchmarks/overhead.py", *(argv if argv is not None else sys.argv[1:])]),
+            "cpus": os.cpu_count(),
+            "load_average": {"start": load_at_start},
         },
         "samples_per_s_median": {v: statistics.median(throughput[v]) for v in variants},
         "samples_per_s": throughput,
         "cpu_us_per_sample_median": {v: 1e6 * statistics.median(cpu[v]) for v in variants},
         "final_splits": splits,
+        "replans": replans,
     }
     for variant in variants[1:]:
         ratios = [c / d for c, d in zip(throughput[variant], throughput["ddp"], strict=True)]
@@ -284,6 +368,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # how noisy the machine was: the spread of DDP's own repeats
     ddp = throughput["ddp"]
     report["ddp_spread"] = (max(ddp) - min(ddp)) / statistics.median(ddp)
+    report["ddp_cpu_spread"] = (max(cpu["ddp"]) - min(cpu["ddp"])) / statistics.median(cpu["ddp"])
+    report["setup"]["load_average"]["end"] = _load()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     args.out.with_suffix(".md").write_text(markdown(report, variants))
@@ -294,9 +380,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{variant:20s} / ddp = {r['median']:.3f}x samples/s (repeats {repeats});"
             f" CPU per sample {r['cpu_per_sample_median']:.3f}x"
         )
-    print(f"DDP's own spread across repeats: {100 * report['ddp_spread']:.1f}% of its median")
+    print(
+        f"DDP's own spread across repeats: {100 * report['ddp_spread']:.1f}% of its median in samples/s,"
+        f" {100 * report['ddp_cpu_spread']:.1f}% in CPU per sample"
+    )
     print(f"saved {args.out}")
     return report
+
+
+def _load() -> list[float]:
+    """The machine's load average over 1, 5 and 15 minutes (others' work shows here)."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def _value(text: str) -> Any:
+    """A ``--set`` value: an integer, a float, ``None``, ``True``/``False``, or the text."""
+    for convert in (int, float):
+        try:
+            return convert(text)
+        except ValueError:
+            pass
+    return {"None": None, "True": True, "False": False}.get(text, text)
 
 
 if __name__ == "__main__":

@@ -96,6 +96,7 @@ def replay(
     settings: SpeedModelSettings | None = None,
     policy: PolicySettings | None = None,
     noise: Callable[[int], float | None] | None = None,
+    change_check: Callable[[float], LocalChangeCheck] = LocalChangeCheck,
 ) -> Replay:
     """Run ``steps`` steps from an even split of ``total``.
 
@@ -116,13 +117,14 @@ def replay(
         noise: the confident noise scale after each step (``None`` while it is not confident), as every rank holds
             it: with ``policy.max_batch_size`` the total is reconsidered whenever it leaves the band of the last
             choice (``ReplanSchedule.total_due``), and at epoch ends.
+        change_check: each rank's local change check, from the speed model's drift tolerance.
 
     """
     out = Replay(devices, world_size)
     model = SpeedModel(world_size, settings, bounds)
     out.model = model
     schedule = ReplanSchedule(warmup_steps, replan_every_n_steps, check_every_n_steps=check_every_n_steps)
-    checks = [LocalChangeCheck(model.settings.drift_tolerance) for _ in range(world_size)]
+    checks = [change_check(model.settings.drift_tolerance) for _ in range(world_size)]
     plan = Plan(even_split(total, world_size))
     identified = False
     pending: list[StepRecord] = []

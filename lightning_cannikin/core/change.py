@@ -72,8 +72,11 @@ class LocalChangeCheck:
     that may still carry the previous plan's warm-up); later times at the same size fill a window. Two changes
     count: a large one (beyond ``band`` in three of the last ``window`` steps in four), within about ``window``
     steps, and a small one (beyond ``small_band``, or twice the reference's own spread if that is larger, over
-    ``small_window`` steps), later. A new batch size starts a new reference, and so does :meth:`reset` (call it after
-    a re-plan this check asked for: the speed model has then seen the change).
+    ``small_window`` steps), later. The large band, too, is never narrower than ``noise_floor`` times the reference's
+    spread: tiny steps on a shared host (a few milliseconds, where the scheduler's time slices move single steps by
+    several times) would otherwise fill a window with jitter and ask for re-plans that keep the split; on a steady
+    device (a spread of a few percent) the band is ``band``. A new batch size starts a new reference, and so does
+    :meth:`reset` (call it after a re-plan this check asked for: the speed model has then seen the change).
 
     Args:
         band: relative change that counts at once (the speed model's ``drift_tolerance``).
@@ -82,6 +85,8 @@ class LocalChangeCheck:
         skip: steps left out after a change of batch size or a reset.
         small_band: the smallest relative change that counts, over ``small_window`` steps.
         small_window: recent steps judged for a small change.
+        noise_floor: the narrowest large band, in multiples of the reference's relative spread (``1.4826 x`` its
+            median absolute deviation, a standard deviation for Gaussian jitter); 0: ``band`` whatever the jitter.
 
     """
 
@@ -93,12 +98,16 @@ class LocalChangeCheck:
         skip: int = 2,
         small_band: float = 0.08,
         small_window: int = 48,
+        noise_floor: float = 2.0,
     ) -> None:
         if not (band > 0 and small_band > 0) or min(int(window), int(reference), int(small_window)) < 1 or skip < 0:
             raise ValueError(
                 "`band`, `small_band` must be > 0, `window`, `small_window`, `reference` >= 1 and `skip` >= 0; got"
                 f" {band}, {small_band}, {window}, {small_window}, {reference}, {skip}."
             )
+        if not noise_floor >= 0:
+            raise ValueError(f"`noise_floor` must be >= 0, got {noise_floor}.")
+        self.noise_floor = float(noise_floor)
         self.band, self.window, self.reference, self.skip = float(band), int(window), int(reference), int(skip)
         self.small_band, self.small_window = float(small_band), int(small_window)
         self._batch_size: int | None = None
@@ -136,7 +145,7 @@ class LocalChangeCheck:
         ratios = [t / expected for t in self._recent]
         spread = 1.4826 * float(np.median(np.abs(np.asarray(self._reference) / expected - 1.0)))
         small = max(self.small_band, 2.0 * spread)
-        large = clear_change(ratios, self.band, self.window)
+        large = clear_change(ratios, max(self.band, self.noise_floor * spread), self.window)  # beyond the jitter
         return large is not None or clear_change(ratios, small, self.small_window) is not None
 
 

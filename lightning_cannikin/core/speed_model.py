@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -107,6 +107,9 @@ class SpeedModel:
         # every rank's (batch size, compute) of the latest complete steps: which ranks were slow together
         self._joint: deque[tuple[tuple[int, ...], tuple[float, ...]]] = deque(maxlen=int(self.settings.tail_window))
         self._scenarios: tuple[Scenarios | None] | None = None  # found once per batch of new samples
+        # the planner's pieces of the fitted models, and of the part no device's speed scales: a decision asks for
+        # them hundreds of times, and they change only with new samples (read-only arrays)
+        self._pieces: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._warm = [0] * self.world_size  # samples each rank has had since its start; the first ones are left out
         self._watch = ChangeWatch(self.world_size, self.settings.drift_tolerance)
 
@@ -131,6 +134,7 @@ class SpeedModel:
                     kept.setdefault(record.rank, []).append(record)
         self.drifts = self._detect_drift(kept)
         self._models = self._scenarios = None
+        self._pieces = {}
         for rank_records in kept.values():
             for record in rank_records:
                 self._add_sample(record)
@@ -232,7 +236,18 @@ class SpeedModel:
         is the compute-only one; where it does not, OptPerf(B) for other totals sees the communication floor.
         ``models``: other compute models than the fitted ones (zero ones give the part no device's speed scales).
         """
-        models = self.models() if models is None else models
+        return self._pieces_of(models) if models is not None else self._cached("fitted", self.models)
+
+    def _cached(self, key: str, models: Callable[[], Sequence[LinearTimeModel]]) -> tuple[np.ndarray, np.ndarray]:
+        """The pieces of ``models()``, kept until new samples arrive; writing to them raises (callers share them)."""
+        if key not in self._pieces:
+            pieces = self._pieces_of(models())
+            for array in pieces:
+                array.flags.writeable = False
+            self._pieces[key] = pieces
+        return self._pieces[key]
+
+    def _pieces_of(self, models: Sequence[LinearTimeModel]) -> tuple[np.ndarray, np.ndarray]:
         comm, tail = self.comm(), self.tail()
         if comm is None or not self.first_bucket_shares or not self.after_reduction:
             return step_time_pieces(models, None, overhead=tail)
@@ -259,7 +274,7 @@ class SpeedModel:
     def _expected(self, splits: np.ndarray, scenarios: Scenarios) -> np.ndarray:
         slopes, offsets = self.pieces()
         # the part no device's speed scales, piece for piece (a knee adds its flat pieces there too)
-        _, fixed = self.pieces([LinearTimeModel(0.0, 0.0, m.knee) for m in self.models()])
+        _, fixed = self._cached("fixed", lambda: [LinearTimeModel(0.0, 0.0, m.knee) for m in self.models()])
         return scenarios.expected(slopes, offsets, fixed, np.atleast_2d(splits))
 
     @property
@@ -379,6 +394,7 @@ class SpeedModel:
     def load_state_dict(self, state: dict) -> None:
         """Restore fitted state; from a run with another world size only the tail is kept (devices changed)."""
         self._models = None
+        self._pieces = {}
         self._watch.clear()
         self._joint.clear()
         warm = state.get("warm")
