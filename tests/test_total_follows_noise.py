@@ -17,6 +17,7 @@ from lightning_cannikin.core.speed_model import SpeedModel
 from lightning_cannikin.training.engine import BalancingEngine
 from lightning_cannikin.training.runtime import RuntimeState
 from lightning_cannikin.training.sampler import UnevenBatchSampler
+from tests.test_engine import OneRank
 
 BASE, CAP = 48, 4096
 FIXED_S, PER_SAMPLE_S = 0.02, 1e-4  # the known step time: 20 ms + 0.1 ms per sample
@@ -24,18 +25,6 @@ FIXED_S, PER_SAMPLE_S = 0.02, 1e-4  # the known step time: 20 ms + 0.1 ms per sa
 
 def step_time(total):
     return FIXED_S + PER_SAMPLE_S * np.asarray(total, dtype=float)
-
-
-class OneRank:
-    """A :class:`~lightning_cannikin.training.collective.Collective` of one process."""
-
-    rank, world_size = 0, 1
-
-    def all_gather(self, obj):
-        return [obj]
-
-    def broadcast(self, obj, src=0):
-        return obj
 
 
 def run_engine(true_noise_scale, steps, seed=0, dim=64, **settings):
