@@ -28,7 +28,7 @@ The points, the same on both clocks:
   (its gradients ready and the bucket before it reduced) to its return, summed (``comm_busy``), and the last one's
   (``last_bucket``). A bucket's marks are the moments the step's other marks already take (the latest bucket, the
   latest reduction); a mark a later bucket would move is kept aside instead, so a step of ``K`` buckets costs
-  ``2K - 3`` more marks than one, none for two buckets.
+  ``2K - 3`` more marks than before (K >= 2).
 
 SyncBatchNorm runs collectives inside forward and backward, and at each of them a rank waits for the slowest one. On
 both clocks the wait lands between forward start and gradients ready (on CUDA the compute stream itself waits for
