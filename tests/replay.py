@@ -123,7 +123,9 @@ def replay(
     out = Replay(devices, world_size)
     model = SpeedModel(world_size, settings, bounds)
     out.model = model
-    schedule = ReplanSchedule(warmup_steps, replan_every_n_steps, check_every_n_steps=check_every_n_steps)
+    schedule = ReplanSchedule(
+        warmup_steps, replan_every_n_steps, adapt_every_n_steps=1, check_every_n_steps=check_every_n_steps
+    )
     checks = [change_check(model.settings.drift_tolerance) for _ in range(world_size)]
     plan = Plan(even_split(total, world_size))
     identified = False
@@ -141,7 +143,8 @@ def replay(
         # the ranks' one-bit answers meet only on the steps the schedule names (riding on an exchange)
         changed = schedule.check_due(done) and any(check.changed() for check in checks)
         phi = noise(done) if noise is not None else None
-        adapt = policy is not None and policy.max_batch_size is not None and identified and schedule.total_due(phi)
+        adapt = policy is not None and policy.max_batch_size is not None and identified
+        adapt = adapt and schedule.total_due(phi, done)
         if not (epoch_end or adapt or schedule.due(done, identified, True, changed)):
             continue
         if changed:

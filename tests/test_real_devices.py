@@ -216,8 +216,12 @@ def test_a_rising_noise_scale_is_followed_without_a_clock():
 
 
 def test_the_schedule_reconsiders_the_total_when_the_noise_scale_leaves_its_band():
-    schedule = ReplanSchedule(8)
-    assert not schedule.total_due(None) and schedule.total_due(300.0)  # the first confident estimate
+    schedule = ReplanSchedule(8, adapt_every_n_steps=8)
+    assert not schedule.total_due(None, 30) and schedule.total_due(300.0, 30)  # the first confident estimate
     schedule.adapted_at(40, True, (200.0, 800.0))
-    assert not schedule.total_due(500.0) and not schedule.total_due(None)
-    assert schedule.total_due(900.0) and schedule.total_due(150.0)
+    assert not schedule.total_due(500.0, 60) and not schedule.total_due(None, 60)
+    assert schedule.total_due(900.0, 60) and schedule.total_due(150.0, 60)
+    assert not schedule.total_due(900.0, 47), "no sooner than the floor after the last reconsideration"
+    assert not ReplanSchedule(8).total_due(900.0, 60), "adapt_every_n_steps=None: at epoch ends only"
+    schedule.noise_band = None  # a resume: the band is not saved, so the total is reconsidered once
+    assert schedule.total_due(500.0, 60)

@@ -221,3 +221,96 @@ def test_buckets_outside_a_timed_step_are_not_marked():
     timer.before_reduce(None, None)  # a fit without the callback: nobody starts steps
     timer.after_reduce(None, None, None)
     assert not timer.reduced and device.created == 0
+
+
+def bucket_step(timer: StepTimer, device: FakeDevice, ready: list[float], reduce_ms: float, t0: float = 0.0) -> float:
+    """One step whose buckets are ready at ``ready`` ms after ``t0`` and reduced in order, each in ``reduce_ms``: the
+    hook sees every bucket ready and every reduction return, in the order they happen. Returns the step's end."""
+    device.at = t0
+    timer.start()
+    device.at = t0 + 1
+    timer.forward_start()
+    moments, end = [], 0.0
+    for at in ready:
+        end = max(at, end) + reduce_ms
+        moments += [(at, 1, timer.before_reduce), (end, 0, timer.after_reduce)]
+    for at, _, call in sorted(moments, key=lambda moment: moment[:2]):  # a return before a bucket ready with it
+        device.at = t0 + at
+        call(None, None) if call == timer.before_reduce else call(None, None, None)
+    device.at = t0 + end
+    timer.backward_done()
+    device.at = t0 + end + 1
+    return t0 + end + 1
+
+
+@pytest.mark.parametrize(
+    "ready, reduce_ms, busy, last, exposed",
+    [
+        ([10, 20, 30], 4, 12, 4, 4),  # backward hides the reductions: the exposed part is the last bucket's
+        ([10, 12, 14], 8, 24, 8, 20),  # the reductions are the bottleneck: the exposed part waits on the earlier ones
+        ([10], 5, 5, 5, 5),
+        ([10, 11, 30, 31, 32], 6, 30, 6, 16),  # a gap: the third bucket waits for its gradients, not the second
+    ],
+)
+def test_the_hook_gives_the_reductions_own_time_in_either_regime(ready, reduce_ms, busy, last, exposed):
+    timer, device = cuda_timer()
+    device.now = 1e9
+    bucket_step(timer, device, ready, reduce_ms)
+    timer.finish(0, 0, 32)
+    (record,) = timer.records()
+    assert record.comm_busy == pytest.approx(busy / 1000) and record.last_bucket == pytest.approx(last / 1000)
+    assert record.exposed == pytest.approx(exposed / 1000), "the spans are what they were"
+    assert record.compute == pytest.approx((ready[-1] - 1) / 1000)
+
+
+def test_bucket_marks_come_from_the_pool_and_a_reduction_not_seen_gives_none():
+    timer, device = cuda_timer()
+    for step in range(100):
+        device.now = 100.0 * step - 50.0  # the device runs half a step behind the host
+        bucket_step(timer, device, [10, 20, 30, 40, 50], 4, t0=100.0 * step)
+        timer.finish(step, 0, 32)
+    records = timer.records()
+    assert [r.step for r in records] == list(range(98)) and device.syncs == 0
+    assert all(r.comm_busy == pytest.approx(0.020) and r.last_bucket == pytest.approx(0.004) for r in records)
+    assert device.created <= 3 * (7 + 2 * 5 - 3), "a couple of steps' worth of events, not a set per step"
+    # a bucket whose reduction never came back through the hook (an exception), or DDP's own all-reduce: no guess
+    timer, device = cuda_timer()
+    device.now = 1e9
+    run_step(timer, device, step=0, t0=0.0)  # two buckets ready, one return seen
+    timer.start()
+    timer.will_reduce(True)
+    timer.gradient_ready()  # DDP's own all-reduce: parameters ready, no bucket seen
+    timer.backward_done()
+    timer.finish(1, 0, 8)
+    assert [(r.comm_busy, r.last_bucket) for r in timer.records()] == [(None, None), (None, None)]
+    assert timer.latest is None
+
+
+def test_the_comm_hook_fills_the_reductions_time_on_gloo(tmp_path):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_cannikin.training.comm_hook import weighted_allreduce_hook
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(4)))
+        ddp = DistributedDataParallel(model, bucket_cap_mb=0.1)  # about a bucket per parameter
+        buckets = []
+        runtime = RuntimeState()
+        ddp.register_comm_hook(runtime.hook, weighted_allreduce_hook)
+        for step in range(3):
+            before = runtime.hook.calls
+            runtime.timer.start()
+            runtime.timer.forward_start()
+            ddp(torch.randn(8, 256)).sum().backward()
+            runtime.timer.backward_done()
+            runtime.timer.finish(step, 0, 8)
+            buckets.append(runtime.hook.calls - before)
+        records = runtime.timer.records(wait=True)
+    finally:
+        dist.destroy_process_group()
+    assert min(buckets[1:]) >= 3, f"several buckets per step (after DDP's first, which builds them): {buckets}"
+    for record in records:
+        assert record.comm_busy is not None and record.last_bucket is not None
+        assert 0 < record.last_bucket <= record.comm_busy <= record.allreduce + 1e-9

@@ -1,5 +1,6 @@
 """When to re-plan mid-epoch: every few steps while some device's speed is unmeasured, on a fixed cadence, when a
-rank's local check sees its speed change, and when to reconsider the total batch mid-epoch.
+rank's local check sees its speed change, and when to reconsider the total batch mid-epoch (when the confident noise
+scale leaves the band the last choice holds in, not on a clock).
 
 Pure Python: imports neither torch nor Lightning.
 """
@@ -20,8 +21,9 @@ class ReplanSchedule:
             the first re-plan probes a second batch size on every rank, the next one balances. Not used when the
             split is even (an even split probes nothing, so it would re-plan forever for no change).
         every_n_steps: also re-plan every this many steps (``None``: never on a cadence).
-        adapt_every_n_steps: reconsider the total batch mid-epoch every this many steps, and once as soon as the
-            statistics allow it (``None``: at epoch ends only).
+        adapt_every_n_steps: mid-epoch, reconsider the total batch when the confident noise scale leaves the band
+            of the last choice (:meth:`total_due`), but no sooner than this many steps after the last reconsideration
+            (a floor, not a clock; ``None``: at epoch ends only).
         check_every_n_steps: ask every rank's :class:`~lightning_cannikin.core.change.LocalChangeCheck` after every
             this many steps (:meth:`check_due`, the same steps on every rank); a yes from any rank re-plans at that
             step (``None``: never). The check itself is local; only its one-bit answer must reach every rank.
@@ -33,7 +35,7 @@ class ReplanSchedule:
     adapt_every_n_steps: int | None = None
     last_replan_step: int = 0
     last_adapt_step: int = 0
-    adapted: bool = False  # a total batch was chosen with statistics that allow it
+    adapted: bool = False  # a total batch was chosen with statistics that allow it (kept for checkpoints)
     settle_at: int | None = None  # a re-plan due once a new total batch has been timed at its new sizes
     check_every_n_steps: int | None = 8
     noise_band: tuple[float, float] | None = None  # the noise scales the total in force was chosen for
@@ -52,23 +54,19 @@ class ReplanSchedule:
         """Whether every rank asks its local change check after ``step`` steps (the same answer on every rank)."""
         return self.check_every_n_steps is not None and step % self.check_every_n_steps == 0
 
-    def adapt_due(self, step: int, ready: bool) -> bool:
-        """Whether to reconsider the total batch mid-epoch after ``step`` steps; ``ready``: the noise scale can be acted
-        on and the speeds are measured (the same answer on every rank)."""
-        if self.adapt_every_n_steps is None:
-            return False
-        return (ready and not self.adapted) or step - self.last_adapt_step >= self.adapt_every_n_steps
-
-    def total_due(self, noise_scale: float | None) -> bool:
-        """Whether to reconsider the total batch now: the noise scale is confident (``None`` while it is not, as
-        :meth:`~lightning_cannikin.core.noise_scale.NoiseScaleEstimator.confident_noise_scale` gives it) and either
-        no total was chosen with a confident one yet, or it has left the band the last choice holds in
-        (:attr:`~lightning_cannikin.core.policy.Decision.noise_band`, kept here by :meth:`adapted_at`). Every rank
-        holds the same noise scale and band, so every rank answers alike at the same step, with no collective."""
-        if noise_scale is None:
+    def total_due(self, noise_scale: float | None, step: int) -> bool:
+        """Whether to reconsider the total batch mid-epoch after ``step`` steps: the noise scale is confident (``None``
+        while it is not, as :meth:`~lightning_cannikin.core.noise_scale.NoiseScaleEstimator.confident_noise_scale`
+        gives it), at least ``adapt_every_n_steps`` steps passed since the last reconsideration, and either no band is
+        held (no total was chosen with a confident noise scale yet, or a resume dropped it) or the noise scale has left
+        the band the last choice holds in (:attr:`~lightning_cannikin.core.policy.Decision.noise_band`, kept here by
+        :meth:`adapted_at`). Every rank holds the same noise scale and band, so every rank answers alike at the same
+        step, with no collective."""
+        floor = self.adapt_every_n_steps
+        if noise_scale is None or floor is None or step - self.last_adapt_step < floor:
             return False
         if self.noise_band is None:
-            return not self.adapted
+            return True
         low, high = self.noise_band
         return not low <= noise_scale <= high
 

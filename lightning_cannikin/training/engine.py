@@ -223,11 +223,10 @@ class BalancingEngine:
             return False, False  # no re-plan mid-window: a window's micro-batches share one layout
         vote = self.vote
         self._changed = vote is not None and self.schedule.check_due(self.step) and vote.poll()
-        adapt = (
-            self.policy.max_batch_size is not None
-            and self.schedule.adapt_due(self.step, self.adapt_ready)
-            and resizable
-        )
+        # the total follows the confident noise scale out of its band: every rank folds the same exchanged numbers
+        # and holds the band rank zero broadcast, so every rank answers alike here, with no collective
+        ready = self.policy.max_batch_size is not None and resizable and (self.identified or not self.policy.balance)
+        adapt = ready and self.schedule.total_due(self.usable_noise_scale(), self.step)
         return adapt or self.schedule.due(self.step, self.identified, self.policy.balance, self._changed), adapt
 
     def decide(

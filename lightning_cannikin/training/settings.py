@@ -31,7 +31,7 @@ class CannikinSettings:
     | ``warmup_steps`` | 8 | while some device is timed at one batch size, re-plan every this many steps |
     | ``half_life`` | 50.0 | recency half-life of the timing fits, in steps |
     | ``adapt_margin`` | 0.05 | relative goodput gain required to change the total batch (hysteresis) |
-    | ``adapt_every_n_steps`` | 200 | reconsider the total mid-epoch this often (``None``: at epoch ends) |
+    | ``adapt_every_n_steps`` | 1 | fewest steps between mid-epoch reconsiderations of the total (``None``: never) |
     | ``accumulate`` | True | reach totals beyond the upper bounds with gradient accumulation (changed at epoch ends) |
     | ``track_noise_scale`` | None | measure the gradient noise scale (``None``: when it can change something) |
     | ``min_noise_updates`` | 20 | measured steps of noise statistics before the total batch may change |
@@ -46,10 +46,14 @@ class CannikinSettings:
             steps: the first re-plan probes a second size on every rank (alternating mid-epoch), the next balances.
         half_life: recency half-life of the timing fits, in steps.
         adapt_margin: relative goodput gain required to change the total batch (hysteresis).
-        adapt_every_n_steps: with ``max_batch_size``, also reconsider the total batch mid-epoch once the noise scale is
-            usable, then every this many training steps (``None``: at epoch ends only). The noise-scale average spans
-            about a thousand base-batch steps, so much more often buys nothing. A mid-epoch change keeps the
-            accumulation and every sample once; not under ``limit_train_batches``.
+        adapt_every_n_steps: with ``max_batch_size``, also reconsider the total batch mid-epoch: once the noise scale
+            is confident, then whenever it leaves the band of noise scales within which the last choice stays the
+            goodput choice (a check on numbers every rank holds alike, no collective), but no sooner than this many
+            training steps after the last reconsideration (a floor, no longer a clock; ``None``: at epoch ends only).
+            The estimate itself moves only when exchanged statistics are folded in (every ``noise_every_n_steps`` x
+            ``noise_exchange_every`` steps), so the default floor of 1 adds nothing to that; a larger one delays a
+            total the noise scale already calls for. A mid-epoch change keeps the accumulation and every sample once;
+            not under ``limit_train_batches``.
         accumulate: reach totals beyond what the upper bounds hold in one micro-step with gradient accumulation (the
             same micro-steps on every rank), changed at epoch ends. Off under manual optimization or when the Trainer
             has its own ``accumulate_grad_batches``.
@@ -79,7 +83,7 @@ class CannikinSettings:
     warmup_steps: int = 8
     half_life: float = 50.0
     adapt_margin: float = 0.05
-    adapt_every_n_steps: int | None = 200
+    adapt_every_n_steps: int | None = 1
     accumulate: bool = True
     track_noise_scale: bool | None = None
     min_noise_updates: int = 20

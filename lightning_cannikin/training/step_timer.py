@@ -24,6 +24,11 @@ The points, the same on both clocks:
   the latest reduced bucket coming back. On CUDA that end is recorded in the future's callback, on the stream that
   waits for the collective (NCCL futures complete when the collective is *enqueued*, so a host clock there would
   measure nothing); with DDP's own all-reduce it is the end of backward, which DDP makes wait for the collective.
+- the reductions' own time, through the comm hook only (it sees every bucket): each bucket's reduction from its start
+  (its gradients ready and the bucket before it reduced) to its return, summed (``comm_busy``), and the last one's
+  (``last_bucket``). A bucket's marks are the moments the step's other marks already take (the latest bucket, the
+  latest reduction); a mark a later bucket would move is kept aside instead, so a step of ``K`` buckets costs
+  ``2K - 3`` more marks than before (K >= 2).
 
 SyncBatchNorm runs collectives inside forward and backward, and at each of them a rank waits for the slowest one. On
 both clocks the wait lands between forward start and gradients ready (on CUDA the compute stream itself waits for
@@ -121,10 +126,15 @@ class StepTimer:
         self._reduced = False
         self._inner_forward_pending = False
         self._blocked = self._blocked_in_compute = 0.0  # host seconds this step waited in collectives (blocked())
-        # finished steps whose marks may not be readable yet, oldest first: (step, rank, batch, peak, marks, blocked)
-        self._pending: deque[tuple[int, int, int, float | None, list[Any], float]] = deque()
+        self._buckets = self._returned = 0  # buckets of this step that reached the hook, and that came back
+        # finished steps whose marks may not be readable yet, oldest first: (step, rank, batch, peak, marks, blocked,
+        # buckets): the marks of the middle buckets' readiness and the earlier reductions' ends follow the step's own
+        self._pending: deque[tuple[int, int, int, float | None, list[Any], float, tuple[int, int]]] = deque()
+        self._bucket_ready: list[Any] = []  # the step's buckets ready, but the first and the latest
+        self._bucket_done: list[Any] = []  # the step's reductions returned, but the latest
         self._spare: list[list[Any]] = []  # cleared mark lists, reused
-        # read steps not handed out yet: (step, rank, batch, compute, step time, allreduce, exposed, peak)
+        # read steps not handed out yet: (step, rank, batch, compute, step time, allreduce, exposed, peak, comm busy,
+        # last bucket)
         self._read: list[tuple] = []
         # called with (batch size, compute seconds) of every step as it is read, in step order (a local change check)
         self.listeners: list[Callable[[int, float], None]] = []
@@ -132,6 +142,7 @@ class StepTimer:
     def start(self) -> None:
         """A training step begins (a step left unfinished, e.g. by an exception, is dropped)."""
         self._clear(self._marks)
+        self._drop_buckets()
         self._in_step = True
         self._reduced = self._inner_forward_pending = False
         self._blocked = self._blocked_in_compute = 0.0
@@ -191,10 +202,18 @@ class StepTimer:
         if not self._in_step:
             return  # nobody times this fit (no callback started a step)
         self._reduced = True  # a bucket reached the hook: this backward reduces
+        self._buckets += 1
+        if self._buckets > 2:  # the latest bucket's mark is a middle bucket's from now on: keep it aside
+            self._bucket_ready.append(self._marks[LAST_BUCKET])
+            self._marks[LAST_BUCKET] = None
         self.gradient_ready()
 
     def after_reduce(self, state: WeightedAllReduceState, bucket: dist.GradBucket, reduced: torch.Tensor) -> None:
         if self._in_step:
+            self._returned += 1
+            if self._returned > 1:  # the latest reduction's end is an earlier one's from now on: keep it aside
+                self._bucket_done.append(self._marks[REDUCED])
+                self._marks[REDUCED] = None
             self.clock.mark(self._marks, REDUCED)
 
     def finish(self, step: int, rank: int, batch_size: int | None) -> None:
@@ -208,7 +227,10 @@ class StepTimer:
         self._marks = self._spare.pop() if self._spare else [None] * _POINTS
         self.clock.mark(marks, END)
         peak = self.memory.peak() if self.memory is not None else None
-        self._pending.append((step, rank, batch_size, peak, marks, self._blocked_in_compute))
+        buckets = (self._buckets, self._returned)
+        marks += self._bucket_ready + self._bucket_done  # released with the step's own marks once read
+        self._bucket_ready, self._bucket_done = [], []
+        self._pending.append((step, rank, batch_size, peak, marks, self._blocked_in_compute, buckets))
         self._read_ready(wait=False)
 
     def records(self, wait: bool = False) -> list[StepRecord]:
@@ -223,14 +245,14 @@ class StepTimer:
         if not self._read:
             return []
         capacity = self.memory.capacity() if self.memory is not None else None
-        records = [StepRecord(*values, capacity) for values in self._read]
+        records = [StepRecord(*values[:8], capacity, *values[8:]) for values in self._read]
         self._read = []
         return records
 
     @property
     def latest(self) -> StepRecord | None:
         """The newest record read and not handed out yet (for logging; on CUDA it may be a few steps old)."""
-        return StepRecord(*self._read[-1]) if self._read else None
+        return StepRecord(*self._read[-1][:8], None, *self._read[-1][8:]) if self._read else None
 
     @property
     def unread(self) -> int:
@@ -240,28 +262,53 @@ class StepTimer:
     def _read_ready(self, wait: bool) -> None:
         clock = self.clock
         while self._pending:
-            step, rank, batch_size, peak, marks, blocked = self._pending[0]
+            step, rank, batch_size, peak, marks, blocked, buckets = self._pending[0]
             if wait:
                 clock.wait(marks)
             elif not clock.ready(marks):
                 return  # later steps are queued behind this one
             self._pending.popleft()
             start = FORWARD if marks[FORWARD] is not None else BATCH
-            allreduce = exposed = None
+            allreduce = exposed = busy = last = None
             if marks[LAST_BUCKET] is not None:
                 compute = clock.seconds(marks, start, LAST_BUCKET)
                 if marks[REDUCED] is not None:
                     allreduce = clock.seconds(marks, FIRST_BUCKET, REDUCED)
                     exposed = clock.seconds(marks, LAST_BUCKET, REDUCED)
+                    busy, last = self._reductions(marks, *buckets)
             else:
                 compute = clock.seconds(marks, start, BACKWARD)
             compute = max(compute - blocked, 0.0)
             step_time = clock.seconds(marks, BATCH, END)
-            self._read.append((step, rank, batch_size, compute, step_time, allreduce, exposed, peak))
+            self._read.append((step, rank, batch_size, compute, step_time, allreduce, exposed, peak, busy, last))
             for listener in self.listeners:
                 listener(batch_size, compute)
             self._clear(marks)
             self._spare.append(marks)
+
+    def _reductions(self, marks: list[Any], buckets: int, returned: int) -> tuple[float | None, float | None]:
+        """``(comm_busy, last_bucket)`` of a step whose every bucket came back through the hook (else ``None``s):
+        bucket ``k``'s reduction starts when it is ready and bucket ``k - 1`` is reduced, and ends when it returns."""
+        if buckets < 1 or returned != buckets:
+            return None, None  # DDP's own all-reduce, or a reduction not seen
+        middle = list(range(_POINTS, _POINTS + buckets - 2))
+        ready = [LAST_BUCKET] if buckets == 1 else [FIRST_BUCKET, *middle, LAST_BUCKET]
+        done = [*range(_POINTS + max(buckets - 2, 0), _POINTS + max(buckets - 2, 0) + returned - 1), REDUCED]
+        busy = last = 0.0
+        end = None
+        for ready_at, done_at in zip(ready, done, strict=True):
+            began = self.clock.seconds(marks, BATCH, ready_at)
+            began = began if end is None else max(began, end)
+            end = self.clock.seconds(marks, BATCH, done_at)
+            last = max(end - began, 0.0)
+            busy += last
+        return busy, last
+
+    def _drop_buckets(self) -> None:
+        """Forget the bucket marks of a step left unfinished (none after :meth:`finish`)."""
+        self.clock.release(self._bucket_ready + self._bucket_done)
+        self._bucket_ready, self._bucket_done = [], []
+        self._buckets = self._returned = 0
 
     def _clear(self, marks: list[Any]) -> None:
         self.clock.release(marks)
