@@ -18,12 +18,16 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_cannikin import CannikinStrategy, EmulatedCluster
+from lightning_cannikin.core.loss_normalisation import loss_weights
 from lightning_cannikin.core.plan import Plan
 from lightning_cannikin.training.cost_aware_sampler import CostAwareBatchSampler, resolve_costs
+from lightning_cannikin.training.grad_stats import FOLD_DELAY
 from lightning_cannikin.training.lightning_hooks import BalancingCallback
 from lightning_cannikin.training.loader import rebuild_uneven
+from lightning_cannikin.training.loss_weights import step_weights
 from lightning_cannikin.training.runtime import RuntimeState
 from tests.models import RecordingRegressor, quiet_trainer
+from tests.test_adaptive import fit_recording_noise, squared_gradient_norm
 
 MAX_LENGTH, DIM = 8, 3
 
@@ -244,6 +248,17 @@ def test_cost_aware_sampler_every_sample_once_equal_steps_and_exact_resume():
         assert head + [batch[3].tolist() for batch in resumed] == batches[rank]
 
 
+@pytest.mark.parametrize("normalisation", ["sample_mean", "sample_sum", "count_mean"])
+def test_step_weights_are_the_core_weights(normalisation):
+    window, units = [(5, 2, 1), (4, 3, 2)], [(50.0, 9.0, 30.0), (12.0, 33.0, 7.0)]
+    reference = loss_weights(normalisation, np.array(window).T, np.array(units).T, allreduce="sum")
+    for rank in range(3):
+        for micro in range(2):
+            weights = step_weights(normalisation, window, units if normalisation == "count_mean" else None, rank, micro)
+            assert weights.rank * weights.micro == pytest.approx(reference[rank, micro], rel=1e-12)
+            assert weights.rank == pytest.approx(reference[rank].sum(), rel=1e-12)
+
+
 def test_weights_and_bad_input():
     runtime = RuntimeState(normalisation="sample_sum")
     runtime.begin_step(0, (6, 2), rank=1)
@@ -265,3 +280,32 @@ def test_weights_and_bad_input():
         resolve_costs([-1.0] * 10, dataset)
     with pytest.raises(ValueError, match="lengths"):
         resolve_costs("lengths", list(range(10)))
+
+
+class SummedRegressor(RecordingRegressor):
+    """The squared error summed over the batch's samples (``reduction="sum"``)."""
+
+    def training_step(self, batch, batch_idx):
+        x, y, index = batch
+        self.steps.append(index.tolist())
+        self.epochs.append(self.current_epoch)
+        return nn.functional.mse_loss(self.layer(x), y, reduction="sum")
+
+
+@pytest.mark.parametrize("every", [1, 3], ids=["hook", "capture"])
+def test_noise_statistics_of_a_declared_sum_are_those_of_its_mean(tmp_path, every):
+    # the estimator needs every group's mean gradient and the global mean's: a sum's are its sample count times them
+    dataset, initial, records, fed = fit_recording_noise(
+        tmp_path,
+        [20, 8, 4],
+        SummedRegressor,
+        noise_every=every,
+        ddp_kwargs={"loss_normalisation": "sample_sum"},
+        max_steps=1 + FOLD_DELAY * every,
+    )
+    ((local, group_sizes, global_sqr, _),) = fed  # step 0's, folded in at step FOLD_DELAY
+    groups = [r["steps"][0] for r in records]
+    assert group_sizes == [20, 8, 4]
+    assert local == pytest.approx([squared_gradient_norm(dataset, initial, g) for g in groups], rel=1e-4)
+    union = [i for g in groups for i in g]
+    assert global_sqr == pytest.approx(squared_gradient_norm(dataset, initial, union), rel=1e-4)

@@ -74,6 +74,11 @@ def step_weights(
         micro_index: the micro-batch's index within the window.
 
     """
+    if normalisation == "sample_mean":  # the default, every step: loss_weights' row for it in plain Python (~5 us)
+        rank_samples = sum(micro[rank] for micro in window)
+        total = sum(sum(micro) for micro in window)
+        noise = tuple(tuple(float(b) for b in micro) for micro in window)
+        return StepWeights(rank_samples / total, window[micro_index][rank] / rank_samples, 1.0, noise)
     samples = np.asarray(window, dtype=np.float64).T  # (n, K)
     unit_array = None if units is None else np.asarray(units, dtype=np.float64).T
     weights = loss_weights(normalisation, samples, unit_array, allreduce="sum")
