@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--skip-epochs", type=int, default=1, help="epochs left out of the steady state")
     parser.add_argument("--steps-per-epoch", type=int, default=30)
-    parser.add_argument("--scale", type=float, default=200.0, help="the model benchmark's costs times this")
+    parser.add_argument("--scale", type=float, default=300.0, help="the model benchmark's costs times this")
     parser.add_argument("--attention", type=float, default=64.0, help="length at which attention doubles the cost")
     parser.add_argument("--equal-length", type=int, default=13, help="the control's length (the median gloss)")
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))

@@ -20,13 +20,19 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_cannikin import CannikinStrategy, EmulatedCluster
 from lightning_cannikin.core.loss_normalisation import loss_weights
 from lightning_cannikin.core.plan import Plan
-from lightning_cannikin.training.cost_aware_sampler import CostAwareBatchSampler, resolve_costs
+from lightning_cannikin.core.step_record import StepRecord
+from lightning_cannikin.training.cost_aware_sampler import (
+    CostAwareBatchSampler,
+    CostTimeFit,
+    resolve_costs,
+    with_time_models,
+)
 from lightning_cannikin.training.grad_stats import FOLD_DELAY
 from lightning_cannikin.training.lightning_hooks import BalancingCallback
 from lightning_cannikin.training.loader import rebuild_uneven
 from lightning_cannikin.training.loss_weights import step_weights
 from lightning_cannikin.training.runtime import RuntimeState
-from tests.models import RecordingRegressor, quiet_trainer
+from tests.models import RecordingRegressor, accumulation_windows, quiet_trainer
 from tests.test_adaptive import fit_recording_noise, squared_gradient_norm
 
 MAX_LENGTH, DIM = 8, 3
@@ -113,12 +119,7 @@ def replay(dataset, initial, records, accumulate, normalisation, lr=0.05, per_ra
     layer = nn.Linear(DIM, 1)
     layer.load_state_dict(initial)
     optimizer = torch.optim.SGD(layer.parameters(), lr=lr)
-    steps, epochs = records[0]["steps"], records[0]["epochs"]
-    start = 0
-    while start < len(steps):
-        end = start
-        while end < len(steps) and end - start < accumulate and epochs[end] == epochs[start]:
-            end += 1
+    for start, end in accumulation_windows(records, accumulate):
         optimizer.zero_grad()
         groups = [[i for s in r["steps"][start:end] for i in s] for r in records]
         if per_rank:
@@ -128,7 +129,6 @@ def replay(dataset, initial, records, accumulate, normalisation, lr=0.05, per_ra
             loss = varlen_loss(layer, *_tensors(dataset, [i for g in groups for i in g]), normalisation)
         loss.backward()
         optimizer.step()
-        start = end
     return layer.state_dict()
 
 
@@ -207,8 +207,11 @@ def test_cost_aware_balancing_times_the_tokens_and_warns_about_a_summed_loss(tmp
     mean_cost = records[0]["mean_cost"]
     for slope, truth in zip(records[0]["slopes"], per_token_ms, strict=True):
         assert slope * 1000 / mean_cost == pytest.approx(truth, rel=0.25), records[0]["slopes"]
-    # every rank split by the same broadcast time models
-    assert records[0]["time_models"] is not None and records[0]["time_models"] == records[1]["time_models"]
+    # every rank splits by the same broadcast time models: each rank's own fit over its exact tokens
+    models = records[0]["time_models"]
+    assert models is not None and models == records[1]["time_models"]
+    for (_, per_token), truth in zip(models, per_token_ms, strict=True):
+        assert per_token * 1000 == pytest.approx(truth, rel=0.15), models
 
 
 def _cost_loader(dataset, plan, rank):
@@ -257,6 +260,21 @@ def test_step_weights_are_the_core_weights(normalisation):
             weights = step_weights(normalisation, window, units if normalisation == "count_mean" else None, rank, micro)
             assert weights.rank * weights.micro == pytest.approx(reference[rank, micro], rel=1e-12)
             assert weights.rank == pytest.approx(reference[rank].sum(), rel=1e-12)
+
+
+def test_cost_time_fit_recovers_a_line_over_exact_costs_despite_a_hiccup():
+    fit = CostTimeFit()
+    rng = np.random.default_rng(0)
+    records = []
+    for step in range(40):
+        cost = float(rng.integers(5, 60))  # a rank's tokens vary step to step under a cost-aware split
+        fit.load(step, cost)
+        seconds = 0.02 + 0.003 * cost + (0.5 if step == 17 else float(rng.normal(0.0, 0.0005)))
+        records.append(StepRecord(step, 0, max(1, round(cost / 14.5)), seconds, seconds))
+    assert fit.add(records[:3]) is None, "fewer than four steps"
+    fixed, per_cost = fit.add(records[3:])
+    assert fixed == pytest.approx(0.02, abs=0.002) and per_cost == pytest.approx(0.003, rel=0.03)
+    assert with_time_models(None, [(fixed, per_cost)]) is None
 
 
 def test_weights_and_bad_input():

@@ -27,9 +27,9 @@ class Plan:
             a rank that runs a step with no samples would contribute a gradient of an empty mean.
         accumulation_steps: micro-batches per optimizer step, the same on every rank so steps stay in lockstep.
         predicted_step_time: the model's prediction of one micro-step's wall time in seconds, if known.
-        time_models: every rank's fitted ``(seconds per step, seconds per sample of average cost)`` when the plan was
-            decided with every device's speed measured: what a cost-aware sampler splits each global batch by (every
-            rank receives the same numbers with the plan).
+        time_models: every rank's fitted ``(seconds per step, seconds per unit of cost)`` when the plan was decided
+            with every device's speed measured: what a cost-aware sampler splits each global batch by (every rank
+            receives the same numbers with the plan).
 
     """
 

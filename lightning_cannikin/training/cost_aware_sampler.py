@@ -15,6 +15,7 @@ checkpoint already holds.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -25,10 +26,9 @@ from lightning_cannikin.core.cost_split import split_by_cost
 from lightning_cannikin.core.layout import GlobalBatch
 from lightning_cannikin.core.plan import Plan
 from lightning_cannikin.core.policy import Decision
-from lightning_cannikin.core.speed_model import SpeedModel
 from lightning_cannikin.training.sampler import UnevenBatchSampler
 
-__all__ = ["CostAwareBatchSampler", "SampleCosts", "resolve_costs", "with_time_models"]
+__all__ = ["CostAwareBatchSampler", "CostTimeFit", "SampleCosts", "resolve_costs", "with_time_models"]
 
 SampleCosts = Sequence[float] | Callable[[int], float] | str
 COST_HELP = (
@@ -119,7 +119,7 @@ class CostAwareBatchSampler(UnevenBatchSampler):
             fixed, per_cost = np.zeros(len(sizes)), 1.0 / np.asarray(sizes, dtype=np.float64)
         else:
             fixed = np.array([model[0] for model in models])
-            per_cost = np.array([model[1] for model in models]) / self.mean_cost
+            per_cost = np.array([model[1] for model in models])
         ranks = split_by_cost(self.costs[samples], fixed, per_cost).ranks
         self._splits[batch_index] = (key, ranks)
         return samples, ranks
@@ -146,10 +146,63 @@ class CostAwareBatchSampler(UnevenBatchSampler):
         return samples[ranks == self.rank].tolist()
 
 
-def with_time_models(decision: Decision | None, speed_model: SpeedModel, sampler: Any) -> Decision | None:
-    """Rank zero: the decision's plan carrying every rank's fitted time model, for a cost-aware ``sampler`` once every
-    device's speed is measured (a probe keeps its sample split: its lever is what measures the slopes)."""
-    if decision is None or not decision.identified or not isinstance(sampler, CostAwareBatchSampler):
+class CostTimeFit:
+    """One rank's compute time over its exact summed cost, ``seconds = fixed + per_cost * cost``, from its own steps.
+
+    The speed model times a rank at its cost rounded to samples of average cost (its sizes stay samples); where a rank
+    holds a few samples, that rounding is a large share of its load. This fit keeps the exact cost of every timed step
+    (:meth:`load`), pairs it with the step's compute time when the records are read (:meth:`add`, at every re-plan)
+    and fits a recency-weighted line, refitted once without the steps whose residual is more than three median
+    absolute deviations (a hiccup): what the cost-aware split divides each batch by.
+
+    Args:
+        keep: steps kept.
+        half_life: recency half-life, in steps.
+
+    """
+
+    def __init__(self, keep: int = 256, half_life: float = 50.0) -> None:
+        self._pairs: deque[tuple[float, float]] = deque(maxlen=keep)
+        self._loads: dict[int, float] = {}
+        self.half_life = half_life
+
+    def load(self, step: int, cost: float) -> None:
+        """Step ``step`` of this rank held ``cost``."""
+        self._loads[step] = float(cost)
+
+    def add(self, records: Sequence[Any]) -> tuple[float, float] | None:
+        """Pair the step records just read with their costs; returns the fit (``None``: none yet)."""
+        for record in records:
+            cost = self._loads.pop(record.step, None)
+            if cost is not None and record.compute > 0:
+                self._pairs.append((cost, float(record.compute)))
+        if records:  # steps the timer skipped are never read
+            newest = max(record.step for record in records)
+            self._loads = {step: cost for step, cost in self._loads.items() if step > newest}
+        return self.fit()
+
+    def fit(self) -> tuple[float, float] | None:
+        """``(fixed seconds, seconds per unit of cost)``, or ``None`` before four steps of different costs."""
+        if len(self._pairs) < 4:
+            return None
+        cost, seconds = (np.array(column) for column in zip(*self._pairs, strict=True))
+        if float(np.ptp(cost)) <= 0:
+            return None
+        weights = 0.5 ** (np.arange(len(cost))[::-1] / self.half_life)
+        line = np.polyfit(cost, seconds, 1, w=np.sqrt(weights))
+        residual = np.abs(seconds - np.polyval(line, cost))
+        kept = residual <= 3 * max(float(np.median(residual)), 1e-9)
+        if kept.sum() >= 4 and float(np.ptp(cost[kept])) > 0:
+            line = np.polyfit(cost[kept], seconds[kept], 1, w=np.sqrt(weights[kept]))
+        slope, fixed = float(line[0]), float(line[1])
+        if not slope > 0:
+            return None
+        return max(fixed, 0.0), slope
+
+
+def with_time_models(decision: Decision | None, fits: Sequence[tuple[float, float] | None]) -> Decision | None:
+    """Rank zero: the decision's plan carrying every rank's :class:`CostTimeFit` once every device's speed is measured
+    and every rank has its fit (a probe keeps its sample split: its lever is what measures the slopes)."""
+    if decision is None or not decision.identified or any(fit is None for fit in fits):
         return decision
-    models = tuple((model.intercept, model.slope) for model in speed_model.models())
-    return replace(decision, plan=replace(decision.plan, time_models=models))
+    return replace(decision, plan=replace(decision.plan, time_models=tuple(fits)))  # type: ignore[arg-type]

@@ -205,7 +205,7 @@ class BalancingEngine:
         runtime = self.runtime
         assert runtime is not None and self.collective is not None
         rank, sizes = self.collective.rank, runtime.step_sizes
-        runtime.timer.finish(self.step, rank, None if sizes is None else runtime.timed_size(rank))
+        runtime.timer.finish(self.step, rank, None if sizes is None else runtime.timed_size(rank, self.step))
         updated = False
         if runtime.timer.reduced:
             self._identify_optimizer()
@@ -249,8 +249,7 @@ class BalancingEngine:
         policy = replace(self.policy, accumulate=False) if mid_epoch else self.policy
         adapt_total = not mid_epoch if adapt_total is None else adapt_total
         noise, base = self.usable_noise_scale(), self.estimator.base_batch_size
-        decision = decide(self.speed_model, current, policy, noise, base, adapt_total=adapt_total, adam=self.adam)
-        return with_time_models(decision, self.speed_model, self.runtime.sampler if self.runtime else None)
+        return decide(self.speed_model, current, policy, noise, base, adapt_total=adapt_total, adam=self.adam)
 
     def replan(self, mid_epoch: bool, adapt_total: bool, epoch: int = 0) -> Decision | None:
         """Gather, decide on rank zero, broadcast, adopt; every rank calls it after the same step. ``mid_epoch``: the
@@ -260,15 +259,16 @@ class BalancingEngine:
         runtime, collective = self.runtime, self.collective
         assert runtime is not None and collective is not None
         # the step records are read now: on CUDA the last ones wait for the device (the gather synchronises anyway)
-        mine = (runtime.timer.records(wait=True), runtime.batches_yielded, runtime.losses.take())
-        gathered = collective.all_gather(mine)
-        from_batch = max(yielded for _, yielded, _ in gathered) if mid_epoch else 0
+        mine = runtime.timer.records(wait=True)  # with a cost-aware sampler, this rank's time over its exact cost too
+        mine_all = (mine, runtime.batches_yielded, runtime.losses.take(), runtime.cost_fit.add(mine))
+        gathered = collective.all_gather(mine_all)
+        from_batch = max(entry[1] for entry in gathered) if mid_epoch else 0
         current = runtime.plan
         decision = None
         if collective.rank == 0:
-            runtime.losses.judge([losses for *_, losses in gathered])  # the loss against its declared normalisation
+            runtime.losses.judge([entry[2] for entry in gathered])  # the loss against its declared normalisation
             records = [record for rank_records, *_ in gathered for record in rank_records]
-            decision = self.decide(records, current, mid_epoch, adapt_total)
+            decision = with_time_models(self.decide(records, current, mid_epoch, adapt_total), [e[3] for e in gathered])
         decision = collective.broadcast(decision, src=0)
         if decision is None or current is None:
             self.schedule.replanned(self.step, total_changed=False, balance=self.policy.balance)

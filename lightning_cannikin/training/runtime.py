@@ -21,6 +21,7 @@ from typing import Any
 from lightning_cannikin.core.optperf import most_even_split
 from lightning_cannikin.core.plan import BatchBounds, Plan, even_split
 from lightning_cannikin.training.comm_hook import WeightedAllReduceState
+from lightning_cannikin.training.cost_aware_sampler import CostTimeFit
 from lightning_cannikin.training.grad_stats import GradientNormObserver
 from lightning_cannikin.training.loss_weights import LossScaleCheck, check_normalisation, step_weights
 from lightning_cannikin.training.sampler import UnevenBatchSampler
@@ -55,6 +56,8 @@ class RuntimeState:
         step_units: every rank's count (tokens) in the step in progress, all-gathered by the strategy for a count mean
             when the sampler does not know the samples' counts.
         losses: each step's local loss beside the step's sizes, for the check against ``normalisation``.
+        step_position: the global batch of the step in progress.
+        cost_fit: this rank's compute time over its exact summed cost (a cost-aware sampler's time model).
 
     """
 
@@ -75,6 +78,7 @@ class RuntimeState:
     step_units: tuple[float, ...] | None = None
     losses: LossScaleCheck = field(default_factory=LossScaleCheck)
     step_position: int | None = None
+    cost_fit: CostTimeFit = field(default_factory=CostTimeFit)
 
     def __post_init__(self) -> None:
         self.hook.observers.append(self.timer)
@@ -186,16 +190,19 @@ class RuntimeState:
         total = plan.total_batch_size if plan is not None else sum(sizes) * accumulation
         self.lr_factor, self.gain = self.scale(total) if self.scale is not None else (1.0, 1.0)
 
-    def timed_size(self, rank: int) -> int | None:
-        """The size ``rank``'s step in progress is timed at: its samples, or with a cost-aware sampler its summed cost
-        in samples of average cost (the speed model then fits the time over the cost)."""
+    def timed_size(self, rank: int, step: int = 0) -> int | None:
+        """The size ``rank``'s step in progress (the engine's ``step``) is timed at: its samples, or with a cost-aware
+        sampler its summed cost in samples of average cost (the speed model then fits the time over the cost; the
+        exact cost goes to :attr:`cost_fit`)."""
         sizes, position = self.step_sizes, self.step_position
         if sizes is None:
             return None
         load_of = getattr(self.sampler, "load_of", None)
         if load_of is None or position is None:
             return sizes[rank]
-        return load_of(self.sampler.units_at(position)[rank])  # type: ignore[union-attr]
+        units = self.sampler.units_at(position)[rank]  # type: ignore[union-attr]
+        self.cost_fit.load(step, units)
+        return load_of(units)
 
     @contextmanager
     def learning_rate_scaled(self, optimizer: Any) -> Iterator[None]:
