@@ -15,7 +15,8 @@ machine's load hits all of them alike:
   every step, the local gradient's norm is captured before DDP copies the result back on the measured ones;
 - ``cannikin_adaptive``: the default adaptive configuration, ``Cannikin(max_batch_size=96)`` and nothing else (the
   default settings: the statistics of one step in eight, the total reconsidered when the confident noise scale
-  leaves the band of the last choice); the cap is the starting total, so the machinery is measured and not a larger batch's throughput;
+  leaves the band of the last choice); the cap is the starting total, so the machinery is measured and not a
+  larger batch's throughput;
 - ``cannikin_even``, ``cannikin_noise_even``: the same two with ``balance=False`` (timing, re-plans and statistics
   all run, the split stays even): the cost of the machinery alone, apart from the split the balancer picks;
 - ``fixed``: ``CannikinStrategy(local_batch_sizes=[32, 32, 32])``, no callback: the loss carries ``n * b_i / B`` and

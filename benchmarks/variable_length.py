@@ -1,216 +1,237 @@
-"""Variable-length data, a MODEL-BASED ESTIMATE: predicted step times of cost-aware splitting, of sample-count
-balancing and of DDP's even split, on real WordNet gloss lengths and emulated per-token device costs.
+"""Variable-length data, MEASURED end to end: Cannikin splitting by cost vs Cannikin by sample count vs Lightning DDP.
 
-Nothing is trained or timed end to end here: every step time is the time model's prediction
-``t_r = fixed_r + per_token_r * tokens_r (+ per_square_r * sum of squared lengths_r)`` for the split each method makes,
-and the step lasts ``max_r t_r``. The measured benchmark needs the sampler and the engine wired (see
-``docs/variable-length.md``); its results will go to ``benchmarks/results/variable_length.json``.
+The task: classify WordNet glosses (``examples/varlen_data.py``, real text whose token counts vary several-fold) into
+their 45 lexicographer classes with a bag-of-embeddings model. Each rank's device is emulated per token
+(``EmulatedCluster(batch_cost=)``: ``fixed_ms + per_token_ms * tokens`` of what the rank holds, devices of speed
+1x : 2x : 4x), at a fixed total batch. Methods, run interleaved (a slow spell of the shared machine hits all alike):
 
-Methods, over many global batches of ``B`` consecutive samples of a seeded permutation:
+- ``cost_aware``: ``CannikinStrategy(sample_costs="lengths")``: each global batch split by tokens and the devices'
+  measured speeds (each rank timed over its tokens);
+- ``sample_count``: ``strategy="cannikin"``: OptPerf sample counts from per-sample timings;
+- ``ddp``: Lightning's ``ddp`` (an even split).
 
-- ``cost_aware``: :func:`~lightning_cannikin.core.cost_split.split_by_cost` on the batch's own lengths;
-- ``sample_count``: today's Cannikin: OptPerf counts from each device's per-sample time at the data set's mean length
-  (what the planner's fitted slope converges to), contiguous slices of the batch;
-- ``ddp``: an even split, contiguous slices;
-- ``ideal``: a bound no split beats (:func:`~lightning_cannikin.core.cost_split.lower_bound`), or the brute-force
-  optimum where the batch is small enough to enumerate (``small_batch``).
+The figure is steady-state samples per second (the epochs after ``--skip-epochs``), medians over repeats of the
+per-repeat ratios; beside each, the ideal ratio the emulated costs allow
+(:func:`benchmarks.variable_length_model.compare` on the same lengths: a lower bound on the step time no split beats,
+against the sample-count split the planner converges to, and against the even split). A control with every gloss cut
+or padded to the median length checks that cost-aware splitting costs nothing where lengths are equal.
 
-Ratios are throughputs (samples per second over all batches: the inverse ratio of summed step times); per-batch
-medians are reported beside them. It also measures the assignment itself: its ratio to the brute-force optimum on
-small random cases (lengths varying >= 4x, random heterogeneous linear and quadratic rank models), how much worse
-sample-count balancing is there, and the time to split a 1,024-sample batch across 64 ranks.
+A sample's cost is its token count plus an attention term, ``length**2 / 64`` (``--attention``: a transformer whose
+attention costs what its other layers do at 64 tokens); the sampler is given the same cost
+(``sample_costs=[length + length**2 / 64, ...]``), the emulator charges it. Scenarios: ``small_batches``, 6 ranks (two
+of each speed) at a global batch of 24 (4 samples per rank on average, what long sequences leave a device), where a
+rank's summed cost varies most; ``default``, 3 ranks at 64. Each step costs the emulated time plus Lightning's and
+gloo's own work on a shared 2-core machine, which no method saves: the measured ratios sit below the ideal ones.
 
-    python benchmarks/variable_length.py [--batches 1000] [--cases 2000]
+    python benchmarks/variable_length.py [--repeats 3] [--epochs 3] [--scenarios small_batches default]
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
-import time
+import tempfile
 from pathlib import Path
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np
+from benchmarks.fsdp import EpochThroughput
+from benchmarks.harness import median
+from benchmarks.variable_length_model import FIXED_MS, PER_TOKEN_MS, compare
+from examples.varlen_data import read_wordnet_glosses, tokenize
+from lightning_cannikin import CannikinStrategy, EmulatedCluster
 
-from examples.varlen_data import gloss_lengths, length_statistics, wordnet_available
-from lightning_cannikin.core.cost_split import lower_bound, predicted_times, split_by_cost
-from lightning_cannikin.core.optperf import optimal_split
-from lightning_cannikin.core.plan import even_split
-
-RESULTS = Path(__file__).resolve().parent / "results" / "variable_length_model.json"
-PER_TOKEN_MS = [0.04, 0.02, 0.01]  # devices of speed 1x : 2x : 4x
-FIXED_MS = [1.0, 1.0, 1.0]
-
-
-def brute_force(costs, fixed, per_cost, squares=None, per_square=None) -> float:
-    """The best step time over every assignment that leaves no rank empty (vectorised enumeration)."""
-    m, n = len(costs), len(fixed)
-    work = np.outer(costs, per_cost) + (0.0 if per_square is None else np.outer(squares, per_square))
-    assignment = np.array(list(itertools.product(range(n), repeat=m)), dtype=np.int64)
-    onehot = assignment[:, :, None] == np.arange(n)
-    loads = np.asarray(fixed)[None, :] + np.einsum("asr,sr->ar", onehot, work)
-    feasible = onehot.any(axis=1).all(axis=1)
-    return float(loads[feasible].max(axis=1).min())
+RESULTS = Path(__file__).resolve().parent / "results" / "variable_length.json"
+PAD, UNKNOWN, VOCABULARY = 0, 1, 8000
+SCENARIOS = {"small_batches": (2, 24), "default": (1, 64)}  # (copies of the 1x:2x:4x devices, global batch)
 
 
-def contiguous(counts) -> np.ndarray:
-    """The rank of each position of a batch split into contiguous slices of ``counts``."""
-    return np.repeat(np.arange(len(counts)), counts)
+class Glosses(Dataset):
+    """Token ids of WordNet glosses and their classes; ``lengths`` is every gloss's token count (its cost)."""
+
+    def __init__(self, ids: list[list[int]], labels: list[int]) -> None:
+        self.ids, self.labels = ids, labels
+        self.lengths = [len(x) for x in ids]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> tuple[list[int], int]:
+        return self.ids[index], self.labels[index]
 
 
-def compare(
-    lengths: np.ndarray, batch: int, batches: int, quadratic: float, exact: bool, copies: int = 1, seed: int = 0
-) -> dict:
-    """Predicted step times of the three methods and the ideal over ``batches`` global batches of real lengths, on
-    ``copies`` of each of the three devices."""
-    fixed, per_cost = np.tile(FIXED_MS, copies), np.tile(PER_TOKEN_MS, copies)
-    per_square = per_cost * quadratic if quadratic else None
-    # today's planner: the per-sample slope it fits converges to the per-token cost at the data set's mean length
-    per_sample = per_cost * lengths.mean() + (0.0 if per_square is None else per_square * np.mean(lengths**2.0))
-    counts = optimal_split(per_sample, fixed, batch).local_batch_sizes
-    even = even_split(batch, len(fixed))
-    batches = min(batches, len(lengths) // batch)  # an epoch's worth at most: every sample once
-    order = np.random.default_rng(seed).permutation(len(lengths))[: batch * batches].reshape(batches, batch)
-    times: dict[str, list[float]] = {"cost_aware": [], "sample_count": [], "ddp": [], "ideal": []}
-    for positions in order:
-        costs = lengths[positions].astype(np.float64)
-        squares = costs**2 if quadratic else None
-        model = (fixed, per_cost, squares, per_square)
-        times["cost_aware"].append(split_by_cost(costs, *model).step_time)
-        times["sample_count"].append(float(predicted_times(contiguous(counts), costs, *model).max()))
-        times["ddp"].append(float(predicted_times(contiguous(even), costs, *model).max()))
-        times["ideal"].append(brute_force(costs, *model) if exact else lower_bound(costs, *model))
-    t = {k: np.array(v) for k, v in times.items()}
+def collate(batch: list[tuple[list[int], int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ids padded to the batch's longest, lengths, labels)``."""
+    lengths = torch.tensor([len(ids) for ids, _ in batch])
+    padded = torch.full((len(batch), int(lengths.max())), PAD)
+    for row, (ids, _) in enumerate(batch):
+        padded[row, : len(ids)] = torch.tensor(ids)
+    return padded, lengths, torch.tensor([label for _, label in batch])
 
-    def throughput(a: str, b: str) -> float:  # a's samples per second over b's
-        return float(t[b].sum() / t[a].sum())
+
+def load_glosses(num_samples: int, equal_length: int | None, seed: int = 0) -> tuple[Glosses, Glosses]:
+    """A seeded subset of the glosses for training and the next as many for testing (ids over the training
+    subset's most frequent words); ``equal_length``: every gloss cut or padded (with the unknown id) to it."""
+    texts, labels = read_wordnet_glosses()
+    order = np.random.default_rng(seed).permutation(len(texts))[: 2 * num_samples]
+    tokens = [tokenize(texts[i]) for i in order]
+    counts: dict[str, int] = {}
+    for words in tokens[:num_samples]:
+        for word in words:
+            counts[word] = counts.get(word, 0) + 1
+    frequent = sorted(counts, key=lambda w: (-counts[w], w))[: VOCABULARY - 2]
+    index = {word: i + 2 for i, word in enumerate(frequent)}
+    ids = [[index.get(word, UNKNOWN) for word in words] or [UNKNOWN] for words in tokens]
+    if equal_length is not None:
+        ids = [(x + [UNKNOWN] * equal_length)[:equal_length] for x in ids]
+    classes = [labels[i] for i in order]
+    return Glosses(ids[:num_samples], classes[:num_samples]), Glosses(ids[num_samples:], classes[num_samples:])
+
+
+class GlossClassifier(pl.LightningModule):
+    """The mean of a gloss's token embeddings, then a linear layer over the 45 classes; the loss is a sample mean."""
+
+    def __init__(self, lr: float = 3e-3) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(VOCABULARY, 32, padding_idx=PAD)
+        self.head = nn.Linear(32, 45)
+        self.lr = lr
+
+    def forward(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embedding(ids).sum(1) / lengths[:, None])
+
+    def training_step(self, batch, batch_idx):
+        ids, lengths, labels = batch
+        return nn.functional.cross_entropy(self(ids, lengths), labels)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+def sample_cost(length: float, attention: float | None) -> float:
+    """A sample's work in tokens: its length, plus ``length**2 / attention`` for an attention term (its quadratic part
+    equals its linear part at ``attention`` tokens)."""
+    return length + (length * length / attention if attention else 0.0)
+
+
+def strategy_for(method: str, costs: list[float]):
+    if method == "cost_aware":
+        return CannikinStrategy(sample_costs=costs, start_method="fork")
+    return CannikinStrategy(start_method="fork") if method == "sample_count" else "ddp_fork"
+
+
+def run(method: str, train: Glosses, per_token_ms: list[float], fixed_ms: list[float], batch: int, args, seed: int):
+    """One fit; rank zero's per-epoch times and samples."""
+    torch.set_num_threads(1)
+    pl.seed_everything(seed, verbose=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        attention = args.attention
+
+        def batch_cost(batch: tuple) -> float:  # what the rank holds, in the same unit as `sample_cost`
+            return sum(sample_cost(float(length), attention) for length in batch[1])
+
+        emulator = EmulatedCluster(per_token_ms, fixed_ms, seed=seed, batch_cost=batch_cost)
+        trainer = pl.Trainer(
+            strategy=strategy_for(method, [sample_cost(length, attention) for length in train.lengths]),
+            accelerator="cpu",
+            devices=len(per_token_ms),
+            max_epochs=args.epochs,
+            callbacks=[emulator, EpochThroughput(out)],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        loader = DataLoader(train, batch_size=batch // len(per_token_ms), shuffle=True, collate_fn=collate)
+        trainer.fit(GlossClassifier(), loader)
+        result = json.loads(out.read_text())
+    skip = args.skip_epochs
+    result["throughput"] = sum(result["epoch_samples"][skip:]) / sum(result["epoch_times"][skip:])
+    return result
+
+
+def scenario(name: str, copies: int, batch: int, equal: bool, methods: list[str], args) -> dict:
+    per_token = [v * args.scale for v in PER_TOKEN_MS] * copies
+    fixed = [v * args.scale for v in FIXED_MS] * copies
+    steps = args.steps_per_epoch
+    train, _ = load_glosses(batch * steps, int(args.equal_length) if equal else None)
+    runs: dict[str, list[dict]] = {method: [] for method in methods}
+    for repeat in range(args.repeats):
+        for method in methods:  # interleaved
+            result = run(method, train, per_token, fixed, batch, args, seed=repeat)
+            runs[method].append(result)
+            label = f"{name}{' equal' if equal else ''}"
+            print(f"  {label} {repeat} {method:12s} {result['throughput']:7.1f}/s", flush=True)
+    # the ideal on the same lengths: the model's costs are these scaled, and its ratios do not depend on the scale
+    quadratic = 1.0 / args.attention if args.attention else 0.0
+    model = compare(np.array(train.lengths), batch, steps, quadratic, exact=False, copies=copies)["throughput_ratios"]
+
+    def ratios(other: str) -> list[float]:
+        return [a["throughput"] / b["throughput"] for a, b in zip(runs["cost_aware"], runs[other], strict=True)]
 
     return {
+        "ranks": len(per_token),
         "global_batch": batch,
-        "batches": batches,
-        "per_token_ms": per_cost.tolist(),
-        "fixed_ms": fixed.tolist(),
-        "per_square_ms": None if per_square is None else per_square.tolist(),
-        "sample_count_split": list(counts),
-        "ideal_is": "brute-force optimum" if exact else "lower bound (fractional split; no assignment beats it)",
-        "median_step_ms": {k: float(np.median(v)) for k, v in t.items()},
-        "throughput_ratios": {
-            "cost_aware_vs_sample_count": throughput("cost_aware", "sample_count"),
-            "cost_aware_vs_ddp": throughput("cost_aware", "ddp"),
-            "sample_count_vs_ddp": throughput("sample_count", "ddp"),
-            "ideal_vs_sample_count": throughput("ideal", "sample_count"),
-            "ideal_vs_ddp": throughput("ideal", "ddp"),
-            "cost_aware_vs_ideal": throughput("cost_aware", "ideal"),
-        },
-        "median_per_batch_ratios": {
-            "cost_aware_vs_sample_count": float(np.median(t["sample_count"] / t["cost_aware"])),
-            "cost_aware_vs_ddp": float(np.median(t["ddp"] / t["cost_aware"])),
-            "cost_aware_vs_ideal": float(np.median(t["ideal"] / t["cost_aware"])),
-        },
-        "worst_cost_aware_over_ideal": float(np.max(t["cost_aware"] / t["ideal"])),
+        "per_token_ms": per_token,
+        "fixed_ms": fixed,
+        "attention": args.attention,
+        "lengths": "every gloss cut or padded to its median token count" if equal else "WordNet gloss token counts",
+        "mean_length": float(np.mean(train.lengths)),
+        "samples_per_epoch": len(train),
+        "samples_per_s": {method: median([r["throughput"] for r in rs]) for method, rs in runs.items()},
+        "ratios": {f"cost_aware_vs_{m}": median(ratios(m)) for m in methods if m != "cost_aware"},
+        "ratios_per_repeat": {f"cost_aware_vs_{m}": ratios(m) for m in methods if m != "cost_aware"},
+        "ideal": {f"cost_aware_vs_{m}": model[f"ideal_vs_{m}"] for m in methods if m != "cost_aware"},
+        "model_prediction": {f"cost_aware_vs_{m}": model[f"cost_aware_vs_{m}"] for m in methods if m != "cost_aware"},
+        "final_splits": {method: [r["final_split"] for r in rs] for method, rs in runs.items()},
+        "settings": {k: str(v) for k, v in vars(args).items()},
     }
 
 
-def assignment_quality(cases: int, seed: int = 0) -> dict:
-    """The split's step time over the brute-force optimum on small random cases (3 ranks, 3..10 samples)."""
-    rng = np.random.default_rng(seed)
-    found: dict[str, list[float]] = {"split_by_cost": [], "local_search_only": [], "sample_count": []}
-    for _ in range(cases):
-        m, n = int(rng.integers(3, 11)), 3
-        low = int(rng.integers(2, 20))
-        costs = rng.integers(low, 8 * low + 1, size=m).astype(np.float64)
-        costs[:2] = [low, 4 * low]  # lengths vary at least 4x
-        rng.shuffle(costs)
-        fixed, per_cost = rng.uniform(0.0, 2.0, n), rng.uniform(0.005, 0.05, n)
-        quadratic = rng.random() < 0.3
-        squares, per_square = (costs**2, rng.uniform(0.0, 0.002, n)) if quadratic else (None, None)
-        case = (costs, fixed, per_cost, squares, per_square)
-        best = brute_force(*case)
-        found["split_by_cost"].append(split_by_cost(*case).step_time / best)
-        found["local_search_only"].append(split_by_cost(*case, exact_samples=0).step_time / best)
-        per_sample = per_cost * costs.mean() + (0.0 if per_square is None else per_square * squares.mean())
-        counts = optimal_split(per_sample, fixed, m).local_batch_sizes
-        found["sample_count"].append(float(predicted_times(contiguous(counts), *case).max()) / best)
-    return {
-        "cases": cases,
-        **{
-            name: {
-                "worst_ratio_to_optimum": float(np.max(r)),
-                "median_ratio_to_optimum": float(np.median(r)),
-                "mean_ratio_to_optimum": float(np.mean(r)),
-                "share_optimal": float(np.mean(np.array(r) <= 1 + 1e-9)),
-                "share_within_5_percent": float(np.mean(np.array(r) <= 1.05)),
-            }
-            for name, r in found.items()
-        },
-    }
-
-
-def assignment_time(m: int = 1024, n: int = 64, repeats: int = 30, seed: int = 0) -> dict:
-    """Wall time of one split of ``m`` samples (real-like lengths 1..60) across ``n`` ranks of 1x/2x/4x speeds."""
-    rng = np.random.default_rng(seed)
-    per_cost, fixed = np.resize(PER_TOKEN_MS, n), rng.uniform(0.5, 1.5, n)
-    seconds, gaps = [], []
-    for _ in range(repeats):
-        costs = rng.integers(1, 61, size=m).astype(np.float64)
-        start = time.perf_counter()
-        split = split_by_cost(costs, fixed, per_cost)
-        seconds.append(time.perf_counter() - start)
-        gaps.append(split.step_time / lower_bound(costs, fixed, per_cost))
-    return {
-        "samples": m,
-        "ranks": n,
-        "median_ms": 1e3 * float(np.median(seconds)),
-        "min_ms": 1e3 * float(np.min(seconds)),
-        "median_ratio_to_lower_bound": float(np.median(gaps)),
-        "worst_ratio_to_lower_bound": float(np.max(gaps)),
-    }
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", type=int, default=1000)
-    parser.add_argument("--cases", type=int, default=2000)
-    args = parser.parse_args()
-    if not wordnet_available():
-        sys.exit("WordNet is not installed: `apt-get install wordnet-base` (the lengths are real gloss lengths).")
-    lengths = gloss_lengths()
-    median_length = int(np.median(lengths))
-    report = {
-        "kind": "model-based estimate: predicted step times, nothing trained or timed end to end",
-        "data": {"source": "WordNet glosses (Debian wordnet-base), tokens = words and punctuation"}
-        | length_statistics(lengths),
-        "scenarios": {
-            "linear": compare(lengths, 64, args.batches, 0.0, exact=False),
-            "attention": compare(lengths, 64, args.batches, 1.0 / 64, exact=False),
-            "equal_lengths": compare(np.full_like(lengths, median_length), 64, args.batches, 0.0, exact=False),
-            "small_batch": compare(lengths, 9, min(args.batches, 300), 0.0, exact=True),
-            "twelve_ranks": compare(lengths, 64, args.batches, 0.0, exact=False, copies=4),
-        },
-        # the gain shrinks as a rank's summed length averages over more samples
-        "batch_sweep": {
-            str(batch): compare(lengths, batch, args.batches, 0.0, exact=False)["throughput_ratios"]
-            for batch in (16, 32, 64, 128, 256)
-        },
-        "assignment_quality": assignment_quality(args.cases),
-        "assignment_time": assignment_time(),
-    }
-    linear, equal = report["scenarios"]["linear"], report["scenarios"]["equal_lengths"]
-    keys = ("cost_aware_vs_sample_count", "cost_aware_vs_sample_count_equal_lengths", "cost_aware_vs_ddp")
-    picked = (linear, equal, linear)
-    report["ratios"] = {
-        key: s["throughput_ratios"][key.replace("_equal_lengths", "")] for key, s in zip(keys, picked, strict=True)
-    }
-    report["ideal"] = {
-        key: s["throughput_ratios"][key.replace("cost_aware", "ideal").replace("_equal_lengths", "")]
-        for key, s in zip(keys, picked, strict=True)
-    }
-    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({k: report[k] for k in ("ratios", "ideal", "assignment_time")}, indent=2))
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--skip-epochs", type=int, default=1, help="epochs left out of the steady state")
+    parser.add_argument("--steps-per-epoch", type=int, default=30)
+    parser.add_argument("--scale", type=float, default=300.0, help="the model benchmark's costs times this")
+    parser.add_argument("--attention", type=float, default=64.0, help="length at which attention doubles the cost")
+    parser.add_argument("--equal-length", type=int, default=13, help="the control's length (the median gloss)")
+    parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    # scenarios run by an earlier invocation are kept (they take long: one invocation per scenario is fine)
+    report: dict = json.loads(args.out.read_text()) if args.out.exists() else {"scenarios": {}}
+    for name in args.scenarios:
+        copies, batch = SCENARIOS[name]
+        report["scenarios"][name] = scenario(name, copies, batch, False, ["cost_aware", "sample_count", "ddp"], args)
+        equal = scenario(name, copies, batch, True, ["cost_aware", "sample_count"], args)
+        report["scenarios"][f"{name}_equal_lengths"] = equal
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))  # what is done so far survives an interruption
+    headline = "small_batches" if "small_batches" in report["scenarios"] else args.scenarios[0]
+    varied, equal = report["scenarios"][headline], report["scenarios"][f"{headline}_equal_lengths"]
+    for key in ("ratios", "ideal"):
+        report[key] = {
+            "cost_aware_vs_sample_count": varied[key]["cost_aware_vs_sample_count"],
+            "cost_aware_vs_sample_count_equal_lengths": equal[key]["cost_aware_vs_sample_count"],
+            "cost_aware_vs_ddp": varied[key]["cost_aware_vs_ddp"],
+        }
+    report["headline_scenario"] = headline
+    args.out.write_text(json.dumps(report, indent=2))
+    for name, r in report["scenarios"].items():
+        shown = ", ".join(f"{k} {v:.3f}x (ideal {r['ideal'][k]:.3f}x)" for k, v in r["ratios"].items())
+        print(f"{name:28s} {shown}")
+    print(f"saved {args.out}")
+    return report
 
 
 if __name__ == "__main__":

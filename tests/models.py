@@ -90,6 +90,20 @@ def read_records(record_dir: Path, world_size: int) -> list[dict]:
     return [json.loads((Path(record_dir) / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
+def accumulation_windows(records: list[dict], accumulate: int) -> list[tuple[int, int]]:
+    """``(start, end)`` of every optimizer step's window of recorded steps: ``accumulate`` steps, cut short at the end
+    of an epoch as Lightning does."""
+    steps, epochs = records[0]["steps"], records[0]["epochs"]
+    windows, start = [], 0
+    while start < len(steps):
+        end = start
+        while end < len(steps) and end - start < accumulate and epochs[end] == epochs[start]:
+            end += 1
+        windows.append((start, end))
+        start = end
+    return windows
+
+
 def quiet_trainer(strategy, devices: int, callbacks=(), **kwargs) -> pl.Trainer:
     """A CPU Trainer without loggers, checkpoints, progress bars or summaries unless asked for."""
     options = {

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_cannikin import CannikinStrategy, EmulatedCluster
-from tests.models import IndexedRegression, ManualRegressor, RecordingRegressor, read_records
+from tests.models import IndexedRegression, ManualRegressor, RecordingRegressor, accumulation_windows, read_records
 
 
 def fit_forked(
@@ -51,13 +51,7 @@ def replay(dataset, initial, records, accumulate, lr=0.1, weighting="exact"):
     layer = nn.Linear(dataset.x.shape[1], 1)
     layer.load_state_dict(initial)
     optimizer = torch.optim.SGD(layer.parameters(), lr=lr)
-    steps, epochs = records[0]["steps"], records[0]["epochs"]
-    start = 0
-    while start < len(steps):
-        # a window is `accumulate` steps, cut short at the end of an epoch as Lightning does
-        end = start
-        while end < len(steps) and end - start < accumulate and epochs[end] == epochs[start]:
-            end += 1
+    for start, end in accumulation_windows(records, accumulate):
         optimizer.zero_grad()
         if weighting == "exact":
             index = torch.tensor([i for r in records for s in r["steps"][start:end] for i in s])
@@ -70,7 +64,6 @@ def replay(dataset, initial, records, accumulate, lr=0.1, weighting="exact"):
             loss = torch.stack(losses).mean()
         loss.backward()
         optimizer.step()
-        start = end
     return layer.state_dict()
 
 

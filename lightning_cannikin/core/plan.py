@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["BatchBounds", "Plan", "even_split", "proportional_sizes"]
@@ -27,12 +27,16 @@ class Plan:
             a rank that runs a step with no samples would contribute a gradient of an empty mean.
         accumulation_steps: micro-batches per optimizer step, the same on every rank so steps stay in lockstep.
         predicted_step_time: the model's prediction of one micro-step's wall time in seconds, if known.
+        time_models: every rank's fitted ``(seconds per step, seconds per unit of cost)`` when the plan was decided
+            with every device's speed measured: what a cost-aware sampler splits each global batch by (every rank
+            receives the same numbers with the plan).
 
     """
 
     local_batch_sizes: tuple[int, ...]
     accumulation_steps: int = 1
     predicted_step_time: float | None = None
+    time_models: tuple[tuple[float, float], ...] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         sizes = tuple(int(b) for b in self.local_batch_sizes)
@@ -48,6 +52,11 @@ class Plan:
             raise ValueError(f"`accumulation_steps` must be >= 1, got {self.accumulation_steps}.")
         object.__setattr__(self, "local_batch_sizes", sizes)
         object.__setattr__(self, "accumulation_steps", int(self.accumulation_steps))
+        if self.time_models is not None:
+            models = tuple((float(fixed), float(slope)) for fixed, slope in self.time_models)
+            if len(models) != len(sizes):
+                raise ValueError(f"`time_models` has {len(models)} entries for {len(sizes)} ranks.")
+            object.__setattr__(self, "time_models", models)
 
     @property
     def world_size(self) -> int:
@@ -77,16 +86,25 @@ class Plan:
 
     def to_dict(self) -> dict:
         """A JSON- and checkpoint-friendly form."""
-        return {
+        data: dict[str, Any] = {
             "local_batch_sizes": list(self.local_batch_sizes),
             "accumulation_steps": self.accumulation_steps,
             "predicted_step_time": self.predicted_step_time,
         }
+        if self.time_models is not None:
+            data["time_models"] = [list(model) for model in self.time_models]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> Plan:
         """Inverse of :meth:`to_dict`."""
-        return cls(tuple(data["local_batch_sizes"]), data.get("accumulation_steps", 1), data.get("predicted_step_time"))
+        models = data.get("time_models")
+        return cls(
+            tuple(data["local_batch_sizes"]),
+            data.get("accumulation_steps", 1),
+            data.get("predicted_step_time"),
+            None if models is None else tuple(tuple(model) for model in models),
+        )
 
 
 def even_split(total_batch_size: int, n: int) -> tuple[int, ...]:

@@ -36,6 +36,9 @@ class WeightedAllReduceState:
             every bucket): the hook only sums.
         mean_over: what the loss carries beyond ``weight``: the world size where DDP's own all-reduce averages
             (``n * b_i / B`` on the loss makes its mean the weighted mean), 1 through this hook.
+        unit_scale: the micro-batch's gradient over its mean gradient (its sample count for a loss summed over
+            samples, else 1); observers of local gradients divide it out.
+        global_scale: the reduced gradient over the global mean gradient (the step's samples for a summed loss).
         calls: buckets reduced so far (cheap evidence that the hook runs, on CPU too).
         observers: :class:`BucketObserver` objects called for every bucket (the step timer, the gradient-norm
             observer); they must not block.
@@ -47,14 +50,17 @@ class WeightedAllReduceState:
     micro_weight: float = 1.0
     weight_in_loss: bool = False
     mean_over: int = 1
+    unit_scale: float = 1.0
+    global_scale: float = 1.0
     calls: int = 0
     observers: list[BucketObserver] = field(default_factory=list)
 
     @property
     def local_scale(self) -> float:
-        """What this rank's local gradient carries besides its own mean: the micro-batch's share, and the rank's
-        weight when the loss carries it (observers of local gradients divide it out)."""
-        return self.micro_weight * self.weight * self.mean_over if self.weight_in_loss else self.micro_weight
+        """What this rank's local gradient carries besides its own mean: the micro-batch's share, the rank's weight when
+        the loss carries it, a summed loss's sample count (observers of local gradients divide it out)."""
+        scale = self.micro_weight * self.weight * self.mean_over if self.weight_in_loss else self.micro_weight
+        return scale * self.unit_scale
 
 
 def weighted_allreduce_hook(

@@ -1,7 +1,8 @@
 """``EmulatedCluster``: make one machine behave like a cluster of devices with different speeds.
 
 Each rank sleeps ``fixed_ms[rank] + per_sample_ms[rank] * b`` milliseconds inside every training step, after the
-forward pass and before backward, where ``b`` is the rank's local batch size in that step. A sleeping process uses
+forward pass and before backward, where ``b`` is the rank's local batch size in that step, or, with ``batch_cost``,
+the summed cost (e.g. tokens) of what the rank holds: variable-length data. A sleeping process uses
 no CPU, so several emulated devices fit on a couple of cores, and the true per-sample cost of every device is known.
 It works with any strategy (plain DDP too), which is what makes side-by-side benchmarks fair.
 """
@@ -9,7 +10,7 @@ It works with any strategy (plain DDP too), which is what makes side-by-side ben
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -38,6 +39,8 @@ class EmulatedCluster(Callback):
         seed: seed of the jitter.
         contention: ``{rank: (factor, every)}``: that rank is ``factor`` times slower on every ``every``-th step (a
             GPU shared with another job, an input pipeline that stalls periodically), e.g. ``{2: (2.5, 3)}``.
+        batch_cost: a function of the local batch giving its summed cost (``lambda batch: batch["lengths"].sum()``):
+            the rank is then charged ``per_sample_ms`` per unit of that cost instead of per sample.
 
     The cost model is :class:`~lightning_cannikin.simulation.emulated_devices.EmulatedDevices`; every option but the
     first is off by default.
@@ -60,6 +63,7 @@ class EmulatedCluster(Callback):
         saturation_batch: float | Sequence[float] = 0.0,
         seed: int = 0,
         contention: dict[int, tuple[float, int]] | None = None,
+        batch_cost: Callable[[Any], float] | None = None,
     ) -> None:
         self.devices = EmulatedDevices(
             per_sample_ms,
@@ -72,7 +76,8 @@ class EmulatedCluster(Callback):
             seed,
             contention or {},
         )
-        self._batch_size = 0
+        self.batch_cost = batch_cost
+        self._batch_size: float = 0
         self._step = 0
 
     @property
@@ -83,8 +88,9 @@ class EmulatedCluster(Callback):
     def fixed_ms(self) -> tuple[float, ...] | float:
         return self.devices.fixed_ms
 
-    def delay_ms(self, rank: int, batch_size: int, step: int = 0) -> float:
-        """The emulated extra time of ``rank`` for a local batch of ``batch_size`` samples at training step ``step``."""
+    def delay_ms(self, rank: int, batch_size: float, step: int = 0) -> float:
+        """The emulated extra time of ``rank`` for a local batch of ``batch_size`` samples (or units of cost) at
+        training step ``step``."""
         return self.devices.delay_ms(rank, batch_size, step)
 
     @override
@@ -96,7 +102,7 @@ class EmulatedCluster(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._batch_size = extract_batch_size(batch)
+        self._batch_size = float(self.batch_cost(batch)) if self.batch_cost is not None else extract_batch_size(batch)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:

@@ -31,6 +31,7 @@ from lightning_cannikin.core.schedule import ReplanSchedule
 from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings, StepRecord
 from lightning_cannikin.training.change_vote import ChangeVote
 from lightning_cannikin.training.collective import Collective
+from lightning_cannikin.training.cost_aware_sampler import with_time_models
 from lightning_cannikin.training.engine_state import engine_state, restore_engine
 from lightning_cannikin.training.explain import explain
 from lightning_cannikin.training.grad_stats import GradientNormObserver
@@ -204,7 +205,7 @@ class BalancingEngine:
         runtime = self.runtime
         assert runtime is not None and self.collective is not None
         rank, sizes = self.collective.rank, runtime.step_sizes
-        runtime.timer.finish(self.step, rank, None if sizes is None else sizes[rank])
+        runtime.timer.finish(self.step, rank, None if sizes is None else runtime.timed_size(rank, self.step))
         updated = False
         if runtime.timer.reduced:
             self._identify_optimizer()
@@ -245,15 +246,9 @@ class BalancingEngine:
         # the accumulation changes at epoch ends only (as Lightning's GradientAccumulationScheduler does it): a
         # mid-epoch window must not straddle two values
         policy = replace(self.policy, accumulate=False) if mid_epoch else self.policy
-        return decide(
-            self.speed_model,
-            current,
-            policy,
-            self.usable_noise_scale(),
-            self.estimator.base_batch_size,
-            adapt_total=not mid_epoch if adapt_total is None else adapt_total,
-            adam=self.adam,
-        )
+        adapt_total = not mid_epoch if adapt_total is None else adapt_total
+        noise, base = self.usable_noise_scale(), self.estimator.base_batch_size
+        return decide(self.speed_model, current, policy, noise, base, adapt_total=adapt_total, adam=self.adam)
 
     def replan(self, mid_epoch: bool, adapt_total: bool, epoch: int = 0) -> Decision | None:
         """Gather, decide on rank zero, broadcast, adopt; every rank calls it after the same step. ``mid_epoch``: the
@@ -263,13 +258,16 @@ class BalancingEngine:
         runtime, collective = self.runtime, self.collective
         assert runtime is not None and collective is not None
         # the step records are read now: on CUDA the last ones wait for the device (the gather synchronises anyway)
-        gathered = collective.all_gather((runtime.timer.records(wait=True), runtime.batches_yielded))
-        from_batch = max(yielded for _, yielded in gathered) if mid_epoch else 0
+        mine = runtime.timer.records(wait=True)  # with a cost-aware sampler, this rank's time over its exact cost too
+        mine_all = (mine, runtime.batches_yielded, runtime.losses.take(), runtime.cost_fit.add(mine))
+        gathered = collective.all_gather(mine_all)
+        from_batch = max(entry[1] for entry in gathered) if mid_epoch else 0
         current = runtime.plan
         decision = None
         if collective.rank == 0:
-            records = [record for rank_records, _ in gathered for record in rank_records]
-            decision = self.decide(records, current, mid_epoch, adapt_total)
+            runtime.losses.judge([entry[2] for entry in gathered])  # the loss against its declared normalisation
+            records = [record for rank_records, *_ in gathered for record in rank_records]
+            decision = with_time_models(self.decide(records, current, mid_epoch, adapt_total), [e[3] for e in gathered])
         decision = collective.broadcast(decision, src=0)
         if decision is None or current is None:
             self.schedule.replanned(self.step, total_changed=False, balance=self.policy.balance)

@@ -161,12 +161,12 @@ class GradientNormObserver:
         self._local = local / state.local_scale**2
         self._close_block(state)
         if self.rank == 0:
-            self._global = self.norms.gradients(parameters)
+            self._global = self.norms.gradients(parameters) / state.global_scale**2
 
     def after_reduce(self, state: WeightedAllReduceState, bucket: dist.GradBucket, reduced: torch.Tensor) -> None:
         if self.rank != 0 or not self.measuring:
             return  # the other ranks receive rank zero's Y through the exchange
-        sqr = self.norms.bucket(reduced, _Parameters(bucket), 1.0, subtract_previous=False)
+        sqr = self.norms.bucket(reduced, _Parameters(bucket), state.global_scale, subtract_previous=False)
         self._global = sqr if self._global is None else self._global + sqr
 
     def fold_into(self, estimator: NoiseScaleEstimator, window: Sequence[Sequence[int]]) -> bool:

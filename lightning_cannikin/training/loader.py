@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 
 from lightning_cannikin.core.layout import epoch_layout
 from lightning_cannikin.core.plan import Plan
+from lightning_cannikin.training.cost_aware_sampler import CostAwareBatchSampler, SampleCosts, resolve_costs
 from lightning_cannikin.training.sampler import UnevenBatchSampler
 
 # DataLoader arguments carried over from the user's loader unchanged.
@@ -171,19 +172,20 @@ def check_trainable(dataloader: DataLoader, global_batch_size: int) -> tuple[boo
     return options
 
 
-def rebuild_uneven(dataloader: DataLoader, plan: Plan, rank: int, seed: int | None = None) -> UnevenDataLoader:
-    """A copy of ``dataloader`` whose batches follow ``plan`` on this ``rank`` (:func:`check_trainable` first)."""
+def rebuild_uneven(
+    dataloader: DataLoader, plan: Plan, rank: int, seed: int | None = None, sample_costs: SampleCosts | None = None
+) -> UnevenDataLoader:
+    """A copy of ``dataloader`` whose batches follow ``plan`` on this ``rank`` (:func:`check_trainable` first);
+    with ``sample_costs``, each global batch is split by cost (:class:`CostAwareBatchSampler`)."""
     shuffle, sampler_seed = check_trainable(dataloader, plan.global_batch_size)
     dataset = dataloader.dataset
     num_samples = len(dataset)  # type: ignore[arg-type]
-    batch_sampler = UnevenBatchSampler(
-        num_samples,
-        rank=rank,
-        plan=plan,
-        shuffle=shuffle,
-        seed=sampler_seed if seed is None else seed,
-        drop_last=dataloader.drop_last,
-    )
+    options = {"shuffle": shuffle, "seed": sampler_seed if seed is None else seed, "drop_last": dataloader.drop_last}
+    costs = resolve_costs(sample_costs, dataset)
+    if costs is None:
+        batch_sampler = UnevenBatchSampler(num_samples, rank=rank, plan=plan, **options)
+    else:
+        batch_sampler = CostAwareBatchSampler(num_samples, rank, plan, costs, **options)
     kwargs = {name: getattr(dataloader, name) for name in _KEPT_ARGUMENTS if hasattr(dataloader, name)}
     if kwargs.get("num_workers", 0) == 0:
         # DataLoader rejects these without workers, even at their defaults' off values

@@ -7,7 +7,8 @@ The engine reaches it through the strategy's ``runtime`` and never imports a str
 - the engine, through :meth:`RuntimeState.attach` and :meth:`RuntimeState.adopt`: the bounds, the noise observer,
   the learning-rate rule, and the plans it decides.
 
-The step weight ``b_i / B`` over the accumulation window is computed here and nowhere else (:meth:`begin_step`).
+The step weights over the accumulation window (``b_i / B`` for a loss averaged over samples, or those of the declared
+normalisation) are computed here and nowhere else (:meth:`begin_step`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from typing import Any
 from lightning_cannikin.core.optperf import most_even_split
 from lightning_cannikin.core.plan import BatchBounds, Plan, even_split
 from lightning_cannikin.training.comm_hook import WeightedAllReduceState
+from lightning_cannikin.training.cost_aware_sampler import CostTimeFit
 from lightning_cannikin.training.grad_stats import GradientNormObserver
+from lightning_cannikin.training.loss_weights import LossScaleCheck, check_normalisation, step_weights
 from lightning_cannikin.training.sampler import UnevenBatchSampler
 from lightning_cannikin.training.step_timer import StepTimer
 
@@ -39,7 +42,8 @@ class RuntimeState:
         lr_factor: multiplier of the learning rate for the step in progress: the one of the plan that step runs.
         gain: the AdaScale gain of the step in progress (B0-steps of progress it makes).
         step_sizes: every rank's sample count in the training step in progress.
-        accumulation_window: every rank's sample count in each micro-batch of the accumulation window in progress.
+        accumulation_window: every rank's sample count in each micro-batch of the accumulation window in progress (a
+            count mean's units in samples' worth): the noise statistics' group sizes.
         loss_factor: what this rank's loss is multiplied by in the step in progress (the weight, where the loss
             carries it, and the micro-batch's share of the window).
         hook: the weighted all-reduce's state; its observers see every gradient bucket.
@@ -48,6 +52,13 @@ class RuntimeState:
         sampler: the training loader's uneven sampler, once built.
         noise: the noise statistics' observer, set by the engine when it measures them (``None``: not measured).
         noise_observer_type: what the engine builds it as: the strategy's choice (FSDP reads its reduce-scatters).
+        normalisation: how the user's loss is normalised (:mod:`~lightning_cannikin.training.loss_weights`): the
+            step weights and the noise statistics follow it.
+        step_units: every rank's count (tokens) in the step in progress, all-gathered by the strategy for a count mean
+            when the sampler does not know the samples' counts.
+        losses: each step's local loss beside the step's sizes, for the check against ``normalisation``.
+        step_position: the global batch of the step in progress.
+        cost_fit: this rank's compute time over its exact summed cost (a cost-aware sampler's time model).
 
     """
 
@@ -65,9 +76,31 @@ class RuntimeState:
     sampler: UnevenBatchSampler | None = None
     noise: GradientNormObserver | None = None
     noise_observer_type: type[GradientNormObserver] = GradientNormObserver
+    normalisation: str = "sample_mean"
+    step_units: tuple[float, ...] | None = None
+    losses: LossScaleCheck = field(default_factory=LossScaleCheck)
+    step_position: int | None = None
+    cost_fit: CostTimeFit = field(default_factory=CostTimeFit)
 
     def __post_init__(self) -> None:
         self.hook.observers.append(self.timer)
+        self.losses.normalisation = check_normalisation(self.normalisation)
+
+    def _window_units(self, indices: list[int]) -> list[tuple[float, ...]] | None:
+        """Every rank's units in each micro-batch of the window, for a count mean: from the sampler when it knows every
+        sample's count (no collective), else this step's all-gathered units (one micro-batch per step only)."""
+        if self.normalisation != "count_mean":
+            return None
+        units_at = getattr(self.sampler, "units_at", None)
+        if units_at is not None:
+            return [units_at(q) for q in indices]
+        if self.step_units is None or len(indices) > 1:
+            raise ValueError(
+                "`loss_normalisation='count_mean'` needs every micro-batch's count: give the strategy `sample_costs`"
+                " (the sampler then knows every sample's count, with gradient accumulation too) or `batch_units` (a"
+                " function of the local batch, all-gathered each step; without gradient accumulation)."
+            )
+        return [self.step_units]
 
     def use_timer(self, timer: StepTimer) -> None:
         """Time with ``timer`` from now on (it takes the old one's place among the hook's observers)."""
@@ -136,29 +169,42 @@ class RuntimeState:
                 epoch's end.
 
         """
-        self.step_sizes = sizes
+        self.step_sizes, self.step_position = sizes, position
         if position is None or sizes is None:
             return
-        window = [sizes]
+        indices = [position]
         if accumulation > 1 and self.sampler is not None:
             first = (position // accumulation) * accumulation
             last = len(self.sampler) if end < 0 else min(end, len(self.sampler))
             last = min(first + accumulation, last)
-            window = [self.sampler.sizes_at(q) for q in range(first, max(last, position + 1))]
             # an epoch resumed on another world size has placeholders (no sizes) for the batches it did not run
-            window = [sizes_q for sizes_q in window if sizes_q]
-        self.accumulation_window = tuple(window)
-        window_sizes = [sum(column) for column in zip(*window, strict=True)]
-        rank_samples = window_sizes[rank]
+            indices = [q for q in range(first, max(last, position + 1)) if q == position or self.sampler.sizes_at(q)]
+        window = [sizes if q == position else self.sampler.sizes_at(q) for q in indices]  # type: ignore[union-attr]
+        weights = step_weights(self.normalisation, window, self._window_units(indices), rank, indices.index(position))
+        self.accumulation_window = weights.noise_sizes
         hook = self.hook
-        hook.weight = rank_samples / sum(window_sizes)
-        hook.micro_weight = sizes[rank] / rank_samples
+        hook.weight, hook.micro_weight, hook.unit_scale = weights.rank, weights.micro, weights.unit_scale
+        hook.global_scale = float(sum(map(sum, window))) if self.normalisation == "sample_sum" else 1.0
         # the weight on the loss (where the loss carries it), times n where DDP's own all-reduce averages
         weight = hook.weight * hook.mean_over if hook.weight_in_loss else 1.0
         self.loss_factor = accumulation * hook.micro_weight * weight
         plan = self.sampler.plan_at(position) if self.sampler is not None else self.plan
         total = plan.total_batch_size if plan is not None else sum(sizes) * accumulation
         self.lr_factor, self.gain = self.scale(total) if self.scale is not None else (1.0, 1.0)
+
+    def timed_size(self, rank: int, step: int = 0) -> int | None:
+        """The size ``rank``'s step in progress (the engine's ``step``) is timed at: its samples, or with a cost-aware
+        sampler its summed cost in samples of average cost (the speed model then fits the time over the cost; the
+        exact cost goes to :attr:`cost_fit`)."""
+        sizes, position = self.step_sizes, self.step_position
+        if sizes is None:
+            return None
+        load_of = getattr(self.sampler, "load_of", None)
+        if load_of is None or position is None:
+            return sizes[rank]
+        units = self.sampler.units_at(position)[rank]  # type: ignore[union-attr]
+        self.cost_fit.load(step, units)
+        return load_of(units)
 
     @contextmanager
     def learning_rate_scaled(self, optimizer: Any) -> Iterator[None]:

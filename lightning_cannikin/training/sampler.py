@@ -135,7 +135,11 @@ class UnevenBatchSampler(Sampler[list[int]]):
             batch = layout[index]
             index += 1
             self.yielded = index
-            yield permutation[batch.rank_slice(self.rank)]
+            yield self._rank_indices(permutation, index - 1, batch)
+
+    def _rank_indices(self, permutation: list[int], batch_index: int, batch: GlobalBatch) -> list[int]:
+        """This rank's indices of global batch ``batch_index``: its contiguous slice of the batch."""
+        return permutation[batch.rank_slice(self.rank)]
 
     def __len__(self) -> int:
         return len(self.layout())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -14,6 +14,7 @@ from typing_extensions import override
 
 from lightning_cannikin.training._lightning_compat import StrategyRegistryType, register_ddp_comm_hook
 from lightning_cannikin.training.comm_hook import weighted_allreduce_hook
+from lightning_cannikin.training.cost_aware_sampler import SampleCosts
 from lightning_cannikin.training.grad_capture import GradientCapture
 from lightning_cannikin.training.grad_ready import GradientReadiness
 from lightning_cannikin.training.launch_checks import check_before_launch, checked_launcher
@@ -33,6 +34,15 @@ class CannikinStrategy(UnevenBatchesMixin, DDPStrategy):
         local_batch_sizes: a fixed split, one entry per rank (global rank order). It turns split planning off, and
             its sum replaces the DataLoader's ``batch_size x world size`` (a warning names both where they differ).
             When ``None``, the first plan gives every rank the training DataLoader's ``batch_size``.
+        loss_normalisation: how ``training_step``'s loss is normalised, so that every rank's gradient gets the exact
+            weight: ``"sample_mean"`` (a mean over the batch's samples, the default), ``"sample_sum"`` (a sum over
+            them) or ``"count_mean"`` (a mean over a per-sample count such as tokens: the counts are ``sample_costs``,
+            or ``batch_units``). A loss whose scale behaves like another one is warned about once.
+        sample_costs: each training sample's cost (its token count): a sequence indexed like the training dataset, a
+            function of the index, or ``"lengths"`` for the dataset's ``lengths`` attribute. Each global batch is then
+            split across ranks by cost and each device's measured speed (equal predicted times), not by sample count.
+        batch_units: for ``"count_mean"`` without ``sample_costs``: a function of the local batch giving its count
+            (e.g. ``lambda batch: batch["mask"].sum()``); one small all-gather per step, no gradient accumulation.
         **kwargs: every :class:`~lightning.pytorch.strategies.DDPStrategy` argument except ``ddp_comm_hook``
             (Cannikin's weighted all-reduce is the hook; ``ddp_comm_wrapper``, e.g. fp16 compression, composes).
 
@@ -40,7 +50,14 @@ class CannikinStrategy(UnevenBatchesMixin, DDPStrategy):
 
     strategy_name = "cannikin"
 
-    def __init__(self, local_batch_sizes: Sequence[int] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        local_batch_sizes: Sequence[int] | None = None,
+        loss_normalisation: str = "sample_mean",
+        sample_costs: SampleCosts | None = None,
+        batch_units: Callable[[Any], float] | None = None,
+        **kwargs: Any,
+    ) -> None:
         if kwargs.get("ddp_comm_hook") is not None:
             raise ValueError(
                 "`ddp_comm_hook` cannot be combined with CannikinStrategy: its weighted all-reduce is the comm hook."
@@ -49,7 +66,7 @@ class CannikinStrategy(UnevenBatchesMixin, DDPStrategy):
         if kwargs.get("model_averaging_period") is not None:
             raise ValueError("`model_averaging_period` (post-local SGD) is not supported by CannikinStrategy.")
         super().__init__(**kwargs)
-        self._init_uneven(local_batch_sizes)
+        self._init_uneven(local_batch_sizes, loss_normalisation, sample_costs, batch_units)
         self._forward_hook: Any = None
         self._uses_comm_hook: bool | None = None
         self._readiness: GradientReadiness | None = None
@@ -140,10 +157,11 @@ class CannikinStrategy(UnevenBatchesMixin, DDPStrategy):
         super().on_train_batch_start(batch, batch_idx)
         if self._runtime.noise is not None:  # before the step's first backward: is this step measured?
             self._runtime.noise.start_step(self.lightning_module.trainer.global_step)
-        self._begin_step()
+        self._begin_step(batch)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        self._runtime.losses.record(self._runtime.step_sizes, closure_loss)  # checked against the normalisation
         loss_factor = self._runtime.loss_factor
         if loss_factor != 1.0:
             closure_loss = closure_loss * loss_factor

@@ -9,7 +9,8 @@ strategy calls :meth:`UnevenBatchesMixin._init_uneven` in its ``__init__``. The 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, NoReturn
 
 import torch
@@ -18,9 +19,11 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning_cannikin.core.plan import Plan
 from lightning_cannikin.training._lightning_compat import uses_distributed_sampler
 from lightning_cannikin.training.comm_hook import WeightedAllReduceState
+from lightning_cannikin.training.cost_aware_sampler import SampleCosts
 from lightning_cannikin.training.device_memory import LocalBatchOutOfMemoryError, out_of_memory_error
 from lightning_cannikin.training.lightning_hooks import BalancingCallback
 from lightning_cannikin.training.loader import UnevenDataLoader, loader_batch_size, rebuild_uneven
+from lightning_cannikin.training.loss_weights import check_normalisation, every_ranks_units
 from lightning_cannikin.training.runtime import RuntimeState
 from lightning_cannikin.training.strategy_checks import (
     MULTIPLE_LOADERS_ERROR,
@@ -50,9 +53,22 @@ class UnevenBatchesMixin:
                 description = f"Cannikin heterogeneity-aware {kind} with `start_method` '{start_method}'"
                 registry.register(base + suffix, cls, description=description, start_method=start_method)
 
-    def _init_uneven(self, local_batch_sizes: Sequence[int] | None) -> None:
+    def _init_uneven(
+        self,
+        local_batch_sizes: Sequence[int] | None,
+        loss_normalisation: str = "sample_mean",
+        sample_costs: SampleCosts | None = None,
+        batch_units: Callable[[Any], float] | None = None,
+    ) -> None:
         self._fixed_sizes = validate_local_batch_sizes(local_batch_sizes)
-        self._runtime = RuntimeState(fixed_split=self._fixed_sizes is not None)
+        check_normalisation(loss_normalisation)
+        if loss_normalisation == "count_mean" and sample_costs is None and batch_units is None:
+            raise ValueError(
+                "`loss_normalisation='count_mean'` needs each sample's count: give `sample_costs` (a sequence, a"
+                " function of the index, or 'lengths') or `batch_units` (a function of the local batch)."
+            )
+        self._sample_costs, self._batch_units = sample_costs, batch_units
+        self._runtime = RuntimeState(fixed_split=self._fixed_sizes is not None, normalisation=loss_normalisation)
         self._train_loader: UnevenDataLoader | None = None
 
     @property
@@ -163,20 +179,24 @@ class UnevenBatchesMixin:
             plan = Plan(self._fixed_sizes, accumulation)
             warn_about_fixed_total(self._fixed_sizes, loader_batch_size(dataloader), self.world_size)
         elif self.plan is not None:
-            plan = Plan(self.plan.local_batch_sizes, accumulation, self.plan.predicted_step_time)
+            plan = replace(self.plan, accumulation_steps=accumulation)
         else:
             # the user's batch size on every rank, moved inside the bounds (same total) if it violates them
             plan = self._runtime.first_plan(
                 loader_batch_size(dataloader) * self.world_size, self.world_size, accumulation
             )
-        loader = rebuild_uneven(dataloader, plan, self.global_rank)
+        loader = rebuild_uneven(dataloader, plan, self.global_rank, sample_costs=self._sample_costs)
         self._runtime.use_loader(plan, loader.uneven_sampler)
         self._train_loader = loader
         return loader
 
-    def _begin_step(self) -> None:
-        """The training step's sizes and weights, from the batch the loader handed out for it."""
+    def _begin_step(self, batch: Any = None) -> None:
+        """The training step's sizes and weights, from the batch the loader handed out for it (a count mean's units
+        of ``batch`` all-gathered where the sampler does not know them)."""
         loader = self._train_loader
+        runtime = self._runtime
+        if runtime.normalisation == "count_mean" and self._sample_costs is None and self._batch_units is not None:
+            runtime.step_units = every_ranks_units(float(self._batch_units(batch)), self.root_device)
         if loader is None or not loader.pending_steps:
             self._runtime.begin_step(None, None, self.global_rank)
             return

@@ -1,0 +1,147 @@
+"""A declared loss normalisation applied by the strategy: each step's weights, and the check that the loss matches it.
+
+The weights are :func:`~lightning_cannikin.core.loss_normalisation.loss_weights`' (exact for a mean over samples, a
+sum over samples, or a mean over a per-sample count such as tokens), split into what the all-reduce carries for the
+rank (:attr:`StepWeights.rank`) and what each accumulation micro-batch's loss carries within it
+(:attr:`StepWeights.micro`). :class:`LossScaleCheck` keeps each step's local loss beside every rank's batch size, and
+rank zero warns once when the losses behave like another normalisation than the declared one
+(:func:`~lightning_cannikin.core.loss_normalisation.normalisation_mismatch`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+from lightning_cannikin.core.loss_normalisation import NORMALISATIONS, loss_weights, normalisation_mismatch
+
+__all__ = ["LossScaleCheck", "StepWeights", "check_normalisation", "every_ranks_units", "step_weights"]
+
+
+def check_normalisation(normalisation: str) -> str:
+    """``normalisation`` if it is one the strategy knows, else a clear error."""
+    if normalisation not in NORMALISATIONS:
+        raise ValueError(
+            f"`loss_normalisation` must be one of {NORMALISATIONS}, got {normalisation!r}: 'sample_mean' for a loss"
+            " averaged over the batch's samples, 'sample_sum' for a sum over them, 'count_mean' for a mean over a"
+            " per-sample count such as tokens (give the counts as `sample_costs` or `batch_units`)."
+        )
+    return normalisation
+
+
+@dataclass(frozen=True)
+class StepWeights:
+    """One micro-batch's weights under a summing all-reduce.
+
+    Attributes:
+        rank: what this rank's accumulated gradient is multiplied by before the ranks sum (``b_i / B`` for a sample
+            mean).
+        micro: this micro-batch's share of the rank's accumulated gradient (1 without accumulation).
+        unit_scale: the micro-batch's gradient over its mean gradient (its sample count for a sum, else 1): the noise
+            statistics divide it out.
+        noise_sizes: every group's size in samples, rank-major (a count mean's units in samples' worth, so the noise
+            scale stays in samples).
+
+    """
+
+    rank: float
+    micro: float
+    unit_scale: float
+    noise_sizes: tuple[tuple[float, ...], ...]
+
+
+def step_weights(
+    normalisation: str,
+    window: Sequence[Sequence[int]],
+    units: Sequence[Sequence[float]] | None,
+    rank: int,
+    micro_index: int,
+) -> StepWeights:
+    """The weights of micro-batch ``micro_index`` of an accumulation ``window`` on ``rank``.
+
+    Args:
+        normalisation: the declared normalisation.
+        window: every rank's sample count in each micro-batch of the window (micro-batch-major).
+        units: the same shape, every group's count (tokens) for ``"count_mean"``; ``None`` otherwise.
+        rank: this rank.
+        micro_index: the micro-batch's index within the window.
+
+    """
+    if normalisation == "sample_mean":  # the default, every step: loss_weights' row for it in plain Python (~5 us)
+        rank_samples = sum(micro[rank] for micro in window)
+        total = sum(sum(micro) for micro in window)
+        noise = tuple(tuple(float(b) for b in micro) for micro in window)
+        return StepWeights(rank_samples / total, window[micro_index][rank] / rank_samples, 1.0, noise)
+    samples = np.asarray(window, dtype=np.float64).T  # (n, K)
+    unit_array = None if units is None else np.asarray(units, dtype=np.float64).T
+    weights = loss_weights(normalisation, samples, unit_array, allreduce="sum")
+    rank_weight = float(weights[rank].sum())
+    micro = float(weights[rank, micro_index]) / rank_weight if rank_weight > 0 else 0.0
+    unit_scale = float(samples[rank, micro_index]) if normalisation == "sample_sum" else 1.0
+    if unit_array is not None and normalisation == "count_mean" and unit_array.sum() > 0:
+        sizes = unit_array * (samples.sum() / unit_array.sum())
+    else:
+        sizes = samples
+    noise_sizes = tuple(tuple(float(s) for s in column) for column in sizes.T)
+    return StepWeights(rank_weight, micro, unit_scale, noise_sizes)
+
+
+def every_ranks_units(units: float, device: torch.device) -> tuple[float, ...]:
+    """Every rank's count (tokens) in the step in progress, in rank order: one all-gather of one number per rank (a
+    count mean whose counts the sampler does not know)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return (units,)
+    mine = torch.tensor([units], dtype=torch.float64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return tuple(float(value) for value in torch.cat(every).tolist())
+
+
+class LossScaleCheck:
+    """Each step's local loss beside every rank's batch size; rank zero judges them against the declared normalisation.
+
+    The losses stay on the device until :meth:`take` (called where the ranks already gather their step timings), so
+    recording costs no synchronisation. The warning is given once per fit.
+    """
+
+    def __init__(self, normalisation: str = "sample_mean", keep: int = 64) -> None:
+        self.normalisation = normalisation
+        self._steps: deque[tuple[tuple[int, ...], torch.Tensor]] = deque(maxlen=keep)
+        self._rows: deque[tuple[tuple[int, ...], list[float]]] = deque(maxlen=256)  # rank zero's evidence
+        self.warned = False
+
+    def record(self, sizes: tuple[int, ...] | None, loss: torch.Tensor) -> None:
+        """This rank's loss of a micro-batch whose ranks held ``sizes`` (the loss as ``training_step`` gave it)."""
+        if sizes is not None and not self.warned:
+            self._steps.append((tuple(sizes), loss.detach().reshape(())))
+
+    def take(self) -> list[tuple[tuple[int, ...], float]]:
+        """The recorded steps as numbers (this rank's part of the gather), and forget them."""
+        steps, self._steps = list(self._steps), deque(maxlen=self._steps.maxlen)
+        if not steps:
+            return []
+        values = torch.stack([loss.float() for _, loss in steps]).tolist()
+        return [(sizes, value) for (sizes, _), value in zip(steps, values, strict=True)]
+
+    def judge(self, gathered: Sequence[Any]) -> str | None:
+        """Rank zero: every rank's :meth:`take`, in rank order; warns once on a mismatch and returns the message."""
+        if self.warned or not gathered:
+            return None
+        # the k-th entry of every rank belongs to the same micro-batch: the ranks step in lockstep
+        for entries in zip(*gathered, strict=False):
+            sizes = entries[0][0]
+            if len(sizes) == len(entries) and all(entry[0] == sizes for entry in entries):
+                self._rows.append((sizes, [value for _, value in entries]))
+        rows = list(self._rows)
+        message = normalisation_mismatch(self.normalisation, [s for s, _ in rows], [v for _, v in rows])
+        if message is not None:
+            self.warned = True
+            rank_zero_warn(f"Cannikin: {message}")
+        return message
