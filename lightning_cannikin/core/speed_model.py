@@ -107,6 +107,8 @@ class SpeedModel:
         # every rank's (batch size, compute) of the latest complete steps: which ranks were slow together
         self._joint: deque[tuple[tuple[int, ...], tuple[float, ...]]] = deque(maxlen=int(self.settings.tail_window))
         self._scenarios: tuple[Scenarios | None] | None = None  # found once per batch of new samples
+        # the planner's inputs and the part no speed scales, found once per batch of new samples (a decision asks often)
+        self._pieces: tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None
         self._warm = [0] * self.world_size  # samples each rank has had since its start; the first ones are left out
         self._watch = ChangeWatch(self.world_size, self.settings.drift_tolerance)
 
@@ -130,7 +132,7 @@ class SpeedModel:
                 else:
                     kept.setdefault(record.rank, []).append(record)
         self.drifts = self._detect_drift(kept)
-        self._models = self._scenarios = None
+        self._models = self._scenarios = self._pieces = None
         for rank_records in kept.values():
             for record in rank_records:
                 self._add_sample(record)
@@ -232,7 +234,11 @@ class SpeedModel:
         is the compute-only one; where it does not, OptPerf(B) for other totals sees the communication floor.
         ``models``: other compute models than the fitted ones (zero ones give the part no device's speed scales).
         """
-        models = self.models() if models is None else models
+        if models is None:
+            if self._pieces is None:
+                fitted = self.models()
+                self._pieces = (self.pieces(fitted), self.pieces([LinearTimeModel(0.0, 0.0, m.knee) for m in fitted]))
+            return self._pieces[0]
         comm, tail = self.comm(), self.tail()
         if comm is None or not self.first_bucket_shares or not self.after_reduction:
             return step_time_pieces(models, None, overhead=tail)
@@ -259,7 +265,7 @@ class SpeedModel:
     def _expected(self, splits: np.ndarray, scenarios: Scenarios) -> np.ndarray:
         slopes, offsets = self.pieces()
         # the part no device's speed scales, piece for piece (a knee adds its flat pieces there too)
-        _, fixed = self.pieces([LinearTimeModel(0.0, 0.0, m.knee) for m in self.models()])
+        _, fixed = self._pieces[1]  # type: ignore[index]  # found with the pieces
         return scenarios.expected(slopes, offsets, fixed, np.atleast_2d(splits))
 
     @property
@@ -378,7 +384,7 @@ class SpeedModel:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore fitted state; from a run with another world size only the tail is kept (devices changed)."""
-        self._models = None
+        self._models = self._pieces = None
         self._watch.clear()
         self._joint.clear()
         warm = state.get("warm")
