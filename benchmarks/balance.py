@@ -9,14 +9,21 @@ compute left out). Scenarios:
 - ``homogeneous``: all devices equal: a control, Cannikin must cost nothing where there is nothing to balance;
 - ``unequal_intercepts``: per_sample_ms 0.5, 1.0, 2.0 and fixed_ms 10, 20, 30 (a speed-proportional split is wrong);
 - ``jittery``: the heterogeneous devices with 3 ms of per-step jitter and first steps up to 3x slower;
-- ``saturation``: 0.15, 0.4, 1.0 ms per sample, 5 ms fixed, flat below 160, 64, 24 samples, total 192;
-- ``contention``: the heterogeneous devices, the fastest one 2.5x slower every third step (a shared GPU);
-- ``slowdown``: the heterogeneous devices, the fastest one becoming 4x slower mid-epoch (step 40).
+- ``saturation``: 0.6, 1.6, 4.0 ms per sample, 20 ms fixed, flat below 160, 64, 24 samples, total 192;
+- ``contention``: the heterogeneous devices' costs times three (1.5, 3, 6 ms per sample, 60 ms fixed), the fastest
+  one 2.5x slower every third step (a shared GPU);
+- ``slowdown``: the same three devices, the fastest one becoming 4x slower mid-epoch (step 40).
 
-The new scenarios run at least 10 epochs (their transients: the walk to a knee, a change of speed) and their
-ideal is found by brute force over every split under the emulated costs (contention and a speed
-change included): the even split's time over the best split's, the best taken apart before and after a change of
-speed, over the steady-state steps.
+Their costs are larger than the old scenarios' so that this shared machine's own cost of a step (30-45 ms under
+the load of the final runs, in both strategies) is not most of it: it shrinks every measured ratio towards 1. The
+new scenarios train a softmax regression instead of the CNN (:class:`SoftmaxRegression`: the devices are then
+the emulated ones), saturation on the digits four times over (30 steps an epoch instead of 8, whose epoch ends
+would otherwise weigh like nothing real) for 6 epochs, the others for 10. Their ideal is found by brute force over
+every split under the emulated costs (contention and a speed change included): the even split's time over the best
+split's, the best taken apart before and after a change of speed and for an epoch's shorter last step, over the
+steady-state steps. ``emulated_ratio_median`` is the even split's emulated time over that of the splits Cannikin
+really ran: the ratio the planner reached, without this machine's own per-step costs; ``steady_step_ms`` is the
+wall time per steady step of each strategy.
 
     python benchmarks/balance.py [--repeats 3] [--epochs 5] [--only saturation contention slowdown]
 """
@@ -33,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 from torch import nn
+from torch.utils.data import TensorDataset
 
 from benchmarks.harness import median, run
 from examples.data import ImageClassifier, load_dataset
@@ -56,9 +64,12 @@ class SoftmaxRegression(ImageClassifier):
         self.net = nn.Sequential(nn.Flatten(), nn.Linear(int(np.prod(image_shape)), num_classes))
 
 
-def light_task(seed: int) -> tuple:
-    """The digits and :class:`SoftmaxRegression`, as ``benchmarks.harness.run``'s ``task``."""
+def light_task(seed: int, copies: int = 1) -> tuple:
+    """The digits (``copies`` times over: longer epochs) and :class:`SoftmaxRegression`, as
+    ``benchmarks.harness.run``'s ``task``."""
     train, test, shape = load_dataset("digits", seed=seed)
+    if copies > 1:
+        train = TensorDataset(*(t.repeat(copies, *[1] * (t.dim() - 1)) for t in train.tensors))
     return train, test, lambda: SoftmaxRegression(shape), 10
 
 
@@ -176,8 +187,10 @@ def scenario(
     total: int | None = None,
     brute_force: bool = False,
     epochs: int | None = None,
-    light: bool = False,
+    light: int = 0,
 ) -> dict:
+    """One scenario, DDP and Cannikin interleaved over ``args.repeats``; ``light``: train :class:`SoftmaxRegression` on
+    this many copies of the digits (0: the CNN on the digits)."""
     total = args.total_batch if total is None else total
     epochs = args.epochs if epochs is None else epochs
     batch = total // len(per_sample_ms)
@@ -185,7 +198,7 @@ def scenario(
     runs: dict[str, list[dict]] = {"ddp": [], "cannikin": []}
     for repeat in range(args.repeats):
         for strategy in ("ddp", "cannikin"):
-            task = light_task(repeat) if light else None
+            task = light_task(repeat, light) if light else None
             result = run(
                 f"{strategy}_fork", per_sample_ms, fixed, batch, epochs, seed=repeat, emulated=emulated, task=task
             )
@@ -249,25 +262,27 @@ def main(argv: list[str] | None = None) -> dict:
             emulated={"saturation_batch": [160.0, 64.0, 24.0]},
             total=192,
             brute_force=True,
-            light=True,
-            epochs=max(args.epochs, 15),
+            light=4,
+            epochs=max(args.epochs, 6),
         ),
         "contention": lambda: scenario(
             "contention",
-            [0.5, 1.0, 2.0],
+            [1.5, 3.0, 6.0],
             args,
+            fixed_ms=60.0,
             emulated={"contention": {0: (2.5, 3)}},
             brute_force=True,
-            light=True,
+            light=1,
             epochs=max(args.epochs, 10),
         ),
         "slowdown": lambda: scenario(
             "slowdown",
-            [0.5, 1.0, 2.0],
+            [1.5, 3.0, 6.0],
             args,
-            emulated={"speed_changes": {40: [2.0, 1.0, 2.0]}},
+            fixed_ms=60.0,
+            emulated={"speed_changes": {40: [6.0, 3.0, 6.0]}},
             brute_force=True,
-            light=True,
+            light=1,
             epochs=max(args.epochs, 10),
         ),
     }
