@@ -54,6 +54,7 @@ class EpochClock(Callback):
         self.target_accuracy = target_accuracy
         self.epoch_starts: list[float] = []
         self.epoch_samples: list[int] = []
+        self.step_sizes: list[list[int] | None] = []  # every rank's samples in each step (None: the even split)
         self.curve: list[dict[str, float]] = []
         self.eval_time = 0.0
         self.started = 0.0
@@ -67,6 +68,7 @@ class EpochClock(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         sizes = getattr(trainer.strategy, "step_sizes", None)
+        self.step_sizes.append(list(sizes) if sizes else None)
         self.epoch_samples[-1] += sum(sizes) if sizes else len(batch[0]) * trainer.world_size
         # every rank counts the same samples, so every rank takes part in the same evaluations' broadcasts
         if self.target_accuracy is not None and self.eval_every_samples and sum(self.epoch_samples) >= self.next_eval:
@@ -111,6 +113,7 @@ class EpochClock(Callback):
                 b - a for a, b in zip(self.epoch_starts, [*self.epoch_starts[1:], time.perf_counter()], strict=True)
             ],
             "epoch_samples": self.epoch_samples,
+            "step_sizes": self.step_sizes,
             "history": cannikin.history if cannikin is not None else [],
             "test_accuracy": accuracy(pl_module, self.test_set, num_classes=self.num_classes),
             "wall_time": time.perf_counter() - self.started - self.eval_time,

@@ -222,3 +222,17 @@ def test_the_engine_acts_only_on_a_confident_noise_scale():
         if phi is None:
             assert guarded.scale(960) == (1.0, 1.0), "no gain on an estimate that is not confident"
     assert infinite > 0, "the check must be able to fail: the count alone lets an infinite estimate through"
+
+
+def test_an_epochs_last_batch_leaves_its_replan_to_the_epoch_end():
+    # a re-plan due on the last batch (here the warm-up's, every 8 steps) would decide, and the epoch end right after
+    # would decide again on the same records: the last batch leaves it to the epoch end, and keeps the vote for it
+    from types import SimpleNamespace
+
+    engine = BalancingEngine()
+    engine.runtime = SimpleNamespace(timer=SimpleNamespace(reduced=True), fixed_split=False)
+    engine.step = engine.schedule.warmup_steps
+    assert engine.replan_due() == (True, False)
+    assert engine.replan_due(epoch_ends=True) == (False, False)
+    engine.step += 1
+    assert engine.replan_due(epoch_ends=False) == (False, False)

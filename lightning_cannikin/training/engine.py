@@ -216,14 +216,17 @@ class BalancingEngine:
         self.step += 1
         return updated
 
-    def replan_due(self, resizable: bool = True) -> tuple[bool, bool]:
-        """``(re-plan now, reconsider the total too)`` after the step; ``resizable``: the epoch may change length."""
+    def replan_due(self, resizable: bool = True, epoch_ends: bool = False) -> tuple[bool, bool]:
+        """``(re-plan now, reconsider the total too)`` after the step; ``resizable``: the epoch may change length;
+        ``epoch_ends``: it was the epoch's last batch, whose end re-plans anyway (the same records, the vote kept)."""
         runtime = self.runtime
         assert runtime is not None
         if not runtime.timer.reduced or runtime.fixed_split:
             return False, False  # no re-plan mid-window: a window's micro-batches share one layout
         vote = self.vote
         self._changed = vote is not None and self.schedule.check_due(self.step) and vote.poll()
+        if epoch_ends:
+            return False, False
         # the total follows the confident noise scale out of its band: every rank folds the same exchanged numbers
         # and holds the band rank zero broadcast, so every rank answers alike here, with no collective
         ready = self.policy.max_batch_size is not None and resizable and (self.identified or not self.policy.balance)

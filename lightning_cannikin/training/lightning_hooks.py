@@ -176,7 +176,8 @@ class BalancingCallback(Callback):
             if updated and phi is not None and estimator is not None:
                 base = estimator.base_batch_size
                 log_noise_scale(pl_module, phi, self.plan.total_batch_size if self.plan is not None else base, base)
-        replan, adapt = engine.replan_due(epoch_resizable(trainer))
+        # the epoch's last batch: its end re-plans next (a mid-epoch re-plan too would decide twice in a row)
+        replan, adapt = engine.replan_due(epoch_resizable(trainer), batch_idx + 1 >= trainer.num_training_batches)
         if replan:
             self._log(trainer, engine.replan(mid_epoch=True, adapt_total=adapt, epoch=trainer.current_epoch))
 
