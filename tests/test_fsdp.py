@@ -375,7 +375,10 @@ def test_the_adaptive_total_changes_on_the_sharded_estimate_with_its_learning_ra
     assert lrs[0][: len(totals)] == pytest.approx([0.01 * total / 8 for total in totals], rel=1e-12)
 
 
-def test_a_sharded_checkpoint_of_three_ranks_resumes_on_two_with_its_total_and_noise_statistics(tmp_path, monkeypatch):
+@pytest.mark.parametrize("distributed", [True, False], ids=["sharded", "full_state"])
+def test_a_checkpoint_of_three_ranks_resumes_on_two_with_its_total_and_noise_statistics(
+    tmp_path, monkeypatch, distributed
+):
     told = tmp_path / "told.txt"  # the forked ranks inherit the patched module: rank zero's message lands here
     monkeypatch.setattr(engine_module, "rank_zero_info", lambda text: told.open("a").write(text + "\n"))
     num_samples, path = 480, tmp_path / "resume.ckpt"
@@ -386,7 +389,7 @@ def test_a_sharded_checkpoint_of_three_ranks_resumes_on_two_with_its_total_and_n
     )
     for run, devices, step in zip(runs, (3, 2), (12, None), strict=True):
         run.mkdir()
-        strategy = CannikinModelParallelStrategy(save_distributed_checkpoint=True, start_method="fork")
+        strategy = CannikinModelParallelStrategy(save_distributed_checkpoint=distributed, start_method="fork")
         cannikin = Cannikin(lr_scaling="none", settings=settings)
         callbacks = [EmulatedCluster([1.0, 2.0, 2.0][:devices], fixed_ms=2.0), cannikin, SaveAt(path, step)]
         callbacks.append(RecordNoiseInputs(run))
