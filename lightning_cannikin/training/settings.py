@@ -73,8 +73,8 @@ class CannikinSettings:
             negative (an infinite noise scale) moves nothing. ``None``: on ``min_noise_updates`` alone.
         check_every_n_steps: every rank checks its own step times for a clear change of speed (a co-tenant, a
             throttled device) at no cost; every this many steps the ranks compare the answers in one all-reduce of a
-            single number that nobody waits for (read at the next check), and re-plan mid-epoch when some rank saw
-            one. ``None``: changes are followed at the re-plans that come anyway.
+            single number that nobody waits for (read the next step on CPU, at the next check on CUDA), and re-plan
+            mid-epoch when some rank saw one. ``None``: changes are followed at the re-plans that come anyway.
         progress_bar: also show the total and rank zero's local batch on Lightning's progress bar (every logger
             receives every ``cannikin/*`` value either way; at 80 columns the bar truncates their names).
 
