@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_cannikin.core.change import FAST_WINDOW, clear_change, large_change
+from lightning_cannikin.core.change import FAST_WINDOW, LocalChangeCheck, clear_change, large_change
 from lightning_cannikin.simulation.emulated_devices import EmulatedDevices
 from tests.replay import replay
 
@@ -56,3 +56,21 @@ def test_glitches_and_stalls_never_replan(seed, kind):
     devices = EmulatedDevices(SPEEDS, 10.0, jitter_ms=2.0, seed=seed, **kind, **WARMUP)
     run = replay(devices, 3, 96, 300, epoch_steps=300)
     assert run.changes == [] and run.drifts == [], (run.changes, run.drifts)
+
+
+def test_an_epochs_shorter_last_batch_does_not_start_the_watch_over():
+    # 15-step epochs whose last batch is 54 samples, not 56: restarting at every new size, the watch (2 skipped, 8 for
+    # the reference, 12 judged) never filled within an epoch, and the old split ran to the next epoch end
+    check = LocalChangeCheck()
+    seen = []
+    for step in range(90):
+        size = 54 if step % 15 == 14 else 56
+        check.observe(size, (0.06 + (0.006 if step >= 40 else 0.0015) * size) * (1.0 + 0.01 * (step % 3)))
+        if size == 56 and check.changed():
+            seen.append(step)
+    assert seen and 40 + 8 <= seen[0] <= 40 + 10, seen
+    check.observe(48, 0.2)  # a size never seen: a new reference
+    assert not check.changed()
+    check.reset()
+    check.observe(56, 0.4)
+    assert not check.changed(), "a reset starts every size over"

@@ -28,6 +28,7 @@ __all__ = ["DEFAULT_WINDOW", "FAST_WINDOW", "ChangeWatch", "LocalChangeCheck", "
 DEFAULT_WINDOW = 16  # steps of recent times judged at once: a change fills 3/4 of them within 12 steps
 # steps judged for a change beyond twice the band: 3/4 of them (9) outlast an 8-step glitch, never filled by stalls
 FAST_WINDOW = 12
+_PARKED = 3  # other batch sizes whose watch is kept (an epoch's last batch, the sizes of a probe)
 # how far beyond a rank's largest timed batch size its model is still trusted to judge a change of speed
 _NEAR = 1.1
 
@@ -87,8 +88,9 @@ class LocalChangeCheck:
     ``small_window`` steps), later. The large band, too, is never narrower than ``noise_floor`` times the reference's
     spread: tiny steps on a shared host (a few milliseconds, where the scheduler's time slices move single steps by
     several times) would otherwise fill a window with jitter and ask for re-plans that keep the split; on a steady
-    device (a spread of a few percent) the band is ``band``. A new batch size starts a new reference, and so does
-    :meth:`reset` (call it after a re-plan this check asked for: the speed model has then seen the change).
+    device (a spread of a few percent) the band is ``band``. A new batch size starts a new reference (a size seen
+    lately, such as the full batch after an epoch's shorter last one, resumes its own), and :meth:`reset` starts every
+    size over (call it after a re-plan this check asked for: the speed model has then seen the change).
 
     Args:
         band: relative change that counts at once (the speed model's ``drift_tolerance``).
@@ -126,21 +128,30 @@ class LocalChangeCheck:
         self._seen = 0
         self._reference: list[float] = []
         self._recent: deque[float] = deque(maxlen=max(self.window, self.small_window))
+        # the watch at the latest other batch sizes, resumed when a size returns: an epoch's shorter last batch
+        # would otherwise start the reference over every epoch, and epochs shorter than the reference and the
+        # window together would never show a change
+        self._parked: dict[int, tuple[int, list[float], deque[float]]] = {}
 
     def reset(self) -> None:
         """Start over: a re-plan happened (the model now knows what the times showed)."""
         self._batch_size, self._seen = None, 0
         self._reference = []
         self._recent.clear()
+        self._parked.clear()
 
     def observe(self, batch_size: int, seconds: float) -> None:
         """One step's compute time at ``batch_size`` (non-finite or non-positive times are ignored)."""
         if not (np.isfinite(seconds) and seconds > 0):
             return
         if batch_size != self._batch_size:
-            self._batch_size, self._seen = int(batch_size), 0
-            self._reference = []
-            self._recent.clear()
+            if self._batch_size is not None:
+                self._parked[self._batch_size] = (self._seen, self._reference, self._recent)
+                while len(self._parked) > _PARKED:
+                    del self._parked[next(iter(self._parked))]  # the size left longest ago
+            fresh = (0, [], deque(maxlen=max(self.window, self.small_window)))
+            self._seen, self._reference, self._recent = self._parked.pop(int(batch_size), fresh)
+            self._batch_size = int(batch_size)
         self._seen += 1
         if self._seen <= self.skip:
             return
