@@ -20,6 +20,7 @@ from lightning_cannikin.core.policy import Decision, PolicySettings, decide
 from lightning_cannikin.core.schedule import ReplanSchedule
 from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings, StepRecord
 from lightning_cannikin.simulation.emulated_devices import EmulatedDevices
+from lightning_cannikin.training.change_vote import ChangeVote
 
 TAIL_S = 0.002  # what a step costs beyond the slowest rank's compute (all-reduce tail, optimizer)
 
@@ -82,6 +83,21 @@ def _clean_pieces(devices: EmulatedDevices, n: int, step: int) -> tuple[np.ndarr
     return slopes, np.stack([flat, linear], axis=1)
 
 
+class _Ballot:
+    """Every rank's vote in one maximum, as :class:`StrategyCollective` gives it: read only when a vote reads it."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._cast: list[bool] = []
+
+    def any_later(self, flag: bool) -> Callable[[], bool]:
+        if len(self._cast) == self.world_size:
+            self._cast = []
+        cast = self._cast
+        cast.append(flag)
+        return lambda: any(cast)
+
+
 def replay(
     devices: EmulatedDevices,
     world_size: int,
@@ -97,6 +113,7 @@ def replay(
     policy: PolicySettings | None = None,
     noise: Callable[[int], float | None] | None = None,
     change_check: Callable[[float], LocalChangeCheck] = LocalChangeCheck,
+    read_next_step: bool = True,
 ) -> Replay:
     """Run ``steps`` steps from an even split of ``total``.
 
@@ -118,6 +135,8 @@ def replay(
             it: with ``policy.max_batch_size`` the total is reconsidered whenever it leaves the band of the last
             choice (``ReplanSchedule.total_due``), and at epoch ends.
         change_check: each rank's local change check, from the speed model's drift tolerance.
+        read_next_step: the ranks' vote (:class:`ChangeVote`) is read the step after it is cast (CPU), else at the
+            next check (CUDA).
 
     """
     out = Replay(devices, world_size)
@@ -126,7 +145,10 @@ def replay(
     schedule = ReplanSchedule(
         warmup_steps, replan_every_n_steps, adapt_every_n_steps=1, check_every_n_steps=check_every_n_steps
     )
-    checks = [change_check(model.settings.drift_tolerance) for _ in range(world_size)]
+    ballot = _Ballot(world_size)
+    tolerance = model.settings.drift_tolerance
+    votes = [ChangeVote(change_check(tolerance), ballot, read_next_step) for _ in range(world_size)]
+    checks = [vote.check for vote in votes]
     plan = Plan(even_split(total, world_size))
     identified = False
     pending: list[StepRecord] = []
@@ -140,8 +162,8 @@ def replay(
             check.observe(b, seconds)  # each rank, on its own times
         done = step + 1
         epoch_end = epoch_steps is not None and done % epoch_steps == 0
-        # the ranks' one-bit answers meet only on the steps the schedule names (riding on an exchange)
-        changed = schedule.check_due(done) and any(check.changed() for check in checks)
+        # the ranks' one-bit answers are cast on the steps the schedule names, and read as the engine reads them
+        changed = any([vote.poll(schedule.check_due(done)) for vote in votes])
         phi = noise(done) if noise is not None else None
         adapt = policy is not None and policy.max_batch_size is not None and identified
         adapt = adapt and schedule.total_due(phi, done)
@@ -149,8 +171,8 @@ def replay(
             continue
         if changed:
             out.changes.append(done)
-            for check in checks:
-                check.reset()
+            for vote in votes:
+                vote.reset()
         model.add(pending)
         pending = []
         if model.drifts:

@@ -180,28 +180,37 @@ def test_the_first_plan_respects_the_bounds_for_every_frontend():
         runtime.first_plan(50, 2)
 
 
-def test_the_change_vote_is_read_one_check_later_and_not_again_after_the_replan_it_caused():
+def test_the_change_vote_is_read_one_step_later_and_not_again_after_the_replan_it_caused():
     from lightning_cannikin.core.change import LocalChangeCheck
     from lightning_cannikin.training.change_vote import ChangeVote
 
     class OneRank:  # a collective whose vote is read later, as the real one's is (one rank: its own answer)
         rank, world_size = 0, 1
+        cast = 0
 
         def any_later(self, flag):
+            self.cast += 1
             return lambda: flag
 
-    vote = ChangeVote(LocalChangeCheck(), OneRank())
-    for _ in range(20):
-        vote.check.observe(16, 0.020)
-    assert not vote.poll() and not vote.check.changed()
-    for _ in range(16):
-        vote.check.observe(16, 0.040)  # the device takes twice as long from here on
-    assert vote.check.changed()
-    assert not vote.poll(), "this check's answer goes out now; it is read at the next check"
-    assert vote.poll(), "read one check later, on every rank alike"
-    vote.reset()  # the re-plan followed it
-    assert not vote.poll(), "the vote cast before the re-plan is dropped"
-    assert not vote.poll()
+    for read_next_step in (True, False):  # CPU: the step after the check; CUDA: the next check
+        collective = OneRank()
+        vote = ChangeVote(LocalChangeCheck(), collective, read_next_step)
+        for _ in range(20):
+            vote.check.observe(16, 0.020)
+        assert not vote.poll() and not vote.check.changed()
+        for _ in range(16):
+            vote.check.observe(16, 0.040)  # the device takes twice as long from here on
+        assert vote.check.changed()
+        assert not vote.poll(), "this check's answer goes out now; it is read later"
+        if not read_next_step:
+            assert not vote.poll(check_due=False), "between checks the vote in flight is not read"
+        # the vote is read at the step after it was cast (CPU) or at the next check (CUDA); between checks none is cast
+        assert vote.poll(check_due=not read_next_step), "read later, at the same step on every rank"
+        assert collective.cast == (2 if read_next_step else 3)
+        vote.reset()  # the re-plan followed it
+        if not read_next_step:
+            assert not vote.poll(), "the vote cast before the re-plan is dropped"
+        assert not vote.poll(check_due=False) and not vote.poll()
 
 
 def test_the_engine_acts_only_on_a_confident_noise_scale():

@@ -119,7 +119,7 @@ def test_periodic_stalls_and_a_glitch_are_not_changes_of_speed(seed):
 
 def test_the_schedule_replans_when_a_check_says_so_and_settles_after():
     schedule = ReplanSchedule(8)
-    assert schedule.check_due(16) and not schedule.check_due(12)
+    assert schedule.check_due(16) and schedule.check_due(12) and not schedule.check_due(14)  # every 4 steps
     assert schedule.due(16, True, True, changed=True) and not schedule.due(16, True, True)
     schedule.replanned(16, total_changed=False, balance=True, changed=True)
     assert schedule.due(24, True, True) and not schedule.due(23, True, True)

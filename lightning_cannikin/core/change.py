@@ -3,8 +3,10 @@
 A *clear change* is a run of recent step times of which at least three in four sit beyond a relative band around
 what the device used to take, all on the same side. A periodic stall (every second or third step) or a one-window
 glitch never fills three quarters of the window, so neither counts; a device that halves its speed fills it within
-about ``window`` steps. A smaller change is judged the same way over a longer window; the recency-weighted fits
-follow it at the re-plan it asks for.
+about ``window`` steps. A large change (beyond twice the band) is judged over a shorter window, ``FAST_WINDOW``
+steps: longer than any one-window glitch, short enough to act within about ten steps (:func:`large_change`). A
+smaller change is judged the same way over a longer window; the recency-weighted fits follow it at the re-plan it
+asks for.
 
 :class:`LocalChangeCheck` is the cheap, local half: each rank feeds it its own compute time every step (a few
 floats, no collective) and asks it on the steps :class:`~lightning_cannikin.core.schedule.ReplanSchedule` says (the
@@ -21,9 +23,12 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DEFAULT_WINDOW", "ChangeWatch", "LocalChangeCheck", "clear_change"]
+__all__ = ["DEFAULT_WINDOW", "FAST_WINDOW", "ChangeWatch", "LocalChangeCheck", "clear_change", "large_change"]
 
 DEFAULT_WINDOW = 16  # steps of recent times judged at once: a change fills 3/4 of them within 12 steps
+# steps judged for a change beyond twice the band: 3/4 of them (9) outlast an 8-step glitch, never filled by stalls
+FAST_WINDOW = 12
+_PARKED = 3  # other batch sizes whose watch is kept (an epoch's last batch, the sizes of a probe)
 # how far beyond a rank's largest timed batch size its model is still trusted to judge a change of speed
 _NEAR = 1.1
 
@@ -49,6 +54,13 @@ def clear_change(ratios: Sequence[float], band: float, window: int = DEFAULT_WIN
     return None
 
 
+def large_change(ratios: Sequence[float], band: float, window: int = DEFAULT_WINDOW) -> float | None:
+    """:func:`clear_change` over ``window`` ratios, or, sooner, beyond twice the band over ``FAST_WINDOW`` of them:
+    a device that takes twice as long (or half) is acted on after 9 steps, a glitch of 8 steps still never counts."""
+    ratio = clear_change(ratios, band, window)
+    return ratio if ratio is not None else clear_change(ratios, 2.0 * band, min(FAST_WINDOW, window))
+
+
 def trailing_run(ratios: Sequence[float], band: float) -> int:
     """How many of the latest ratios lie beyond the band on the side of the last one (0 if the last is inside)."""
     if not len(ratios):
@@ -70,13 +82,15 @@ class LocalChangeCheck:
 
     The reference is the median of the first ``reference`` times at the batch size in force (after ``skip`` steps
     that may still carry the previous plan's warm-up); later times at the same size fill a window. Two changes
-    count: a large one (beyond ``band`` in three of the last ``window`` steps in four), within about ``window``
-    steps, and a small one (beyond ``small_band``, or twice the reference's own spread if that is larger, over
+    count: a large one (beyond ``band`` in three of the last ``window`` steps in four, or beyond twice ``band`` in
+    three of the last ``FAST_WINDOW``: :func:`large_change`), within about ``window`` steps (9 for twice as slow or
+    more), and a small one (beyond ``small_band``, or twice the reference's own spread if that is larger, over
     ``small_window`` steps), later. The large band, too, is never narrower than ``noise_floor`` times the reference's
     spread: tiny steps on a shared host (a few milliseconds, where the scheduler's time slices move single steps by
     several times) would otherwise fill a window with jitter and ask for re-plans that keep the split; on a steady
-    device (a spread of a few percent) the band is ``band``. A new batch size starts a new reference, and so does
-    :meth:`reset` (call it after a re-plan this check asked for: the speed model has then seen the change).
+    device (a spread of a few percent) the band is ``band``. A new batch size starts a new reference (a size seen
+    lately, such as the full batch after an epoch's shorter last one, resumes its own), and :meth:`reset` starts every
+    size over (call it after a re-plan this check asked for: the speed model has then seen the change).
 
     Args:
         band: relative change that counts at once (the speed model's ``drift_tolerance``).
@@ -114,21 +128,30 @@ class LocalChangeCheck:
         self._seen = 0
         self._reference: list[float] = []
         self._recent: deque[float] = deque(maxlen=max(self.window, self.small_window))
+        # the watch at the latest other batch sizes, resumed when a size returns: an epoch's shorter last batch
+        # would otherwise start the reference over every epoch, and epochs shorter than the reference and the
+        # window together would never show a change
+        self._parked: dict[int, tuple[int, list[float], deque[float]]] = {}
 
     def reset(self) -> None:
         """Start over: a re-plan happened (the model now knows what the times showed)."""
         self._batch_size, self._seen = None, 0
         self._reference = []
         self._recent.clear()
+        self._parked.clear()
 
     def observe(self, batch_size: int, seconds: float) -> None:
         """One step's compute time at ``batch_size`` (non-finite or non-positive times are ignored)."""
         if not (np.isfinite(seconds) and seconds > 0):
             return
         if batch_size != self._batch_size:
-            self._batch_size, self._seen = int(batch_size), 0
-            self._reference = []
-            self._recent.clear()
+            if self._batch_size is not None:
+                self._parked[self._batch_size] = (self._seen, self._reference, self._recent)
+                while len(self._parked) > _PARKED:
+                    del self._parked[next(iter(self._parked))]  # the size left longest ago
+            fresh = (0, [], deque(maxlen=max(self.window, self.small_window)))
+            self._seen, self._reference, self._recent = self._parked.pop(int(batch_size), fresh)
+            self._batch_size = int(batch_size)
         self._seen += 1
         if self._seen <= self.skip:
             return
@@ -145,7 +168,7 @@ class LocalChangeCheck:
         ratios = [t / expected for t in self._recent]
         spread = 1.4826 * float(np.median(np.abs(np.asarray(self._reference) / expected - 1.0)))
         small = max(self.small_band, 2.0 * spread)
-        large = clear_change(ratios, max(self.band, self.noise_floor * spread), self.window)  # beyond the jitter
+        large = large_change(ratios, max(self.band, self.noise_floor * spread), self.window)  # beyond the jitter
         return large is not None or clear_change(ratios, small, self.small_window) is not None
 
 
@@ -178,8 +201,9 @@ class ChangeWatch:
         (``sizes``; or up to 10% beyond the largest: a re-split moves a rank a few samples): a new split or a new total
         batch that moves ranks further shows nothing but the error of an extrapolation. The latest such comparisons
         (``DEFAULT_WINDOW`` steps, across re-plans) show a change when three in four of them lie beyond the tolerance
-        on one side (:func:`clear_change`): the samples from the change on join the rescaled fit at once, whatever the
-        re-plan cadence, and those before it are superseded. A run of new samples beyond the tolerance that does not
+        on one side, or three in four of the last ``FAST_WINDOW`` beyond twice it (:func:`large_change`): the samples
+        from the change on join the rescaled fit at once, whatever the re-plan cadence, and those before it are
+        superseded. A run of new samples beyond the tolerance that does not
         yet fill the window is held apart (the old model kept) until it does, or until samples inside the band end it:
         a one-window glitch never moves the model, and periodic stalls never fill three quarters of the window.
         """
@@ -189,7 +213,7 @@ class ChangeWatch:
                 recent.append(r)
         pending = sorted(self._held.pop(rank, []) + records, key=lambda r: r.step)
         ratios = [r.compute / float(model(r.batch_size)) for r in recent]
-        ratio = clear_change(ratios, tolerance, recent.maxlen or DEFAULT_WINDOW)
+        ratio = large_change(ratios, tolerance, recent.maxlen or DEFAULT_WINDOW)
         if ratio is not None:
             slower = ratio > 1.0
             beyond = [

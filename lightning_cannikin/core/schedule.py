@@ -37,7 +37,7 @@ class ReplanSchedule:
     last_adapt_step: int = 0
     adapted: bool = False  # a total batch was chosen with statistics that allow it (kept for checkpoints)
     settle_at: int | None = None  # a re-plan due once a new total batch has been timed at its new sizes
-    check_every_n_steps: int | None = 8
+    check_every_n_steps: int | None = 4
     noise_band: tuple[float, float] | None = None  # the noise scales the total in force was chosen for
 
     def __post_init__(self) -> None:

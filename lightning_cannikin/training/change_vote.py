@@ -3,9 +3,11 @@
 Each rank feeds its :class:`~lightning_cannikin.core.change.LocalChangeCheck` its own compute times as the step timer
 reads them: a few floats, no collective. On the steps the schedule names
 (:meth:`~lightning_cannikin.core.schedule.ReplanSchedule.check_due`, the same on every rank) the ranks share the
-answers, one integer each, in a maximum that nobody waits for (:meth:`Collective.any_later`): it is issued at one
-check and read at the next, so a change is acted on one check interval after some rank saw it, by every rank at the
-same step, and no step ever waits for the vote.
+answers, one integer each, in a maximum that nobody waits for (:meth:`Collective.any_later`), read by every rank at the
+same later step: on CPU at the next step (every rank issued the vote before that step's gradient all-reduce on the
+same process group, which runs collectives in order, so the vote is done when the step is), on CUDA at the next check
+(the host may run a step or more ahead of the device: reading its pinned copy a step later could wait for the device).
+No step waits for the vote, and a change is acted on by every rank at the same step.
 """
 
 from __future__ import annotations
@@ -24,23 +26,27 @@ class ChangeVote:
     Args:
         check: this rank's local check (the step timer feeds it each step's time as it reads it).
         collective: where the answers meet.
+        read_next_step: read the vote at the step after it was cast (CPU); otherwise at the next check (CUDA).
 
     """
 
-    def __init__(self, check: LocalChangeCheck, collective: Collective) -> None:
+    def __init__(self, check: LocalChangeCheck, collective: Collective, read_next_step: bool = True) -> None:
         self.check = check
+        self.read_next_step = read_next_step
         self._collective = collective
         self._in_flight: Callable[[], bool] | None = None
         self._stale = False  # the vote in flight was cast before the re-plan that answered it
 
-    def poll(self) -> bool:
-        """At a check step (every rank alike): whether some rank saw a change at the previous check; this rank's
-        answer now goes out for the next one."""
+    def poll(self, check_due: bool = True) -> bool:
+        """After every step (every rank alike; ``check_due``: the schedule's check step): whether some rank saw a
+        change at the vote now read; at a check step this rank's answer goes out."""
         changed = False
-        if self._in_flight is not None:
+        if self._in_flight is not None and (self.read_next_step or check_due):
             changed = self._in_flight() and not self._stale
-        self._stale = False
-        self._in_flight = self._collective.any_later(self.check.changed())
+            self._in_flight, self._stale = None, False
+        if check_due:
+            self._stale = False
+            self._in_flight = self._collective.any_later(self.check.changed())
         return changed
 
     def reset(self) -> None:

@@ -27,6 +27,12 @@ class Collective(Protocol):
     @property
     def world_size(self) -> int: ...
 
+    @property
+    def host_runs_ahead(self) -> bool:
+        """Whether the host may run steps ahead of the device (CUDA): reading an exchange a step after it was issued
+        could then wait for the device."""
+        ...
+
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in rank order."""
         ...
@@ -56,6 +62,10 @@ class StrategyCollective:
     @property
     def world_size(self) -> int:
         return int(self._strategy.world_size)
+
+    @property
+    def host_runs_ahead(self) -> bool:
+        return torch.device(self._strategy.root_device).type == "cuda"
 
     def all_gather(self, obj: Any) -> list[Any]:
         if not (dist.is_available() and dist.is_initialized()):

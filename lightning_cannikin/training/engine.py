@@ -114,7 +114,8 @@ class BalancingEngine:
         runtime.attach(self.speed_model.bounds, self.observer, self.scale)
         self.vote = None
         if world_size > 1 and self.policy.balance and self.schedule.check_every_n_steps is not None:
-            self.vote = ChangeVote(LocalChangeCheck(self.speed_model.settings.drift_tolerance), collective)
+            check = LocalChangeCheck(self.speed_model.settings.drift_tolerance)
+            self.vote = ChangeVote(check, collective, read_next_step=not collective.host_runs_ahead)
             runtime.timer.listeners[:] = [self.vote.check.observe]  # its own times, as the timer reads them
         self.runtime, self.collective, self._on_adopt = runtime, collective, on_adopt
 
@@ -224,7 +225,7 @@ class BalancingEngine:
         if not runtime.timer.reduced or runtime.fixed_split:
             return False, False  # no re-plan mid-window: a window's micro-batches share one layout
         vote = self.vote
-        self._changed = vote is not None and self.schedule.check_due(self.step) and vote.poll()
+        self._changed = vote is not None and vote.poll(self.schedule.check_due(self.step))
         if epoch_ends:
             return False, False
         # the total follows the confident noise scale out of its band: every rank folds the same exchanged numbers

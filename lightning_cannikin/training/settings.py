@@ -38,7 +38,7 @@ class CannikinSettings:
     | ``noise_every_n_steps`` | 8 | measure the noise statistics on one optimizer step in this many |
     | ``noise_exchange_every`` | 8 | measured steps whose statistics share one all-reduce of a few floats |
     | ``max_noise_error`` | 0.25 | act on the noise scale once its parts' standard errors are within this share |
-    | ``check_every_n_steps`` | 8 | how often the ranks compare their local speed-change checks (``None``: off) |
+    | ``check_every_n_steps`` | 4 | how often the ranks compare their local speed-change checks (``None``: off) |
     | ``progress_bar`` | False | show the total and rank zero's local batch on Lightning's progress bar |
 
     Args:
@@ -73,8 +73,8 @@ class CannikinSettings:
             negative (an infinite noise scale) moves nothing. ``None``: on ``min_noise_updates`` alone.
         check_every_n_steps: every rank checks its own step times for a clear change of speed (a co-tenant, a
             throttled device) at no cost; every this many steps the ranks compare the answers in one all-reduce of a
-            single number that nobody waits for (read at the next check), and re-plan mid-epoch when some rank saw
-            one. ``None``: changes are followed at the re-plans that come anyway.
+            single number that nobody waits for (read the next step on CPU, at the next check on CUDA), and re-plan
+            mid-epoch when some rank saw one. ``None``: changes are followed at the re-plans that come anyway.
         progress_bar: also show the total and rank zero's local batch on Lightning's progress bar (every logger
             receives every ``cannikin/*`` value either way; at 80 columns the bar truncates their names).
 
@@ -91,7 +91,7 @@ class CannikinSettings:
     noise_exchange_every: int = 8
     progress_bar: bool = False
     max_noise_error: float | None = 0.25
-    check_every_n_steps: int | None = 8
+    check_every_n_steps: int | None = 4
 
     def __post_init__(self) -> None:
         _positive("warmup_steps", self.warmup_steps)

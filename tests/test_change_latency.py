@@ -1,0 +1,76 @@
+"""How soon a clear change of speed is acted on, replayed with the ranks' vote as the engine reads it (issue 21).
+
+A device four times slower is re-planned 13 steps after its first slow step (9 steps to count as a large change, up
+to 3 to the next check, 1 for the vote to be read) where the 16-step rule, checked every 8 steps and read one check
+later, took 20; a 4-step glitch at 4x, a 2x glitch of 8 steps and stalls every second or third step never re-plan.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_cannikin.core.change import FAST_WINDOW, LocalChangeCheck, clear_change, large_change
+from lightning_cannikin.simulation.emulated_devices import EmulatedDevices
+from tests.replay import replay
+
+WARMUP = {"warmup_steps": 4, "warmup_factor": 3.0}
+SPEEDS = [0.5, 1.0, 2.0]  # ms per sample, 10 ms fixed: rank 0 is the fastest
+SLOWER = 100  # the first step at the new speed
+
+
+def test_a_large_change_counts_after_nine_steps_and_a_glitch_of_eight_never():
+    assert large_change([1.0] * 7 + [2.0] * 9, 0.25) == 2.0 and clear_change([1.0] * 7 + [2.0] * 9, 0.25) is None
+    assert large_change([1.0] * 8 + [2.0] * 8, 0.25) is None  # a glitch of 8 steps: fewer than 3/4 of FAST_WINDOW
+    assert large_change([1.0] * 8 + [0.4] * 9, 0.25) == 0.4  # faster counts alike
+    assert large_change([1.0] * 7 + [1.4] * 9, 0.25) is None  # within twice the band: the 16-step rule decides
+    assert large_change([1.0, 1.0, 4.0] * 6, 0.25) is None and large_change([1.0, 4.0] * 8, 0.25) is None  # stalls
+    assert 3 * FAST_WINDOW // 4 > 8  # the run the rule needs outlasts any 8-step glitch
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_4x_slowdown_is_replanned_within_13_steps(seed):
+    devices = EmulatedDevices(SPEEDS, 10.0, {SLOWER: [2.0, 1.0, 2.0]}, jitter_ms=2.0, seed=seed, **WARMUP)
+    run = replay(devices, 3, 96, 300, epoch_steps=300)
+    assert len(run.changes) == 1 and SLOWER + 9 <= run.changes[0] <= SLOWER + 13, run.changes
+    assert run.drifts[0][0] == run.changes[0], "the re-plan the vote asked for rescales the model at once"
+    assert max(run.regret(step) for step in range(run.changes[0] + 12, 300)) <= 0.05, run.decisions
+    # on CUDA the vote is read at the next check, not the next step: 3 steps later
+    cuda = replay(devices, 3, 96, 300, epoch_steps=300, read_next_step=False)
+    assert cuda.changes == [run.changes[0] + 3], cuda.changes
+    # the cadence this replaced (every 8 steps, read at the next check) acted later
+    before = replay(devices, 3, 96, 300, epoch_steps=300, check_every_n_steps=8, read_next_step=False)
+    assert before.changes[0] > run.changes[0], before.changes
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize(
+    "kind",
+    [
+        {"speed_changes": {SLOWER: [2.0, 1.0, 2.0], SLOWER + 4: SPEEDS}},  # a glitch of 4 steps at 4x
+        {"speed_changes": {SLOWER: [0.5, 2.0, 2.0], SLOWER + 8: SPEEDS}},  # a glitch of 8 steps at 2x
+        {"contention": {0: (4.0, 3)}},  # 4x stalls every third step
+        {"contention": {0: (4.0, 2)}},  # every second step
+    ],
+)
+def test_glitches_and_stalls_never_replan(seed, kind):
+    devices = EmulatedDevices(SPEEDS, 10.0, jitter_ms=2.0, seed=seed, **kind, **WARMUP)
+    run = replay(devices, 3, 96, 300, epoch_steps=300)
+    assert run.changes == [] and run.drifts == [], (run.changes, run.drifts)
+
+
+def test_an_epochs_shorter_last_batch_does_not_start_the_watch_over():
+    # 15-step epochs whose last batch is 54 samples, not 56: restarting at every new size, the watch (2 skipped, 8 for
+    # the reference, 12 judged) never filled within an epoch, and the old split ran to the next epoch end
+    check = LocalChangeCheck()
+    seen = []
+    for step in range(90):
+        size = 54 if step % 15 == 14 else 56
+        check.observe(size, (0.06 + (0.006 if step >= 40 else 0.0015) * size) * (1.0 + 0.01 * (step % 3)))
+        if size == 56 and check.changed():
+            seen.append(step)
+    assert seen and 40 + 8 <= seen[0] <= 40 + 10, seen
+    check.observe(48, 0.2)  # a size never seen: a new reference
+    assert not check.changed()
+    check.reset()
+    check.observe(56, 0.4)
+    assert not check.changed(), "a reset starts every size over"
