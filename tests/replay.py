@@ -88,14 +88,14 @@ class _Ballot:
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
-        self._cast: list[bool] = []
+        self._cast: list[int] = []
 
-    def any_later(self, flag: bool) -> Callable[[], bool]:
+    def max_later(self, value: int) -> Callable[[], int]:
         if len(self._cast) == self.world_size:
             self._cast = []
         cast = self._cast
-        cast.append(flag)
-        return lambda: any(cast)
+        cast.append(value)
+        return lambda: max(cast)
 
 
 def replay(

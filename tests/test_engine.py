@@ -180,6 +180,42 @@ def test_the_first_plan_respects_the_bounds_for_every_frontend():
         runtime.first_plan(50, 2)
 
 
+def test_a_suspected_change_makes_every_rank_vote_at_every_step_until_it_counts_or_ends():
+    from lightning_cannikin.core.change import CHANGED, SUSPECTED, LocalChangeCheck
+    from lightning_cannikin.training.change_vote import ChangeVote
+
+    class Ranks:  # every rank's answers in one maximum: here another rank's verdicts, played in order
+        rank, world_size = 0, 2
+
+        def __init__(self, others):
+            self.others, self.cast = list(others), 0
+
+        def max_later(self, value):
+            self.cast += 1
+            other = self.others.pop(0)
+            return lambda: max(value, other)
+
+    check = LocalChangeCheck()
+    for _ in range(20):
+        check.observe(16, 0.020)
+    assert check.verdict() == 0
+    for _ in range(3):
+        check.observe(16, 0.080)  # four times slower for three steps: far beyond the band, too short to count
+    assert check.verdict() == SUSPECTED and not check.changed()
+    for read_next_step in (True, False):
+        ranks = Ranks([0, SUSPECTED, SUSPECTED, CHANGED, 0, 0])  # the other rank's verdicts; this one's stays quiet
+        vote = ChangeVote(LocalChangeCheck(), ranks, read_next_step)
+        assert not vote.poll(check_due=True) and ranks.cast == 1  # the scheduled check: nothing seen yet
+        assert not vote.poll(check_due=True) and not vote.urgent  # read 0; the next check's vote goes out
+        assert not vote.poll(check_due=True) and vote.urgent and ranks.cast == 3  # read: suspected
+        assert not vote.poll(check_due=False) and vote.urgent and ranks.cast == 4, "voted off the cadence"
+        assert vote.poll(check_due=False), "a change is read at the next step while suspected, on CUDA too"
+        assert not vote.urgent and ranks.cast == 4, "a change read: no vote until the next check"
+        vote.reset()  # the re-plan followed it
+        assert not vote.poll(check_due=False) and ranks.cast == 4, "back on the schedule's cadence"
+        assert not vote.poll(check_due=True) and ranks.cast == 5
+
+
 def test_the_change_vote_is_read_one_step_later_and_not_again_after_the_replan_it_caused():
     from lightning_cannikin.core.change import LocalChangeCheck
     from lightning_cannikin.training.change_vote import ChangeVote
@@ -188,9 +224,9 @@ def test_the_change_vote_is_read_one_step_later_and_not_again_after_the_replan_i
         rank, world_size = 0, 1
         cast = 0
 
-        def any_later(self, flag):
+        def max_later(self, value):
             self.cast += 1
-            return lambda: flag
+            return lambda: value
 
     for read_next_step in (True, False):  # CPU: the step after the check; CUDA: the next check
         collective = OneRank()

@@ -10,7 +10,10 @@ asks for.
 
 :class:`LocalChangeCheck` is the cheap, local half: each rank feeds it its own compute time every step (a few
 floats, no collective) and asks it on the steps :class:`~lightning_cannikin.core.schedule.ReplanSchedule` says (the
-same steps on every rank); only when some rank answers yes do the ranks need to meet and re-plan.
+same steps on every rank); only when some rank answers yes do the ranks need to meet and re-plan. A rank whose latest
+few times are already far beyond its reference answers *suspected*: the ranks then ask again at every step until the
+change counts or the run ends, so a large change is acted on at the step its window fills, not at the next scheduled
+check (up to ``check_every_n_steps`` later, each step of it on the old split).
 
 Pure Python and numpy: imports neither torch nor Lightning.
 """
@@ -23,11 +26,24 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DEFAULT_WINDOW", "FAST_WINDOW", "ChangeWatch", "LocalChangeCheck", "clear_change", "large_change"]
+__all__ = [
+    "CHANGED",
+    "DEFAULT_WINDOW",
+    "FAST_WINDOW",
+    "SUSPECTED",
+    "ChangeWatch",
+    "LocalChangeCheck",
+    "clear_change",
+    "large_change",
+]
 
 DEFAULT_WINDOW = 16  # steps of recent times judged at once: a change fills 3/4 of them within 12 steps
 # steps judged for a change beyond twice the band: 3/4 of them (9) outlast an 8-step glitch, never filled by stalls
 FAST_WINDOW = 12
+# the latest steps beyond twice the band that make a change suspected: a device that is clearly slower now, but not for
+# long enough to count (a stall every second or third step never runs this long)
+SUSPECT_RUN = 3
+SUSPECTED, CHANGED = 1, 2  # :meth:`LocalChangeCheck.verdict` (0: neither)
 _PARKED = 3  # other batch sizes whose watch is kept (an epoch's last batch, the sizes of a probe)
 # how far beyond a rank's largest timed batch size its model is still trusted to judge a change of speed
 _NEAR = 1.1
@@ -162,14 +178,22 @@ class LocalChangeCheck:
 
     def changed(self) -> bool:
         """Whether this rank's recent times show a clear change against its reference."""
+        return self.verdict() == CHANGED
+
+    def verdict(self) -> int:
+        """:data:`CHANGED` (a clear change), :data:`SUSPECTED` (the latest ``SUSPECT_RUN`` or more times beyond twice
+        the large band, not yet a change: worth asking again at the next step, not on the usual cadence) or 0."""
         if len(self._reference) < self.reference:
-            return False
+            return 0
         expected = float(np.median(self._reference))
         ratios = [t / expected for t in self._recent]
         spread = 1.4826 * float(np.median(np.abs(np.asarray(self._reference) / expected - 1.0)))
         small = max(self.small_band, 2.0 * spread)
-        large = large_change(ratios, max(self.band, self.noise_floor * spread), self.window)  # beyond the jitter
-        return large is not None or clear_change(ratios, small, self.small_window) is not None
+        band = max(self.band, self.noise_floor * spread)  # the large band, never inside the jitter
+        large = large_change(ratios, band, self.window)
+        if large is not None or clear_change(ratios, small, self.small_window) is not None:
+            return CHANGED
+        return SUSPECTED if trailing_run(ratios, 2.0 * band) >= SUSPECT_RUN else 0
 
 
 class ChangeWatch:

@@ -89,8 +89,11 @@ class ReplanSchedule:
         return warming_up or periodic or settling
 
     def replanned(self, step: int, total_changed: bool, balance: bool, changed: bool = False) -> None:
-        """A re-plan happened after ``step`` steps. A new total puts every rank at sizes its model extrapolated to, and
-        a change of speed (``changed``: the re-plan a local check asked for) leaves the model rescaled from a few steps:
-        re-split once ``warmup_steps`` steps have timed the new plan (an even split has nothing to re-split)."""
+        """A re-plan happened after ``step`` steps. A new total (or a split beyond the sizes a rank was timed at:
+        ``total_changed``) puts ranks at sizes their models extrapolated to: re-split once ``warmup_steps`` steps have
+        timed the new plan. After a change of speed (``changed``: the re-plan a local check asked for) the model is
+        rescaled from a few steps at one size and the split already near the new optimum: re-split after half as
+        many, so that few steps run the rescaled model's guess. An even split has nothing to re-split."""
         self.last_replan_step = step
-        self.settle_at = step + self.warmup_steps if (total_changed or changed) and balance else None
+        settle = max(self.warmup_steps // 2, 1) if changed else self.warmup_steps
+        self.settle_at = step + settle if (total_changed or changed) and balance else None

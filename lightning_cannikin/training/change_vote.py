@@ -3,18 +3,22 @@
 Each rank feeds its :class:`~lightning_cannikin.core.change.LocalChangeCheck` its own compute times as the step timer
 reads them: a few floats, no collective. On the steps the schedule names
 (:meth:`~lightning_cannikin.core.schedule.ReplanSchedule.check_due`, the same on every rank) the ranks share the
-answers, one integer each, in a maximum that nobody waits for (:meth:`Collective.any_later`), read by every rank at the
+answers, one integer each, in a maximum that nobody waits for (:meth:`Collective.max_later`), read by every rank at the
 same later step: on CPU at the next step (every rank issued the vote before that step's gradient all-reduce on the
 same process group, which runs collectives in order, so the vote is done when the step is), on CUDA at the next check
 (the host may run a step or more ahead of the device: reading its pinned copy a step later could wait for the device).
-No step waits for the vote, and a change is acted on by every rank at the same step.
+No step waits for the vote, and a change is acted on by every rank at the same step. When the maximum says some
+rank *suspects* a change (its latest times far beyond its reference, not yet for long enough to count), every rank
+votes again at every step until the answer is a change or nothing: what every rank read is the same, so every rank
+votes at the same steps, and a large change is acted on once its window fills instead of up to a check interval
+later. Off those spells the cadence is the schedule's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from lightning_cannikin.core.change import LocalChangeCheck
+from lightning_cannikin.core.change import CHANGED, SUSPECTED, LocalChangeCheck
 from lightning_cannikin.training.collective import Collective
 
 __all__ = ["ChangeVote"]
@@ -34,22 +38,26 @@ class ChangeVote:
         self.check = check
         self.read_next_step = read_next_step
         self._collective = collective
-        self._in_flight: Callable[[], bool] | None = None
+        self._in_flight: Callable[[], int] | None = None
         self._stale = False  # the vote in flight was cast before the re-plan that answered it
+        self.urgent = False  # some rank suspects a change: vote at every step until it counts or ends
 
     def poll(self, check_due: bool = True) -> bool:
         """After every step (every rank alike; ``check_due``: the schedule's check step): whether some rank saw a
-        change at the vote now read; at a check step this rank's answer goes out."""
+        change at the vote now read; at a check step, or every step while a change is suspected, this rank's answer
+        goes out."""
         changed = False
-        if self._in_flight is not None and (self.read_next_step or check_due):
-            changed = self._in_flight() and not self._stale
+        if self._in_flight is not None and (self.read_next_step or check_due or self.urgent):
+            verdict = 0 if self._stale else self._in_flight()
+            changed, self.urgent = verdict >= CHANGED, verdict == SUSPECTED
             self._in_flight, self._stale = None, False
-        if check_due:
+        if check_due or self.urgent:
             self._stale = False
-            self._in_flight = self._collective.any_later(self.check.changed())
+            self._in_flight = self._collective.max_later(self.check.verdict())
         return changed
 
     def reset(self) -> None:
         """A re-plan followed the change: start the check over, and drop the vote cast before it."""
         self.check.reset()
         self._stale = self._in_flight is not None
+        self.urgent = False

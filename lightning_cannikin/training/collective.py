@@ -41,8 +41,8 @@ class Collective(Protocol):
         """Rank ``src``'s ``obj`` on every rank."""
         ...
 
-    def any_later(self, flag: bool) -> Callable[[], bool]:
-        """Start finding whether ``flag`` is true on any rank without waiting; the returned function reads the
+    def max_later(self, value: int) -> Callable[[], int]:
+        """Start finding the largest ``value`` over the ranks without waiting; the returned function reads the
         answer (called a while later, it does not wait either)."""
         ...
 
@@ -77,13 +77,13 @@ class StrategyCollective:
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return self._strategy.broadcast(obj, src=src)
 
-    def any_later(self, flag: bool) -> Callable[[], bool]:
+    def max_later(self, value: int) -> Callable[[], int]:
         if not (dist.is_available() and dist.is_initialized()):
-            return lambda: flag
-        vote = torch.tensor([1.0 if flag else 0.0], device=self._strategy.root_device)
+            return lambda: value
+        vote = torch.tensor([float(value)], device=self._strategy.root_device)
         work = dist.all_reduce(vote, op=dist.ReduceOp.MAX, async_op=True)
         if self._transfer is None:
             self._transfer = PinnedTransfer() if vote.is_cuda else HostTransfer()
         transfer = self._transfer
         handle = transfer.start(vote, work)
-        return lambda: transfer.read(handle)[0] > 0
+        return lambda: int(transfer.read(handle)[0])
