@@ -18,7 +18,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from lightning_cannikin import Cannikin, CannikinModelParallelStrategy, CannikinSettings, CannikinStrategy
+from lightning_cannikin import (
+    Cannikin,
+    CannikinModelParallelStrategy,
+    CannikinSettings,
+    CannikinStrategy,
+    EmulatedCluster,
+)
 from tests.models import accumulation_windows, quiet_trainer
 from tests.test_fsdp import RecordNoiseInputs, full_params
 from tests.test_varlen_training import DIM, VarLenRegression, VarLenRegressor, max_error, replay, varlen_loss
@@ -40,6 +46,11 @@ class ShardedVarLenRegressor(VarLenRegressor):
             "sampler": type(self.trainer.strategy.runtime.sampler).__name__,
         }
         Path(self.record_dir, f"rank{self.global_rank}.json").write_text(json.dumps(record))
+
+
+def consumed_in(records: list[dict], epoch: int) -> list[int]:
+    """Every sample index the ranks trained on in ``epoch``, sorted."""
+    return sorted(i for r in records for s, e in zip(r["steps"], r["epochs"], strict=True) if e == epoch for i in s)
 
 
 def mean_of(normalisation: str) -> str:
@@ -114,8 +125,7 @@ def test_declared_normalisations_are_exact_under_sharding_with_their_noise_stati
         assert records[0]["sampler"] == records[1]["sampler"] == "CostAwareBatchSampler"
         assert len(records[0]["steps"]) == len(records[1]["steps"]) == 10, "equal step counts, 5 per epoch"
         for epoch in (0, 1):
-            consumed = [i for r in records for s, e in zip(r["steps"], r["epochs"], strict=True) if e == epoch for i in s]
-            assert sorted(consumed) == list(range(40)), f"epoch {epoch} did not see every sample exactly once"
+            assert consumed_in(records, epoch) == list(range(40)), f"epoch {epoch} did not see every sample once"
         tokens = [[sum(dataset.lengths[i] for i in s) for s in r["steps"]] for r in records]
         for fast, slow in zip(*tokens, strict=True):  # the fixed split's 3:1 stands for the speeds, in tokens
             assert 0.6 < fast / (fast + slow) < 0.9, tokens
@@ -149,3 +159,37 @@ def test_a_bad_normalisation_is_refused_at_construction_as_under_ddp(options, me
         errors.append(str(error.value))
     assert errors[0] == errors[1], "the same error under both strategies"
     assert not dist.is_initialized(), "no process group was used"
+
+
+class WarnedVarLenRegressor(ShardedVarLenRegressor):
+    """Also records whether the mismatch warning fired and every rank's time model over its tokens."""
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        path = Path(self.record_dir, f"rank{self.global_rank}.json")
+        record = json.loads(path.read_text())
+        runtime = self.trainer.strategy.runtime
+        models = runtime.plan.time_models
+        record.update(warned=runtime.losses.warned, time_models=None if models is None else list(models))
+        path.write_text(json.dumps(record))
+
+
+def test_cost_aware_balancing_under_sharding_every_sample_once_and_a_summed_loss_is_warned_about(tmp_path):
+    # per-token costs 1:3 charged by the emulator; the loss is a sum over samples declared as the default mean
+    per_token_ms = [1.0, 3.0]  # well above what a busy machine adds to a sleep
+    emulator = EmulatedCluster(per_token_ms, fixed_ms=5.0, batch_cost=lambda batch: batch[2].sum().item())
+    torch.manual_seed(0)
+    model = WarnedVarLenRegressor(VarLenRegression(640), batch_size=16, record_dir=str(tmp_path), loss="sample_sum")
+    strategy = CannikinModelParallelStrategy(sample_costs="lengths", start_method="fork")
+    quiet_trainer(strategy, 2, [emulator], max_epochs=3).fit(model)
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert records[0]["sampler"] == "CostAwareBatchSampler"
+    assert len(records[0]["steps"]) == len(records[1]["steps"]), "equal step counts"
+    for epoch in range(3):
+        assert consumed_in(records, epoch) == list(range(640)), f"epoch {epoch}: every sample once"
+    assert records[0]["warned"], "a loss that grows with the local batch, declared a mean, is warned about"
+    # every rank splits by the same broadcast time models: each rank's own fit over its exact tokens
+    models = records[0]["time_models"]
+    assert models is not None and models == records[1]["time_models"]
+    for (_, per_token), truth in zip(models, per_token_ms, strict=True):
+        assert per_token * 1000 == pytest.approx(truth, rel=0.15), models
