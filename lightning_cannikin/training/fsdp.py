@@ -4,10 +4,12 @@ Lightning's :class:`~lightning.pytorch.strategies.ModelParallelStrategy` with Ca
 timing and re-plans (through the same :class:`~lightning_cannikin.training.engine.BalancingEngine` as DDP). The user's
 ``configure_model`` applies ``fully_shard`` over ``self.device_mesh["data_parallel"]`` as Lightning documents.
 
-FSDP2's reduce-scatter averages the ranks' gradients, so each rank's loss carries ``n * b_i / B`` (computed in
-:meth:`~lightning_cannikin.training.runtime.RuntimeState.begin_step`): the shards then hold the exact mean over the
-global batch. Under gradient accumulation FSDP2 reduce-scatters every micro-batch (as Lightning's own strategy does)
-and adds the shards; the weights make the sum the window's exact mean.
+FSDP2's reduce-scatter averages the ranks' gradients, so each rank's loss carries ``n`` times its weight under the
+declared ``loss_normalisation`` (computed in :meth:`~lightning_cannikin.training.runtime.RuntimeState.begin_step`):
+``n * b_i / B`` for a mean over samples, ``n`` for a sum over them, ``n * c_i / C`` for a mean over a per-sample count
+such as tokens. The shards then hold the exact gradient of the global loss. Under gradient accumulation FSDP2
+reduce-scatters every micro-batch (as Lightning's own strategy does) and adds the shards; each micro-batch's share of
+its window is on its loss too, so the sum is the window's exact gradient.
 
 Timing: FSDP's per-layer all-gathers and reduce-scatters make a fast rank wait for a slow one inside forward and
 backward. The collectives go through FSDP2's public custom-comm seam (``set_custom_all_gather``,
@@ -19,7 +21,7 @@ statistics their inputs (:mod:`~lightning_cannikin.training.sharded_grad_stats`)
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -31,6 +33,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_cannikin.training._lightning_compat import StrategyRegistryType
+from lightning_cannikin.training.cost_aware_sampler import SampleCosts
 from lightning_cannikin.training.launch_checks import check_before_launch, checked_launcher
 from lightning_cannikin.training.sharded_grad_stats import NoiseReduceScatter, ShardedGradientNormObserver
 from lightning_cannikin.training.step_timer import HostClock, StepTimer, step_timer_for
@@ -94,6 +97,15 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
     Args:
         local_batch_sizes: a fixed split, one entry per rank. It turns split planning off. When ``None``, the first
             plan gives every rank the training DataLoader's ``batch_size``.
+        loss_normalisation: how ``training_step``'s loss is normalised, so that every rank's gradient gets the exact
+            weight: ``"sample_mean"`` (a mean over the batch's samples, the default), ``"sample_sum"`` (a sum over
+            them) or ``"count_mean"`` (a mean over a per-sample count such as tokens: the counts are ``sample_costs``,
+            or ``batch_units``). A loss whose scale behaves like another one is warned about once.
+        sample_costs: each training sample's cost (its token count): a sequence indexed like the training dataset, a
+            function of the index, or ``"lengths"`` for the dataset's ``lengths`` attribute. Each global batch is then
+            split across ranks by cost and each device's measured speed (equal predicted times), not by sample count.
+        batch_units: for ``"count_mean"`` without ``sample_costs``: a function of the local batch giving its count
+            (e.g. ``lambda batch: batch["mask"].sum()``); one small all-gather per step, no gradient accumulation.
         data_parallel_size: ``"auto"`` (the default) is the world size: pure sharded data parallelism (unlike
             ``ModelParallelStrategy``'s own "auto", which is the number of nodes).
         tensor_parallel_size: ``"auto"`` or 1; larger values are refused (see :data:`TENSOR_PARALLEL_ERROR`).
@@ -107,6 +119,9 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
     def __init__(
         self,
         local_batch_sizes: Sequence[int] | None = None,
+        loss_normalisation: str = "sample_mean",
+        sample_costs: SampleCosts | None = None,
+        batch_units: Callable[[Any], float] | None = None,
         data_parallel_size: Any = "auto",
         tensor_parallel_size: Any = "auto",
         start_method: str = "popen",
@@ -117,7 +132,7 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"`start_method` must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}.")
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=1, **kwargs)
-        self._init_uneven(local_batch_sizes)
+        self._init_uneven(local_batch_sizes, loss_normalisation, sample_costs, batch_units)
         self._runtime.noise_observer_type = ShardedGradientNormObserver  # read at FSDP2's reduce-scatters
         self._start_method = start_method
         self._accumulating = False
@@ -183,13 +198,11 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
         super().on_train_batch_start(batch, batch_idx)
         if (noise := self._noise()) is not None:  # before the step's first backward: is this step measured?
             noise.start_step(self.lightning_module.trainer.global_step)
-        self._begin_step()
+        self._begin_step(batch)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        loss_factor = self._runtime.loss_factor
-        if loss_factor != 1.0:
-            closure_loss = closure_loss * loss_factor
+        closure_loss = self._weighted_loss(closure_loss)
         timer = self._runtime.timer
         timer.will_reduce(not self._accumulating)
         if self._reduce is not None:

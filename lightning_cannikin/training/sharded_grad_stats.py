@@ -14,10 +14,12 @@ strategy issues that reduce-scatter itself, through FSDP2's public custom-comm s
   where the DDP path's rank zero writes the whole ``Y``: the exchange that sums the ``Z`` sums the parts too, so it
   needs no collective of its own and every rank still folds the same numbers.
 
-The weights on the loss (``n * b_i / B``, and a micro-batch's share of its window) and FSDP2's division before the
-reduce-scatter (fp16 gradients only) are divided out, so the statistics are those of per-sample-mean gradients, as
-on the DDP path (:class:`~lightning_cannikin.training.grad_stats.GradientNormObserver`, whose exchange, fold and
-checkpoint this reuses).
+The weights on the loss (``n * b_i / B`` for a sample mean, those of the declared normalisation otherwise, and a
+micro-batch's share of its window), a declared sum's sample counts (on each group's gradient, and the window's on the
+reduced one) and FSDP2's division before the reduce-scatter (fp16 gradients only) are divided out, so the statistics
+are those of mean gradients with the same group sizes as on the DDP path
+(:class:`~lightning_cannikin.training.grad_stats.GradientNormObserver`, whose exchange, fold and checkpoint this
+reuses).
 
 Adam-family optimizers: as on the DDP path, the noise is that of the preconditioned gradient
 ``g / (sqrt(v_hat) + eps)``, element by element. FSDP2 shards ``v_hat`` like the parameters, so on a measured step
@@ -141,7 +143,9 @@ class ShardedGradientNormObserver(GradientNormObserver):
                 shard = _local_tensor(parameter.grad).reshape(-1)
                 denominator = self._denominator(parameter)
                 squares.append(squared_norm(shard if denominator is None else shard.float() / denominator))
-        self._global = torch.stack(squares).sum() if squares else torch.zeros(())
+        part = torch.stack(squares).sum() if squares else torch.zeros(())
+        # the reduced gradient over the global mean gradient (a declared sum's: the window's samples), as on DDP's path
+        self._global = part / state.global_scale**2 if state.global_scale != 1.0 else part
 
     def _close_block(self, state: WeightedAllReduceState) -> None:
         super()._close_block(state)

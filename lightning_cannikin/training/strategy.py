@@ -161,10 +161,7 @@ class CannikinStrategy(UnevenBatchesMixin, DDPStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        self._runtime.losses.record(self._runtime.step_sizes, closure_loss)  # checked against the normalisation
-        loss_factor = self._runtime.loss_factor
-        if loss_factor != 1.0:
-            closure_loss = closure_loss * loss_factor
+        closure_loss = self._weighted_loss(closure_loss)
         # an accumulation micro-step runs under DDP's `no_sync`: no all-reduce, whichever path reduces
         reduces = getattr(self.model, "require_backward_grad_sync", True)
         self._runtime.timer.will_reduce(reduces)

@@ -207,6 +207,14 @@ class UnevenBatchesMixin:
         end = int(end) if math.isfinite(end) else -1
         self._runtime.begin_step(position, sizes, self.global_rank, trainer.accumulate_grad_batches, end)
 
+    def _weighted_loss(self, closure_loss: torch.Tensor) -> torch.Tensor:
+        """The loss about to be backpropagated, recorded for the check against the declared normalisation and times
+        the step's factor (the rank's weight where the loss carries it, and the micro-batch's share of its window)."""
+        runtime = self._runtime
+        runtime.losses.record(runtime.step_sizes, closure_loss)
+        factor = runtime.loss_factor
+        return closure_loss * factor if factor != 1.0 else closure_loss
+
     def _release_loader(self) -> None:
         """The fit ends: the loader goes, the plan stays (a later fit starts from it)."""
         self._train_loader = None
