@@ -203,14 +203,14 @@ def test_a_suspected_change_makes_every_rank_vote_at_every_step_until_it_counts_
         check.observe(16, 0.080)  # four times slower for three steps: far beyond the band, too short to count
     assert check.verdict() == SUSPECTED and not check.changed()
     for read_next_step in (True, False):
-        ranks = Ranks([0, SUSPECTED, SUSPECTED, CHANGED, 0, 0])  # the other rank's verdicts; this one's stays quiet
+        ranks = Ranks([0, SUSPECTED, SUSPECTED, CHANGED, 0])  # the other rank's verdicts; this one's stays quiet
         vote = ChangeVote(LocalChangeCheck(), ranks, read_next_step)
         assert not vote.poll(check_due=True) and ranks.cast == 1  # the scheduled check: nothing seen yet
-        assert not vote.poll(check_due=True) and not vote.urgent  # read 0; the next check's vote goes out
-        assert not vote.poll(check_due=True) and vote.urgent and ranks.cast == 3  # read: suspected
-        assert not vote.poll(check_due=False) and vote.urgent and ranks.cast == 4, "voted off the cadence"
-        assert vote.poll(check_due=False), "a change is read at the next step while suspected, on CUDA too"
-        assert not vote.urgent and ranks.cast == 4, "a change read: no vote until the next check"
+        assert not vote.poll(check_due=True) and not vote.urgent and ranks.cast == 2  # read 0; the next vote goes out
+        # read: suspected. From here every rank votes at every step and reads that vote at once
+        assert not vote.poll(check_due=True) and vote.urgent and ranks.cast == 3
+        assert vote.poll(check_due=False) and ranks.cast == 4, "voted off the cadence, read at once, on CUDA too"
+        assert not vote.urgent
         vote.reset()  # the re-plan followed it
         assert not vote.poll(check_due=False) and ranks.cast == 4, "back on the schedule's cadence"
         assert not vote.poll(check_due=True) and ranks.cast == 5

@@ -9,9 +9,9 @@ same process group, which runs collectives in order, so the vote is done when th
 (the host may run a step or more ahead of the device: reading its pinned copy a step later could wait for the device).
 No step waits for the vote, and a change is acted on by every rank at the same step. When the maximum says some
 rank *suspects* a change (its latest times far beyond its reference, not yet for long enough to count), every rank
-votes again at every step until the answer is a change or nothing: what every rank read is the same, so every rank
-votes at the same steps, and a large change is acted on once its window fills instead of up to a check interval
-later. Off those spells the cadence is the schedule's.
+votes again at every step, and reads that vote at once, until the answer is a change or nothing: what every rank read
+is the same, so every rank votes at the same steps, and a large change is acted on at the step its window fills
+instead of up to a check interval later. Off those spells the cadence is the schedule's and nobody waits.
 """
 
 from __future__ import annotations
@@ -45,16 +45,24 @@ class ChangeVote:
     def poll(self, check_due: bool = True) -> bool:
         """After every step (every rank alike; ``check_due``: the schedule's check step): whether some rank saw a
         change at the vote now read; at a check step, or every step while a change is suspected, this rank's answer
-        goes out."""
+        goes out. While suspected, the answer is read at once: every rank casts it at the same step, so the wait is
+        the ranks meeting a moment earlier than at the next step's all-reduce (on CUDA, the host waiting for the
+        device), for a few steps, and a change counts one step sooner."""
         changed = False
         if self._in_flight is not None and (self.read_next_step or check_due or self.urgent):
-            verdict = 0 if self._stale else self._in_flight()
-            changed, self.urgent = verdict >= CHANGED, verdict == SUSPECTED
-            self._in_flight, self._stale = None, False
+            changed = self._read()
         if check_due or self.urgent:
             self._stale = False
             self._in_flight = self._collective.max_later(self.check.verdict())
+            if self.urgent:
+                changed = self._read() or changed
         return changed
+
+    def _read(self) -> bool:
+        verdict = 0 if self._stale else self._in_flight()  # type: ignore[misc]
+        self.urgent = verdict == SUSPECTED
+        self._in_flight, self._stale = None, False
+        return verdict >= CHANGED
 
     def reset(self) -> None:
         """A re-plan followed the change: start the check over, and drop the vote cast before it."""
