@@ -3,8 +3,8 @@
 A device four times slower is re-planned 9 steps after its first slow step, the 9 steps it takes to count as a large
 change (once its first slow steps make a rank suspect a change, the ranks vote at every step instead of every 4th and
 read the vote at once, on CUDA too) where the 16-step rule, checked every 8 steps and read one check later, took 20,
-and the 4-step cadence alone 13; a 4-step glitch at 4x, a 2x glitch of 8 steps and stalls every second or third step never
-re-plan.
+and the 4-step cadence alone 13; a 4-step glitch at 4x, a 2x glitch of 8 steps and stalls every second or third step
+never re-plan.
 """
 
 from __future__ import annotations
