@@ -218,6 +218,21 @@ def test_a_rising_noise_scale_is_followed_without_a_clock():
         assert {100, 200} <= set(adapted), adapted  # at the step the estimate moved, not on a clock
 
 
+def test_a_change_of_speed_drops_the_noise_band_and_the_settling_replan_reconsiders_the_total():
+    # the band held the noise scales for which the total was best on the old speeds; after a change it says nothing
+    schedule = ReplanSchedule(8, adapt_every_n_steps=1)
+    schedule.adapted_at(40, True, (200.0, 800.0))
+    assert not schedule.total_due(500.0, 60)
+    schedule.replanned(60, total_changed=False, balance=True, changed=True)  # a device's speed changed
+    assert schedule.noise_band is None
+    assert not schedule.total_due(500.0, 63), "not while the new split's sizes are untimed (the model's guesses)"
+    assert schedule.total_due(500.0, 64) and schedule.due(64, True, True), "the settling re-plan reconsiders it"
+    # a re-plan that reconsidered the total at the change keeps the band it just chose
+    schedule.adapted_at(64, True, (300.0, 900.0))
+    schedule.replanned(64, total_changed=False, balance=True, changed=True)
+    assert schedule.noise_band == (300.0, 900.0)
+
+
 def test_the_schedule_reconsiders_the_total_when_the_noise_scale_leaves_its_band():
     schedule = ReplanSchedule(8, adapt_every_n_steps=8)
     assert not schedule.total_due(None, 30) and schedule.total_due(300.0, 30)  # the first confident estimate

@@ -60,11 +60,14 @@ class ReplanSchedule:
         gives it), at least ``adapt_every_n_steps`` steps passed since the last reconsideration, and either no band is
         held (no total was chosen with a confident noise scale yet, or a resume dropped it) or the noise scale has left
         the band the last choice holds in (:attr:`~lightning_cannikin.core.policy.Decision.noise_band`, kept here by
-        :meth:`adapted_at`). Every rank holds the same noise scale and band, so every rank answers alike at the same
+        :meth:`adapted_at`). Not while a re-plan waits for new sizes to be timed (:attr:`settle_at`): their times would be
+        the model's guesses. Every rank holds the same noise scale and band, so every rank answers alike at the same
         step, with no collective."""
         floor = self.adapt_every_n_steps
         if noise_scale is None or floor is None or step - self.last_adapt_step < floor:
             return False
+        if self.settle_at is not None and step < self.settle_at:
+            return False  # some rank runs sizes its model has not timed yet: the settling re-plan reconsiders
         if self.noise_band is None:
             return True
         low, high = self.noise_band
@@ -93,7 +96,12 @@ class ReplanSchedule:
         ``total_changed``) puts ranks at sizes their models extrapolated to: re-split once ``warmup_steps`` steps have
         timed the new plan. After a change of speed (``changed``: the re-plan a local check asked for) the model is
         rescaled from a few steps at one size and the split already near the new optimum: re-split after half as
-        many, so that few steps run the rescaled model's guess. An even split has nothing to re-split."""
+        many, so that few steps run the rescaled model's guess, and drop the noise band the total was chosen in (it
+        was for the old speeds). An even split has nothing to re-split."""
         self.last_replan_step = step
+        if changed and self.last_adapt_step != step:
+            # the band held the noise scales for which the total was best on the old speeds: reconsider the total at
+            # the next step the floor allows (as after a resume), not when the noise scale happens to move
+            self.noise_band = None
         settle = max(self.warmup_steps // 2, 1) if changed else self.warmup_steps
         self.settle_at = step + settle if (total_changed or changed) and balance else None
