@@ -60,8 +60,8 @@ class ReplanSchedule:
         gives it), at least ``adapt_every_n_steps`` steps passed since the last reconsideration, and either no band is
         held (no total was chosen with a confident noise scale yet, or a resume dropped it) or the noise scale has left
         the band the last choice holds in (:attr:`~lightning_cannikin.core.policy.Decision.noise_band`, kept here by
-        :meth:`adapted_at`). Not while a re-plan waits for new sizes to be timed (:attr:`settle_at`): their times would be
-        the model's guesses. Every rank holds the same noise scale and band, so every rank answers alike at the same
+        :meth:`adapted_at`). Not while a re-plan waits for new sizes to be timed (:attr:`settle_at`): their times would
+        be the model's guesses. Every rank holds the same noise scale and band, so every rank answers alike at the same
         step, with no collective."""
         floor = self.adapt_every_n_steps
         if noise_scale is None or floor is None or step - self.last_adapt_step < floor:
