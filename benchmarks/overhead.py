@@ -1,10 +1,10 @@
 """What Cannikin costs per step where there is nothing to balance: zero emulated delay, side by side with Lightning DDP.
 
 Three CPU ranks (``--ranks 2``: one per core of this two-core machine; gloo, fork launcher, one thread each) train
-a 784-256-256-10 MLP with SGD on a fixed total batch of 96, the same model and data for every variant. The data are random 28x28 "images" with random labels, generated
-from a seed: the per-step cost of the machinery does not depend on what the pixels show (Fashion-MNIST, the issue's
-case, is not installed on the build machines). Variants, run interleaved in every repeat so that a change in the
-machine's load hits all of them alike:
+a 784-256-256-10 MLP with SGD on a fixed total batch of 96, the same model and data for every variant. The data are
+random 28x28 "images" with random labels, generated from a seed: the per-step cost of the machinery does not depend
+on what the pixels show (Fashion-MNIST, the issue's case, is not installed on the build machines). Variants, run
+interleaved in every repeat so that a change in the machine's load hits all of them alike:
 
 - ``ddp``: Lightning's ``DDPStrategy``, even split (the reference);
 - ``cannikin``: ``strategy="cannikin"`` as a new user would write it (the callback is added, the total batch is
