@@ -23,6 +23,15 @@ of each speed) at a global batch of 24 (4 samples per rank on average, what long
 rank's summed cost varies most; ``default``, 3 ranks at 64. Each step costs the emulated time plus Lightning's and
 gloo's own work on a shared 2-core machine, which no method saves: the measured ratios sit below the ideal ones.
 
+Beside each wall-clock figure, every run records per rank and step the emulated delay the emulator slept, the lengths
+held, the wall clock and the process's CPU time (:class:`RecordedCluster`); ``emulated_ratios`` are the same ratios
+over the emulated time alone (each steady step lasting its slowest rank's delay): the planner's share, apart from this
+machine. Per method: ``emulated_over_exact_model`` (its steps' emulated time over that of :func:`split_by_cost` with
+the emulator's exact costs on the same global batches: 1.0 is a perfect time model), ``overhead_ms`` (wall step minus
+emulated step), ``cpu_ms_per_rank_step``, ``slowest_rank_wake_to_end_ms`` (from the slowest rank's wake-up to its
+step's end: backward, the all-reduce, the optimizer) and ``slowest_over_median_rank_ms`` (how far the slowest rank's
+delay sits above the median rank's: small when the ranks are balanced, so their CPU work after the sleep contends).
+
     python benchmarks/variable_length.py [--repeats 3] [--epochs 3] [--scenarios small_batches default]
 """
 
