@@ -31,6 +31,7 @@ the emulator's exact costs on the same global batches: 1.0 is a perfect time mod
 emulated step), ``cpu_ms_per_rank_step``, ``slowest_rank_wake_to_end_ms`` (from the slowest rank's wake-up to its
 step's end: backward, the all-reduce, the optimizer) and ``slowest_over_median_rank_ms`` (how far the slowest rank's
 delay sits above the median rank's: small when the ranks are balanced, so their CPU work after the sleep contends).
+``ideal_over_steps_run``: the ideal ratio on the batches each run ran (:func:`ideal_over_steps_run`).
 
     python benchmarks/variable_length.py [--repeats 3] [--epochs 3] [--scenarios small_batches default]
 """
@@ -208,6 +209,17 @@ def emulated_figures(out_dir: Path, world_size: int, skip: int, per_token_ms, fi
     }
 
 
+def ideal_over_steps_run(per_run_emulated: dict[str, list[dict]]) -> dict[str, float]:
+    """Against each other method, the ideal ratio on the steps it ran: the median over repeats of its runs' emulated
+    time over the fractional bound on the same global batches (the bound's time over an epoch barely depends on how
+    the epoch is batched, so it stands for the ideal split on any method's batches)."""
+    return {
+        f"cost_aware_vs_{m}": median([r["bound_samples_per_s"] / r["emulated_samples_per_s"] for r in rs])
+        for m, rs in per_run_emulated.items()
+        if m != "cost_aware"
+    }
+
+
 def strategy_for(method: str, costs: list[float]):
     if method == "cost_aware":
         return CannikinStrategy(sample_costs=costs, start_method="fork")
@@ -304,6 +316,9 @@ def scenario(name: str, copies: int, batch: int, equal: bool, methods: list[str]
         "slowest_over_median_rank_ms": figure("slowest_over_median_rank_ms"),
         "emulated_over_exact_model": figure("emulated_over_exact_model"),
         "per_run_emulated": {method: [r["emulated"] for r in rs] for method, rs in runs.items()},
+        "ideal_over_steps_run": ideal_over_steps_run(
+            {method: [r["emulated"] for r in rs] for method, rs in runs.items()}
+        ),
         "final_splits": {method: [r["final_split"] for r in rs] for method, rs in runs.items()},
         "settings": {k: str(v) for k, v in vars(args).items()},
     }
@@ -332,7 +347,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.out.write_text(json.dumps(report, indent=2))  # what is done so far survives an interruption
     headline = "small_batches" if "small_batches" in report["scenarios"] else args.scenarios[0]
     varied, equal = report["scenarios"][headline], report["scenarios"][f"{headline}_equal_lengths"]
-    for key in ("ratios", "ideal", "emulated_ratios"):
+    for key in ("ratios", "ideal", "emulated_ratios", "ideal_over_steps_run"):
         report[key] = {
             "cost_aware_vs_sample_count": varied[key]["cost_aware_vs_sample_count"],
             "cost_aware_vs_sample_count_equal_lengths": equal[key]["cost_aware_vs_sample_count"],
