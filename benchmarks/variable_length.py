@@ -23,6 +23,16 @@ of each speed) at a global batch of 24 (4 samples per rank on average, what long
 rank's summed cost varies most; ``default``, 3 ranks at 64. Each step costs the emulated time plus Lightning's and
 gloo's own work on a shared 2-core machine, which no method saves: the measured ratios sit below the ideal ones.
 
+Beside each wall-clock figure, every run records per rank and step the emulated delay the emulator slept, the lengths
+held, the wall clock and the process's CPU time (:class:`RecordedCluster`); ``emulated_ratios`` are the same ratios
+over the emulated time alone (each steady step lasting its slowest rank's delay): the planner's share, apart from this
+machine. Per method: ``emulated_over_exact_model`` (its steps' emulated time over that of :func:`split_by_cost` with
+the emulator's exact costs on the same global batches: 1.0 is a perfect time model), ``overhead_ms`` (wall step minus
+emulated step), ``cpu_ms_per_rank_step``, ``slowest_rank_wake_to_end_ms`` (from the slowest rank's wake-up to its
+step's end: backward, the all-reduce, the optimizer) and ``slowest_over_median_rank_ms`` (how far the slowest rank's
+delay sits above the median rank's: small when the ranks are balanced, so their CPU work after the sleep contends).
+``ideal_over_steps_run``: the ideal ratio on the batches each run ran (:func:`ideal_over_steps_run`).
+
     python benchmarks/variable_length.py [--repeats 3] [--epochs 3] [--scenarios small_batches default]
 """
 
@@ -32,6 +42,7 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -39,6 +50,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -47,6 +59,7 @@ from benchmarks.harness import median
 from benchmarks.variable_length_model import FIXED_MS, PER_TOKEN_MS, compare
 from examples.varlen_data import read_wordnet_glosses, tokenize
 from lightning_cannikin import CannikinStrategy, EmulatedCluster
+from lightning_cannikin.core.cost_split import lower_bound, split_by_cost
 
 RESULTS = Path(__file__).resolve().parent / "results" / "variable_length.json"
 PAD, UNKNOWN, VOCABULARY = 0, 1, 8000
@@ -121,6 +134,92 @@ def sample_cost(length: float, attention: float | None) -> float:
     return length + (length * length / attention if attention else 0.0)
 
 
+class RecordedCluster(EmulatedCluster):
+    """:class:`EmulatedCluster` that also records, per step of this rank, its epoch, its samples' lengths, the emulated
+    delay it slept and its wall clock at the step's end, and writes them to ``out_dir/rank{r}.json`` at the end."""
+
+    def __init__(self, *args, out_dir: Path, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.out_dir = out_dir
+        self.steps: list[dict] = []
+
+    @override
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        delay = self.delay_ms(trainer.global_rank, self._batch_size, self._step)
+        self.steps.append(
+            {
+                "epoch": trainer.current_epoch,
+                "lengths": batch[1].tolist(),
+                "delay_ms": delay,
+                "start": time.perf_counter(),
+            }
+        )
+
+    @override
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        super().on_before_backward(trainer, pl_module, loss)
+        self.steps[-1]["woke"] = time.perf_counter()
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self.steps[-1]["end"] = time.perf_counter()
+        self.steps[-1]["cpu"] = time.process_time()  # this process's CPU seconds so far
+
+    @override
+    def on_train_end(self, trainer, pl_module) -> None:
+        (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.steps))
+
+
+def emulated_figures(out_dir: Path, world_size: int, skip: int, per_token_ms, fixed_ms, attention) -> dict:
+    """The steady steps' emulated times (each step's slowest rank's emulated delay) beside the wall clock, and what
+    the emulator's own costs would give for the same global batches split by :func:`split_by_cost` with the exact
+    costs (the split a perfect time model makes) and by the fractional bound no split beats."""
+    ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+    fixed, per_cost = np.asarray(fixed_ms), np.asarray(per_token_ms)
+    steady = [k for k, step in enumerate(ranks[0]) if step["epoch"] >= skip]
+    emulated, exact, bound, wall, samples, cpu, after, spread = [], [], [], [], 0, [], [], []
+    for k in steady:
+        steps = [rank[k] for rank in ranks]
+        emulated.append(max(step["delay_ms"] for step in steps))
+        spread.append(emulated[-1] - float(np.median([step["delay_ms"] for step in steps])))
+        costs = np.array([sample_cost(float(n), attention) for step in steps for n in step["lengths"]])
+        exact.append(split_by_cost(costs, fixed, per_cost).step_time)
+        bound.append(lower_bound(costs, fixed, per_cost))
+        samples += len(costs)
+        if k > 0:
+            cpu.append(np.mean([rank[k]["cpu"] - rank[k - 1]["cpu"] for rank in ranks]))
+        slowest = max(steps, key=lambda step: step["delay_ms"])
+        after.append(1e3 * (slowest["end"] - slowest["woke"]))
+        if k > 0:
+            wall.append(1e3 * (ranks[0][k]["end"] - ranks[0][k - 1]["end"]))
+    return {
+        "steady_steps": len(steady),
+        "emulated_samples_per_s": 1e3 * samples / sum(emulated),
+        "exact_model_samples_per_s": 1e3 * samples / sum(exact),
+        "bound_samples_per_s": 1e3 * samples / sum(bound),
+        "emulated_step_ms": float(np.mean(emulated)),
+        "wall_step_ms": float(np.mean(wall)),
+        "overhead_ms": float(np.mean(wall) - np.mean(emulated[-len(wall) :])),
+        "emulated_over_exact_model": float(sum(emulated) / sum(exact)),
+        "cpu_ms_per_rank_step": 1e3 * float(np.mean(cpu)),
+        "slowest_rank_wake_to_end_ms": float(np.mean(after)),
+        "slowest_over_median_rank_ms": float(np.mean(spread)),
+    }
+
+
+def ideal_over_steps_run(per_run_emulated: dict[str, list[dict]]) -> dict[str, float]:
+    """Against each other method, the ideal ratio on the steps it ran: the median over repeats of its runs' emulated
+    time over the fractional bound on the same global batches (the bound's time over an epoch barely depends on how
+    the epoch is batched, so it stands for the ideal split on any method's batches)."""
+    return {
+        f"cost_aware_vs_{m}": median([r["bound_samples_per_s"] / r["emulated_samples_per_s"] for r in rs])
+        for m, rs in per_run_emulated.items()
+        if m != "cost_aware"
+    }
+
+
 def strategy_for(method: str, costs: list[float]):
     if method == "cost_aware":
         return CannikinStrategy(sample_costs=costs, start_method="fork")
@@ -138,7 +237,7 @@ def run(method: str, train: Glosses, per_token_ms: list[float], fixed_ms: list[f
         def batch_cost(batch: tuple) -> float:  # what the rank holds, in the same unit as `sample_cost`
             return sum(sample_cost(float(length), attention) for length in batch[1])
 
-        emulator = EmulatedCluster(per_token_ms, fixed_ms, seed=seed, batch_cost=batch_cost)
+        emulator = RecordedCluster(per_token_ms, fixed_ms, seed=seed, batch_cost=batch_cost, out_dir=Path(tmp))
         trainer = pl.Trainer(
             strategy=strategy_for(method, [sample_cost(length, attention) for length in train.lengths]),
             accelerator="cpu",
@@ -153,7 +252,8 @@ def run(method: str, train: Glosses, per_token_ms: list[float], fixed_ms: list[f
         loader = DataLoader(train, batch_size=batch // len(per_token_ms), shuffle=True, collate_fn=collate)
         trainer.fit(GlossClassifier(), loader)
         result = json.loads(out.read_text())
-    skip = args.skip_epochs
+        skip = args.skip_epochs
+        result["emulated"] = emulated_figures(Path(tmp), len(per_token_ms), skip, per_token_ms, fixed_ms, attention)
     result["throughput"] = sum(result["epoch_samples"][skip:]) / sum(result["epoch_times"][skip:])
     return result
 
@@ -169,13 +269,26 @@ def scenario(name: str, copies: int, batch: int, equal: bool, methods: list[str]
             result = run(method, train, per_token, fixed, batch, args, seed=repeat)
             runs[method].append(result)
             label = f"{name}{' equal' if equal else ''}"
-            print(f"  {label} {repeat} {method:12s} {result['throughput']:7.1f}/s", flush=True)
+            e = result["emulated"]
+            print(
+                f"  {label} {repeat} {method:12s} {result['throughput']:7.1f}/s;"
+                f" emulated {e['emulated_samples_per_s']:.1f}/s"
+                f" (exact model {e['exact_model_samples_per_s']:.1f}/s), step {e['wall_step_ms']:.0f} ms wall,"
+                f" {e['emulated_step_ms']:.0f} ms emulated",
+                flush=True,
+            )
     # the ideal on the same lengths: the model's costs are these scaled, and its ratios do not depend on the scale
     quadratic = 1.0 / args.attention if args.attention else 0.0
     model = compare(np.array(train.lengths), batch, steps, quadratic, exact=False, copies=copies)["throughput_ratios"]
 
-    def ratios(other: str) -> list[float]:
-        return [a["throughput"] / b["throughput"] for a, b in zip(runs["cost_aware"], runs[other], strict=True)]
+    def ratios(other: str, key=lambda r: r["throughput"]) -> list[float]:
+        return [key(a) / key(b) for a, b in zip(runs["cost_aware"], runs[other], strict=True)]
+
+    def emulated(r: dict) -> float:
+        return r["emulated"]["emulated_samples_per_s"]
+
+    def figure(name: str) -> dict[str, float]:  # a method's median of one of its emulated figures
+        return {method: median([r["emulated"][name] for r in rs]) for method, rs in runs.items()}
 
     return {
         "ranks": len(per_token),
@@ -191,6 +304,21 @@ def scenario(name: str, copies: int, batch: int, equal: bool, methods: list[str]
         "ratios_per_repeat": {f"cost_aware_vs_{m}": ratios(m) for m in methods if m != "cost_aware"},
         "ideal": {f"cost_aware_vs_{m}": model[f"ideal_vs_{m}"] for m in methods if m != "cost_aware"},
         "model_prediction": {f"cost_aware_vs_{m}": model[f"cost_aware_vs_{m}"] for m in methods if m != "cost_aware"},
+        # the same ratios over the emulated time of the steps each run ran (no machine overhead): the planner's share
+        "emulated_ratios": {f"cost_aware_vs_{m}": median(ratios(m, emulated)) for m in methods if m != "cost_aware"},
+        "emulated_ratios_per_repeat": {f"cost_aware_vs_{m}": ratios(m, emulated) for m in methods if m != "cost_aware"},
+        "emulated_samples_per_s": figure("emulated_samples_per_s"),
+        "wall_step_ms": figure("wall_step_ms"),
+        "emulated_step_ms": figure("emulated_step_ms"),
+        "overhead_ms": figure("overhead_ms"),
+        "cpu_ms_per_rank_step": figure("cpu_ms_per_rank_step"),
+        "slowest_rank_wake_to_end_ms": figure("slowest_rank_wake_to_end_ms"),
+        "slowest_over_median_rank_ms": figure("slowest_over_median_rank_ms"),
+        "emulated_over_exact_model": figure("emulated_over_exact_model"),
+        "per_run_emulated": {method: [r["emulated"] for r in rs] for method, rs in runs.items()},
+        "ideal_over_steps_run": ideal_over_steps_run(
+            {method: [r["emulated"] for r in rs] for method, rs in runs.items()}
+        ),
         "final_splits": {method: [r["final_split"] for r in rs] for method, rs in runs.items()},
         "settings": {k: str(v) for k, v in vars(args).items()},
     }
@@ -219,7 +347,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.out.write_text(json.dumps(report, indent=2))  # what is done so far survives an interruption
     headline = "small_batches" if "small_batches" in report["scenarios"] else args.scenarios[0]
     varied, equal = report["scenarios"][headline], report["scenarios"][f"{headline}_equal_lengths"]
-    for key in ("ratios", "ideal"):
+    for key in ("ratios", "ideal", "emulated_ratios", "ideal_over_steps_run"):
         report[key] = {
             "cost_aware_vs_sample_count": varied[key]["cost_aware_vs_sample_count"],
             "cost_aware_vs_sample_count_equal_lengths": equal[key]["cost_aware_vs_sample_count"],
@@ -229,7 +357,8 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.write_text(json.dumps(report, indent=2))
     for name, r in report["scenarios"].items():
         shown = ", ".join(f"{k} {v:.3f}x (ideal {r['ideal'][k]:.3f}x)" for k, v in r["ratios"].items())
-        print(f"{name:28s} {shown}")
+        emulated = ", ".join(f"{k} {v:.3f}x" for k, v in r.get("emulated_ratios", {}).items())
+        print(f"{name:28s} {shown}; emulated time alone: {emulated or 'n/a'}")
     print(f"saved {args.out}")
     return report
 

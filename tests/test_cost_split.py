@@ -140,3 +140,18 @@ def test_local_search_alone_is_near_the_optimum_on_most_small_cases():
     ratios = np.array(ratios)
     assert np.median(ratios) <= 1 + 1e-9
     assert np.mean(ratios <= 1.05) >= 0.95
+
+
+def test_subset_sums_equal_an_item_by_item_loop_bit_for_bit():
+    # the pair re-split compares these sums on every rank: each must be the in-order sum of its subset's items exactly
+    from lightning_cannikin.core.cost_split import _subset_sums
+
+    values = np.random.default_rng(3).uniform(0.0, 1.0, 9) * 10.0 ** np.arange(-4, 5)  # rounding shows at any order
+    sums = _subset_sums(values)
+    assert sums.shape == (2**9,)
+    for index in range(2**9):
+        expected = 0.0
+        for i, value in enumerate(values.tolist()):
+            if index >> i & 1:
+                expected += value
+        assert sums[index] == expected

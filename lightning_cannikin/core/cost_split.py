@@ -117,11 +117,16 @@ def _decreasing_work(work: np.ndarray) -> np.ndarray:
     return np.lexsort((np.arange(len(total)), -total))
 
 
-def _subset_sums(keep: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """``keep @ values`` added item by item in a fixed order (a BLAS product may round differently per machine)."""
-    sums = np.zeros(len(keep))
-    for i, value in enumerate(values.tolist()):
-        sums += keep[:, i] * value
+def _subset_sums(values: np.ndarray) -> np.ndarray:
+    """The sum of every subset of ``values`` (bit ``i`` of a subset's index: item ``i`` is in it), each added item by
+    item in index order, as a loop over the items would (a BLAS product may round differently per machine).
+
+    Built by doubling: the subsets holding item ``i`` are those without it plus ``values[i]``, so ``2**k`` additions in
+    all, not ``k * 2**k``.
+    """
+    sums = np.zeros(1)
+    for value in values.tolist():
+        sums = np.concatenate((sums, sums + value))
     return sums
 
 
@@ -237,11 +242,6 @@ def _improve(fixed: np.ndarray, work: np.ndarray, ranks: np.ndarray, max_rounds:
     return ranks
 
 
-def _subsets(size: int) -> np.ndarray:
-    """Every subset of ``size`` items as rows of booleans."""
-    return ((np.arange(2**size)[:, None] >> np.arange(size)[None, :]) & 1).astype(bool)
-
-
 def _repartition(
     fixed: np.ndarray, work: np.ndarray, ranks: np.ndarray, k: int, times: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, int] | None:
@@ -253,12 +253,12 @@ def _repartition(
     small[k] = False
     for r in np.flatnonzero(small)[np.lexsort((np.flatnonzero(small), times[small]))].tolist():
         pool = np.flatnonzero((ranks == k) | (ranks == r))
-        keep = _subsets(len(pool))
-        pair = np.maximum(fixed[k] + _subset_sums(keep, work[pool, k]), fixed[r] + _subset_sums(~keep, work[pool, r]))
-        pair[~keep.any(axis=1) | keep.all(axis=1)] = np.inf  # neither rank may be left empty
+        # subset j of the pool stays on k; its complement, subset 2**len(pool) - 1 - j, goes to r
+        pair = np.maximum(fixed[k] + _subset_sums(work[pool, k]), fixed[r] + _subset_sums(work[pool, r])[::-1])
+        pair[[0, -1]] = np.inf  # neither rank may be left empty
         best = int(np.argmin(pair))
         if pair[best] < top * (1.0 - _RELATIVE_GAIN):
-            return pool, keep[best], r
+            return pool, (best >> np.arange(len(pool))) & 1 == 1, r
     return None
 
 
