@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Protocol
 
 import numpy as np
@@ -145,6 +146,7 @@ class Decision:
     changing: bool = False
 
 
+@lru_cache(maxsize=256)  # asked every step with the same few arguments (pure, small, immutable result)
 def learning_rate_scale(
     rule: str, total_batch_size: int, base_batch_size: int, noise_scale: float | None, adam: bool = False
 ) -> tuple[float, float]:
