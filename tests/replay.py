@@ -186,6 +186,6 @@ def replay(
             schedule.adapted_at(done, phi is not None, decision.noise_band)
         out.decisions.append((done, decision))
         total_changed = decision.plan.global_batch_size != plan.global_batch_size
-        schedule.replanned(done, total_changed or decision.untimed, True, changed)
+        schedule.replanned(done, total_changed or decision.untimed, True, changed and model.changing)
         plan, identified = decision.plan, decision.identified
     return out

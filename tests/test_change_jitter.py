@@ -88,3 +88,25 @@ def test_a_mid_epoch_halving_is_replanned_at_the_same_steps_as_without_the_floor
 def test_a_negative_noise_floor_is_refused():
     with pytest.raises(ValueError, match="noise_floor"):
         LocalChangeCheck(noise_floor=-1.0)
+
+
+def test_a_change_the_speed_model_follows_is_settled_and_jitter_it_does_not_see_is_not():
+    # `SpeedModel.changing` decides whether a re-plan a local check asked for is followed by a settling one
+    from lightning_cannikin.core.speed_model import SpeedModel, StepRecord
+
+    def steps(first: int, count: int, rank_one_seconds: float) -> list[StepRecord]:
+        return [
+            StepRecord(s, r, 32, 0.010 if r == 0 else rank_one_seconds, 0.022)
+            for s in range(first, first + count)
+            for r in range(2)
+        ]
+
+    model = SpeedModel(2)
+    model.add(steps(0, 40, 0.010))
+    assert not model.changing and model.drifts == []
+    model.add(steps(40, 20, 0.020))  # rank one halves its speed: the model follows it
+    assert model.changing and model.drifts == [1]
+    model.add(steps(60, 20, 0.020))  # steady at the new speed: nothing left to settle
+    assert not model.changing
+    model.add(steps(80, 3, 0.040))  # a few slow steps: suspected, held apart until clear or ended
+    assert model.changing and model.drifts == []

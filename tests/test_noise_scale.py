@@ -239,3 +239,19 @@ def test_constructor_validates() -> None:
         NoiseScaleEstimator(base_batch_size=0)
     with pytest.raises(ValueError, match="decay"):
         NoiseScaleEstimator(base_batch_size=8, decay=1.0)
+
+
+def test_the_confident_noise_scale_follows_every_update_and_restore() -> None:
+    # asked every step, it is kept between updates: an update or a restored state must be seen at once
+    rng = np.random.default_rng(0)
+    estimator, fresh = NoiseScaleEstimator(64), NoiseScaleEstimator(64)
+    seen = []
+    for _ in range(400):
+        z = list(1.0 + 0.05 * rng.standard_normal(4))
+        estimator.update(z, [16, 16, 16, 16], 0.8)
+        seen.append(estimator.confident_noise_scale())
+        assert seen[-1] == (estimator.noise_scale if estimator.confident() else None)
+    assert seen[0] is None and seen[-1] is not None and len(set(seen[-50:])) > 1
+    fresh.load_state_dict(estimator.state_dict())
+    estimator.load_state_dict(NoiseScaleEstimator(64).state_dict())
+    assert estimator.confident_noise_scale() is None and fresh.confident_noise_scale() == seen[-1]

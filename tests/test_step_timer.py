@@ -314,3 +314,19 @@ def test_the_comm_hook_fills_the_reductions_time_on_gloo(tmp_path):
     for record in records:
         assert record.comm_busy is not None and record.last_bucket is not None
         assert 0 < record.last_bucket <= record.comm_busy <= record.allreduce + 1e-9
+
+
+def test_step_records_pickle_as_their_values_and_stay_frozen():
+    import dataclasses
+    import pickle
+
+    from lightning_cannikin.core.step_record import StepRecord
+
+    made = StepRecord(3, 1, 32, 0.01, 0.02, 0.005, 0.001, None, None, 0.004, 0.002)
+    built = StepRecord.of(3, 1, 32, 0.01, 0.02, 0.005, 0.001, None, None, 0.004, 0.002)
+    assert built == made and hash(built) == hash(made) and pickle.loads(pickle.dumps([made, built])) == [made, made]
+    assert len(pickle.dumps(made)) < len(pickle.dumps(made.to_dict()))  # the values alone, not a dict of them
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        built.compute = 1.0
+    with pytest.raises(ValueError):
+        StepRecord.of(3, 1, 32)  # every field's value, in order

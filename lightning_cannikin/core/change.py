@@ -15,16 +15,15 @@ few times are already far beyond its reference answers *suspected*: the ranks th
 change counts or the run ends, so a large change is acted on at the step its window fills, not at the next scheduled
 check (up to ``check_every_n_steps`` later, each step of it on the old split).
 
-Pure Python and numpy: imports neither torch nor Lightning.
+Pure Python: imports neither numpy, torch nor Lightning (a few floats per call, where numpy would cost the most).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
-
-import numpy as np
 
 __all__ = [
     "CHANGED",
@@ -63,11 +62,20 @@ def clear_change(ratios: Sequence[float], band: float, window: int = DEFAULT_WIN
     """
     if len(ratios) < window:
         return None
-    recent = np.asarray(ratios[-window:], dtype=np.float64)
-    for beyond in (recent > 1.0 + band, recent < 1.0 / (1.0 + band)):
-        if 4 * int(beyond.sum()) >= 3 * window:
-            return float(np.median(recent[beyond]))
+    # plain Python: a rank asks this every few steps of a few floats, where numpy's per-call cost is most of the work
+    recent = ratios[-window:]
+    high, low = 1.0 + band, 1.0 / (1.0 + band)
+    for beyond in ([r for r in recent if r > high], [r for r in recent if r < low]):
+        if 4 * len(beyond) >= 3 * window:
+            return _median(beyond)
     return None
+
+
+def _median(values: Sequence[float]) -> float:
+    """The median (the mean of the middle two of an even count, as ``numpy.median``) of a non-empty sequence."""
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return float(ordered[middle]) if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2.0
 
 
 def large_change(ratios: Sequence[float], band: float, window: int = DEFAULT_WINDOW) -> float | None:
@@ -158,7 +166,7 @@ class LocalChangeCheck:
 
     def observe(self, batch_size: int, seconds: float) -> None:
         """One step's compute time at ``batch_size`` (non-finite or non-positive times are ignored)."""
-        if not (np.isfinite(seconds) and seconds > 0):
+        if not (math.isfinite(seconds) and seconds > 0):
             return
         if batch_size != self._batch_size:
             if self._batch_size is not None:
@@ -185,9 +193,9 @@ class LocalChangeCheck:
         the large band, not yet a change: worth asking again at the next step, not on the usual cadence) or 0."""
         if len(self._reference) < self.reference:
             return 0
-        expected = float(np.median(self._reference))
+        expected = _median(self._reference)
         ratios = [t / expected for t in self._recent]
-        spread = 1.4826 * float(np.median(np.abs(np.asarray(self._reference) / expected - 1.0)))
+        spread = 1.4826 * _median([abs(t / expected - 1.0) for t in self._reference])
         small = max(self.small_band, 2.0 * spread)
         band = max(self.band, self.noise_floor * spread)  # the large band, never inside the jitter
         large = large_change(ratios, band, self.window)
@@ -210,6 +218,11 @@ class ChangeWatch:
         self._held: dict[int, list[Any]] = {}  # a suspected change of speed, kept apart until it is clear or ends
         # each rank's latest records at batch sizes inside its timed range, across re-plans: the change window
         self._recent: list[deque[Any]] = [deque(maxlen=DEFAULT_WINDOW) for _ in range(int(world_size))]
+
+    @property
+    def suspected(self) -> bool:
+        """Whether some rank's latest times are held apart as a suspected change of speed (not yet clear, not ended)."""
+        return bool(self._held)
 
     def clear(self) -> None:
         """Forget what was seen (a restart, a restored state)."""

@@ -117,6 +117,7 @@ class NoiseScaleEstimator:
         self._var_sq_biased = 0.0
         self._weight_sq = 0.0
         self.num_updates = 0
+        self._confident: tuple[tuple[int, float], float | None] | None = None  # asked every step, changed by updates
 
     def update(
         self,
@@ -156,6 +157,7 @@ class NoiseScaleEstimator:
         self._var_sq_biased = factor * self._var_sq_biased + (1.0 - factor) * grad_var**2
         self._weight_sq = factor**2 * self._weight_sq + (1.0 - factor) ** 2
         self.num_updates += 1
+        self._confident = None
         return True
 
     @property
@@ -219,7 +221,10 @@ class NoiseScaleEstimator:
 
     def confident_noise_scale(self, max_relative_error: float = 0.25) -> float | None:
         """The noise scale once :meth:`confident`, else ``None`` (what goodput and the AdaScale gain should use)."""
-        return self.noise_scale if self.confident(max_relative_error) else None
+        key = (self.num_updates, max_relative_error)
+        if self._confident is None or self._confident[0] != key:  # the same until the next update: kept
+            self._confident = key, self.noise_scale if self.confident(max_relative_error) else None
+        return self._confident[1]
 
     def state_dict(self) -> dict:
         """Everything needed to resume, as plain Python numbers (JSON-friendly)."""
@@ -249,3 +254,4 @@ class NoiseScaleEstimator:
         self._sqr_sq_biased = float(state_dict.get("sqr_sq_biased", 2.0 * self._sqr_biased**2 / weight))
         self._var_sq_biased = float(state_dict.get("var_sq_biased", 2.0 * self._var_biased**2 / weight))
         self._weight_sq = float(state_dict.get("weight_sq", self._weight**2))
+        self._confident = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Protocol
 
 import numpy as np
@@ -124,6 +125,9 @@ class Decision:
         best_total: the total batch with the best predicted goodput (``None``: the total was not reconsidered).
         total_gain: its predicted goodput's relative gain over keeping the total in force, against the margin
             (``PolicySettings.margin``) it had to beat to be adopted (``None``: not reconsidered).
+        changing: the speed model had just followed a clear change of some rank's speed, or held a suspected one
+            apart (``SpeedModel.changing``; set by the engine): a re-plan that a local change check asked for is
+            followed by a settling one once the new plan is timed; without it there is nothing to settle.
         split_gain: the best split's predicted relative step-time gain over the split kept in its place (the most
             even one or the one in force; the smallest such gain when none is kept), against ``split_margin``
             (``None``: no split was weighed, e.g. a probe or an even split).
@@ -139,8 +143,10 @@ class Decision:
     best_total: int | None = None
     total_gain: float | None = None
     split_gain: float | None = None
+    changing: bool = False
 
 
+@lru_cache(maxsize=256)  # asked every step with the same few arguments (pure, small, immutable result)
 def learning_rate_scale(
     rule: str, total_batch_size: int, base_batch_size: int, noise_scale: float | None, adam: bool = False
 ) -> tuple[float, float]:

@@ -185,6 +185,11 @@ class SpeedModel:
         return drifted
 
     @property
+    def changing(self) -> bool:
+        """The last :meth:`add` rescaled a rank to a clear change of speed (``drifts``) or holds a suspected one."""
+        return bool(self.drifts) or self._watch.suspected
+
+    @property
     def upper(self) -> list[int] | None:
         """Per-rank upper bounds: the user's ``local_batch_bounds`` and, on CUDA, the fitted memory caps."""
         if self.user_upper is None and all(c is None for c in self.memory_caps):
@@ -262,12 +267,10 @@ class SpeedModel:
         ``None`` when no rank stalls: then every prediction is the deterministic step time and every split OptPerf's."""
         if self._scenarios is None:
             models = self.models()
-            ratios = np.array(
-                [
-                    [t / max(float(m(b)), 1e-12) for m, b, t in zip(models, sizes, times, strict=True)]
-                    for sizes, times in self._joint
-                ]
-            ).reshape(-1, self.world_size)
+            sizes, times = (np.array([j[k] for j in self._joint], float).reshape(-1, self.world_size) for k in (0, 1))
+            # every rank's steps at once (a few dozen per rank): measured over predicted time
+            predicted = np.column_stack([m(sizes[:, i]) for i, m in enumerate(models)]) if len(sizes) else sizes
+            ratios = times / np.maximum(predicted, 1e-12)
             self._scenarios = (stall_scenarios(ratios),)
         return self._scenarios[0]
 

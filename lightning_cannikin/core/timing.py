@@ -67,7 +67,7 @@ class LinearTimeModel:
 
     def __call__(self, batch_size: ArrayLike) -> float | np.ndarray:
         """Predicted seconds for a batch size (float) or an array of them (array)."""
-        if np.ndim(batch_size) == 0:
+        if isinstance(batch_size, (int, float)) or np.ndim(batch_size) == 0:  # Python numbers first: asked per record
             return self.slope * max(float(batch_size), self.knee) + self.intercept
         return self.slope * np.maximum(np.asarray(batch_size, dtype=np.float64), self.knee) + self.intercept
 

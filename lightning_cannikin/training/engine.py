@@ -97,6 +97,7 @@ class BalancingEngine:
         self.identified = False  # rank zero's word, broadcast: every rank's slope has been measured
         self.adam = False
         self._optimizer: Any = None
+        self._inner: Any = None  # the optimizer that holds the state, once read
         self._family: str | None = None
         self._on_adopt: AdoptHook | None = None
         self._restored: dict[str, Any] | None = None
@@ -131,7 +132,7 @@ class BalancingEngine:
         base = self.base_batch_size or (plan.total_batch_size if plan is not None else 1)
         if self.estimator is None:
             self.estimator = NoiseScaleEstimator(base)
-        self._optimizer, self._family = optimizer, None
+        self._optimizer, self._family, self._inner = optimizer, None, None
         self._identify_optimizer()
         if self.observer is not None:
             self.observer.scaler = scaler
@@ -144,7 +145,10 @@ class BalancingEngine:
         that preconditions otherwise is refused where AdaScale follows a measured noise scale (every rank alike)."""
         if self._optimizer is None or self._family is not None:
             return
-        inner, self._family = unwrapped(self._optimizer), optimizer_family_of(self._optimizer)
+        if self._inner is not None and not getattr(self._inner, "state", None):
+            return  # it still holds nothing (plain SGD never does): as read last time, at no cost each step
+        inner = self._inner = unwrapped(self._optimizer)
+        self._family = optimizer_family_of(inner)
         if self.track_noise_scale:
             check_family(self._family, self.policy.lr_scaling, type(inner).__name__)
         self.adam = self._family == "adam"
@@ -252,7 +256,8 @@ class BalancingEngine:
         policy = replace(self.policy, accumulate=False) if mid_epoch else self.policy
         adapt_total = not mid_epoch if adapt_total is None else adapt_total
         noise, base = self.usable_noise_scale(), self.estimator.base_batch_size
-        return decide(self.speed_model, current, policy, noise, base, adapt_total=adapt_total, adam=self.adam)
+        decision = decide(self.speed_model, current, policy, noise, base, adapt_total=adapt_total, adam=self.adam)
+        return replace(decision, changing=self.speed_model.changing)
 
     def replan(self, mid_epoch: bool, adapt_total: bool, epoch: int = 0) -> Decision | None:
         """Gather, decide on rank zero, broadcast, adopt; every rank calls it after the same step. ``mid_epoch``: the
@@ -280,8 +285,10 @@ class BalancingEngine:
             self.schedule.adapted_at(self.step, self.adapt_ready, decision.noise_band)
         plan = decision.plan
         total_changed = plan.total_batch_size != current.total_batch_size
-        # a new total, a walk to a device's knee, or a change of speed: re-split once the new sizes are timed
-        self.schedule.replanned(self.step, total_changed or decision.untimed, self.policy.balance, self._changed)
+        # a new total, a walk to a device's knee, or a change of speed the model followed: re-split once timed (a
+        # check that fired on what the model does not see, the scheduler's jitter of tiny steps, has nothing to settle)
+        changed = self._changed and decision.changing
+        self.schedule.replanned(self.step, total_changed or decision.untimed, self.policy.balance, changed)
         if self._changed and self.vote is not None:
             self.vote.reset()
         self._changed = False

@@ -120,14 +120,14 @@ class LossScaleCheck:
     def record(self, sizes: tuple[int, ...] | None, loss: torch.Tensor) -> None:
         """This rank's loss of a micro-batch whose ranks held ``sizes`` (the loss as ``training_step`` gave it)."""
         if sizes is not None and not self.warned:
-            self._steps.append((tuple(sizes), loss.detach().reshape(())))
+            self._steps.append((tuple(sizes), loss.detach()))  # reshaped at :meth:`take`, once for all of them
 
     def take(self) -> list[tuple[tuple[int, ...], float]]:
         """The recorded steps as numbers (this rank's part of the gather), and forget them."""
         steps, self._steps = list(self._steps), deque(maxlen=self._steps.maxlen)
         if not steps:
             return []
-        values = torch.stack([loss.float() for _, loss in steps]).tolist()
+        values = torch.stack([loss.float().reshape(()) for _, loss in steps]).tolist()
         return [(sizes, value) for (sizes, _), value in zip(steps, values, strict=True)]
 
     def judge(self, gathered: Sequence[Any]) -> str | None:

@@ -14,7 +14,7 @@ normalisation) are computed here and nowhere else (:meth:`begin_step`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +81,8 @@ class RuntimeState:
     losses: LossScaleCheck = field(default_factory=LossScaleCheck)
     step_position: int | None = None
     cost_fit: CostTimeFit = field(default_factory=CostTimeFit)
+    _weights_key: tuple | None = field(default=None, repr=False, compare=False)  # the last step's weights, kept
+    _weights: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.hook.observers.append(self.timer)
@@ -180,7 +182,12 @@ class RuntimeState:
             # an epoch resumed on another world size has placeholders (no sizes) for the batches it did not run
             indices = [q for q in range(first, max(last, position + 1)) if q == position or self.sampler.sizes_at(q)]
         window = [sizes if q == position else self.sampler.sizes_at(q) for q in indices]  # type: ignore[union-attr]
-        weights = step_weights(self.normalisation, window, self._window_units(indices), rank, indices.index(position))
+        units = self._window_units(indices)
+        key = (self.normalisation, tuple(window), rank, indices.index(position)) if units is None else None
+        if key is None or key != self._weights_key:  # most steps repeat the last one's sizes
+            weights = step_weights(self.normalisation, window, units, rank, indices.index(position))
+            self._weights_key, self._weights = key, weights
+        weights = self._weights
         self.accumulation_window = weights.noise_sizes
         hook = self.hook
         hook.weight, hook.micro_weight, hook.unit_scale = weights.rank, weights.micro, weights.unit_scale
@@ -206,21 +213,10 @@ class RuntimeState:
         self.cost_fit.load(step, units)
         return load_of(units)
 
-    @contextmanager
-    def learning_rate_scaled(self, optimizer: Any) -> Iterator[None]:
+    def learning_rate_scaled(self, optimizer: Any) -> AbstractContextManager[None]:
         """The optimizer's learning rates times the step's factor for this step only, restored afterwards, so any LR
-        scheduler keeps its own values."""
-        factor = self.lr_factor
-        saved = [group["lr"] for group in optimizer.param_groups] if factor != 1.0 else None
-        if saved is not None:
-            for group in optimizer.param_groups:
-                group["lr"] = group["lr"] * factor
-        try:
-            yield
-        finally:
-            if saved is not None:
-                for group, lr in zip(optimizer.param_groups, saved, strict=True):
-                    group["lr"] = lr
+        scheduler keeps its own values (a factor of 1, most steps, touches nothing)."""
+        return nullcontext() if self.lr_factor == 1.0 else _scaled(optimizer, self.lr_factor)
 
     @property
     def batches_yielded(self) -> int:
@@ -252,3 +248,15 @@ class RuntimeState:
         for offset in range(steps):  # increasing batches: each entry keeps the ones before it
             self.sampler.set_plan(plan if offset % 2 == 0 else other, from_batch + offset)
         self.sampler.set_plan(plan, from_batch + steps)
+
+
+@contextmanager
+def _scaled(optimizer: Any, factor: float) -> Iterator[None]:
+    saved = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * factor
+    try:
+        yield
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved, strict=True):
+            group["lr"] = lr

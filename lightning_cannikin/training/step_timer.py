@@ -245,7 +245,7 @@ class StepTimer:
         if not self._read:
             return []
         capacity = self.memory.capacity() if self.memory is not None else None
-        records = [StepRecord(*values[:8], capacity, *values[8:]) for values in self._read]
+        records = [StepRecord.of(*values[:8], capacity, *values[8:]) for values in self._read]
         self._read = []
         return records
 
