@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["Scenarios", "expected_split", "stall_scenarios"]
+__all__ = ["Scenarios", "expected_split", "relative_jitter", "stall_scenarios"]
 
 
 class Scenarios:
@@ -68,6 +68,18 @@ def stall_scenarios(
         return None
     rows, counts = np.unique(stalls, axis=0, return_counts=True)
     return Scenarios(rows, counts / counts.sum())
+
+
+def relative_jitter(ratios: np.ndarray) -> float:
+    """The devices' relative step-time jitter in ``ratios`` (measured over modelled compute, ``(S, n)``): each rank's
+    robust spread (1.4826 x the median absolute deviation) around its median ratio, over that median, the median over
+    the ranks. Robust to a rank's recurring stalls (a minority of its steps) and to a model's bias alike."""
+    ratios = np.asarray(ratios, dtype=np.float64)
+    if ratios.ndim != 2 or ratios.shape[0] < 2:
+        return 0.0
+    centre = np.median(ratios, axis=0)
+    spread = 1.4826 * np.median(np.abs(ratios - centre), axis=0) / np.maximum(centre, 1e-12)
+    return float(np.median(spread))
 
 
 def expected_split(

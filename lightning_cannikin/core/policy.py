@@ -131,6 +131,8 @@ class Decision:
         split_gain: the best split's predicted relative step-time gain over the split kept in its place (the most
             even one or the one in force; the smallest such gain when none is kept), against ``split_margin``
             (``None``: no split was weighed, e.g. a probe or an even split).
+        split_margin: the margin it was weighed against: ``split_margin``, or the devices' own step-time jitter
+            where that is larger (``None``: no split was weighed).
 
     """
 
@@ -144,6 +146,7 @@ class Decision:
     total_gain: float | None = None
     split_gain: float | None = None
     changing: bool = False
+    split_margin: float | None = None
 
 
 @lru_cache(maxsize=256)  # asked every step with the same few arguments (pure, small, immutable result)
@@ -181,7 +184,7 @@ def decide(
     change of total batch measures the slope.
     """
     global_batch, accumulation = current.global_batch_size, current.accumulation_steps
-    choice, split_gain = None, None
+    choice, split_gain, split_margin = None, None, None
     adapt = adapt_total and settings.max_batch_size is not None and noise_scale is not None
     if adapt and (model.identified or not settings.balance):
         global_batch, accumulation, choice = _choose_total(model, current, settings, noise_scale, base_batch_size)  # type: ignore[arg-type]
@@ -190,7 +193,10 @@ def decide(
         # rather than act on it, move every rank a little from where it is, so the next re-plan measures slopes
         sizes = model.probe(current.local_batch_sizes)
     elif settings.balance:
-        sizes, split_gain = _split(model, current, global_batch, settings.split_margin)
+        # a gain within the devices' own jitter is not evidence: on tiny steps of a shared host the fitted slopes are
+        # scheduler noise, and acting on them moves identical devices to splits such as [1, 10, 85]
+        split_margin = max(settings.split_margin, float(getattr(model, "jitter", 0.0)))
+        sizes, split_gain = _split(model, current, global_batch, split_margin)
     else:
         sizes = most_even_split(global_batch, model.world_size, model.lower, model.upper).local_batch_sizes
     plan = Plan(sizes, accumulation, predicted_step_time=float(model.predict(sizes)))
@@ -202,7 +208,18 @@ def decide(
     untimed = settings.balance and model.identified and timed is not None and not timed(plan.local_batch_sizes)
     total_gain = None if choice is None else _relative_gain(choice.goodput, choice.current_goodput)
     best_total = None if choice is None else choice.batch_size
-    return Decision(plan, factor, gain, model.identified, band, bool(untimed), best_total, total_gain, split_gain)
+    return Decision(
+        plan,
+        factor,
+        gain,
+        model.identified,
+        band,
+        bool(untimed),
+        best_total,
+        total_gain,
+        split_gain,
+        split_margin=None if split_gain is None else split_margin,
+    )
 
 
 def _relative_gain(new: float, old: float) -> float:

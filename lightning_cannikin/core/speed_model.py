@@ -15,7 +15,7 @@ from numpy.typing import ArrayLike
 
 from lightning_cannikin.core.change import ChangeWatch
 from lightning_cannikin.core.evidence import trusted_bounds
-from lightning_cannikin.core.expected import Scenarios, expected_split, stall_scenarios
+from lightning_cannikin.core.expected import Scenarios, expected_split, relative_jitter, stall_scenarios
 from lightning_cannikin.core.memory import MemoryFitter
 from lightning_cannikin.core.optperf import optimal_split, optperf, step_time
 from lightning_cannikin.core.plan import BatchBounds, Plan
@@ -61,9 +61,7 @@ class SpeedModelSettings:
         if int(self.warmup_samples) < 0 or not 0 < self.probe_lever <= 1:
             raise ValueError(f"`warmup_samples` must be >= 0 and `probe_lever` in (0, 1], got {self}.")
         if int(self.tail_window) < 1 or int(self.max_samples) < 1:
-            raise ValueError(
-                f"`tail_window` and `max_samples` must be >= 1, got {self.tail_window}, {self.max_samples}."
-            )
+            raise ValueError(f"`tail_window`, `max_samples` must be >= 1, got {self.tail_window}, {self.max_samples}.")
 
 
 class SpeedModel:
@@ -71,10 +69,8 @@ class SpeedModel:
 
     The *tail* is what a step costs beyond the slowest rank's compute: the exposed part of the all-reduce, the optimizer
     step and the framework's own work. It is the same for every split, so it does not move the optimal split, but it
-    makes the predicted step time comparable with the measured one.
-
-    It is the step-time model :func:`lightning_cannikin.core.policy.decide` asks (``optperf``, ``predict``,
-    ``plan_split``, ``probe``, the bounds and ``identified``); the simulator's cluster model answers the same calls.
+    makes the predicted step time comparable with the measured one. :func:`~lightning_cannikin.core.policy.decide`
+    asks it (the simulator's cluster model answers the same calls).
 
     Args:
         world_size: number of ranks.
@@ -107,8 +103,7 @@ class SpeedModel:
         # every rank's (batch size, compute) of the latest complete steps: which ranks were slow together
         self._joint: deque[tuple[tuple[int, ...], tuple[float, ...]]] = deque(maxlen=int(self.settings.tail_window))
         self._scenarios: tuple[Scenarios | None] | None = None  # found once per batch of new samples
-        # the planner's pieces of the fitted models, and of the part no device's speed scales: a decision asks for
-        # them hundreds of times, and they change only with new samples (read-only arrays)
+        # the planner's pieces (fitted; the speed-free part): asked hundreds of times a decision (read-only arrays)
         self._pieces: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._warm = [0] * self.world_size  # samples each rank has had since its start; the first ones are left out
         self._watch = ChangeWatch(self.world_size, self.settings.drift_tolerance)
@@ -172,8 +167,7 @@ class SpeedModel:
                 self.first_bucket_shares.append(min(max(before_first_bucket / last.compute, 0.0), 1.0))
 
     def _detect_drift(self, kept: dict[int, list[StepRecord]]) -> list[int]:
-        """The ranks whose speed changed clearly (:class:`~lightning_cannikin.core.change.ChangeWatch`); ``kept``
-        is left holding what each rank's fit takes now."""
+        """The ranks whose speed changed clearly (:class:`ChangeWatch`); ``kept`` is left with what their fits take."""
         if not self.ready:
             return []
         drifted = []
@@ -226,7 +220,7 @@ class SpeedModel:
         """The all-reduce model: its whole time and the part exposed after backward (``None`` before any)."""
         return self.comm_fitter.fit()
 
-    def tail(self) -> float:
+    def tail(self) -> float:  # the median time a step costs beyond its slowest rank's compute
         return float(np.median(self.tails)) if self.tails else 0.0
 
     def pieces(self, models: Sequence[LinearTimeModel] | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -237,8 +231,8 @@ class SpeedModel:
         first bucket is ready, after a share ``s`` of its compute, and lasts ``c``: ``s t_i(b) + c + o``. Both are
         exact for a bucket timeline whose buckets are alike, whatever the regime the records came from, once ``c``
         and ``c_last`` are the reductions' own times (``StepRecord.comm_busy``, ``last_bucket``).
-        Where the all-reduce hides behind backward the second piece never binds, and the split
-        is the compute-only one; where it does not, OptPerf(B) for other totals sees the communication floor.
+        Where the all-reduce hides behind backward the second piece never binds, and the split is the compute-only
+        one; where it does not, OptPerf(B) for other totals sees the communication floor.
         ``models``: other compute models than the fitted ones (zero ones give the part no device's speed scales).
         """
         return self._pieces_of(models) if models is not None else self._cached("fitted", self.models)
@@ -262,17 +256,26 @@ class SpeedModel:
             models, comm, backward_fraction=0.0, forward_fraction=share, overhead=float(np.median(self.after_reduction))
         )
 
+    @property
+    def jitter(self) -> float:
+        """Two standard errors of two predicted step times' difference (:func:`relative_jitter` spread, per-size
+        medians of the latest steps: 1.2533 x a mean's error): a smaller predicted gain is no evidence."""
+        n = len(self._joint)
+        return 2.5066 * relative_jitter(self._ratios()) * (2.0 / n) ** 0.5 if n >= 2 and self.ready else 0.0
+
     def scenarios(self) -> Scenarios | None:
         """The recurring stalls of the latest steps (:func:`~lightning_cannikin.core.expected.stall_scenarios`), or
         ``None`` when no rank stalls: then every prediction is the deterministic step time and every split OptPerf's."""
         if self._scenarios is None:
-            models = self.models()
-            sizes, times = (np.array([j[k] for j in self._joint], float).reshape(-1, self.world_size) for k in (0, 1))
-            # every rank's steps at once (a few dozen per rank): measured over predicted time
-            predicted = np.column_stack([m(sizes[:, i]) for i, m in enumerate(models)]) if len(sizes) else sizes
-            ratios = times / np.maximum(predicted, 1e-12)
-            self._scenarios = (stall_scenarios(ratios),)
+            self._scenarios = (stall_scenarios(self._ratios()),)
         return self._scenarios[0]
+
+    def _ratios(self) -> np.ndarray:
+        """Every rank's latest measured over predicted compute times, one row per complete step."""
+        models = self.models()
+        sizes, times = (np.array([j[k] for j in self._joint], float).reshape(-1, self.world_size) for k in (0, 1))
+        predicted = np.column_stack([m(sizes[:, i]) for i, m in enumerate(models)]) if len(sizes) else sizes
+        return times / np.maximum(predicted, 1e-12)
 
     def _expected(self, splits: np.ndarray, scenarios: Scenarios) -> np.ndarray:
         slopes, offsets = self.pieces()
@@ -403,17 +406,14 @@ class SpeedModel:
         warm = state.get("warm")
         same = state["world_size"] == self.world_size
         self._warm = list(warm) if same and warm is not None else [self.settings.warmup_samples] * self.world_size
-        if state["world_size"] == self.world_size:
+        if same:
             for fitter, fitter_state in zip(self.fitters, state["fitters"], strict=True):
                 fitter.load_state_dict(fitter_state)
             for memory, memory_state in zip(self.memory, state.get("memory", []), strict=False):
                 memory.load_state_dict(memory_state)
             self.memory_caps = list(state.get("memory_caps", self.memory_caps))
-        self.tails.clear()
-        self.tails.extend(state["tails"])
-        self.first_bucket_shares.clear()
-        self.first_bucket_shares.extend(state.get("first_bucket_shares", []))
-        self.after_reduction.clear()
-        self.after_reduction.extend(state.get("after_reduction", []))
+        for name in ("tails", "first_bucket_shares", "after_reduction"):
+            getattr(self, name).clear()
+            getattr(self, name).extend(state.get(name, []))
         if "comm" in state:
             self.comm_fitter.load_state_dict(state["comm"])

@@ -27,10 +27,12 @@ def explain(step: int, decision: Decision, current: Plan, policy: PolicySettings
         if gain is None:
             split = f"split {moved}"
         else:
-            side = "above" if gain > policy.split_margin else "within"
+            margin = policy.split_margin if decision.split_margin is None else decision.split_margin
+            side = "above" if gain > margin else "within"
+            jitter = " (the devices' step-time jitter)" if margin > policy.split_margin else ""
             split = (
                 f"split {moved} (the best split is predicted {_percent(gain)} faster than the kept one, {side} the"
-                f" {_percent(policy.split_margin)} split margin)"
+                f" {_percent(margin)} split margin{jitter})"
             )
     line = f"Cannikin: step {step}: {split}"
     total, previous = plan.total_batch_size, current.total_batch_size
