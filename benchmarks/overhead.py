@@ -269,7 +269,7 @@ def markdown(report: dict[str, Any], variants: tuple[str, ...]) -> str:
         " throughput a variant may spend at most 1/0.95 = 1.053x DDP's CPU per sample.",
         "",
         'Variants: `ddp` Lightning\'s DDPStrategy (the reference); `cannikin` `strategy="cannikin"` alone (balancing,'
-        " fixed total); `cannikin_adaptive` `Cannikin(max_batch_size=96)` with the default settings (noise statistics"
+        " fixed total); `cannikin_adaptive` `Cannikin(max_batch_size=<the total>)` with the default settings (noise statistics"
         " on one step in eight, local change checks compared every 4 steps, the total reconsidered when the noise"
         " scale leaves its band;"
         " capped at the starting total so the machinery is measured, not a larger batch); `fixed` a fixed even split"
