@@ -268,13 +268,13 @@ def markdown(report: dict[str, Any], variants: tuple[str, ...]) -> str:
         " samples/s ratios cannot show a 5% difference; the CPU ratios are the figure to read then: at 0.95x DDP's"
         " throughput a variant may spend at most 1/0.95 = 1.053x DDP's CPU per sample.",
         "",
-        'Variants: `ddp` Lightning\'s DDPStrategy (the reference); `cannikin` `strategy="cannikin"` alone (balancing,'
-        " fixed total); `cannikin_adaptive` `Cannikin(max_batch_size=<the total>)` with the default settings (noise"
-        " statistics on one step in eight, local change checks compared every 4 steps, the total reconsidered when the"
-        " noise scale leaves its band; capped at the starting total so the machinery is measured, not a larger batch);"
-        " `fixed` a fixed even split through Cannikin's strategy, no callback. Re-plans: plans adopted per run (warm-up, epoch ends, speed"
-        " changes the ranks' checks saw, the settling re-plan after each, the total's reconsiderations); on a shared"
-        " host each one is rank zero's fit and decision while the other ranks wait.",
+        'Variants: `ddp` Lightning\'s DDPStrategy (the reference); `cannikin` `strategy="cannikin"` alone (balancing, '
+        "fixed total); `cannikin_adaptive` `Cannikin(max_batch_size=<the total>)` with the default settings (noise "
+        "statistics on one step in eight, local change checks compared every 4 steps, the total reconsidered when the"
+        " noise scale leaves its band; capped at the starting total so the machinery is measured, not a larger "
+        "batch); `fixed` a fixed even split through Cannikin's strategy, no callback. Re-plans: plans adopted per run"
+        " (warm-up, epoch ends, speed changes the ranks' checks saw, the settling re-plan after each, the total's "
+        "reconsiderations); on a shared host each one is rank zero's fit and decision while the other ranks wait.",
         "",
     ]
     return "\n".join(lines)
