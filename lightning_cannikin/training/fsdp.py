@@ -97,15 +97,9 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
     Args:
         local_batch_sizes: a fixed split, one entry per rank. It turns split planning off. When ``None``, the first
             plan gives every rank the training DataLoader's ``batch_size``.
-        loss_normalisation: how ``training_step``'s loss is normalised, so that every rank's gradient gets the exact
-            weight: ``"sample_mean"`` (a mean over the batch's samples, the default), ``"sample_sum"`` (a sum over
-            them) or ``"count_mean"`` (a mean over a per-sample count such as tokens: the counts are ``sample_costs``,
-            or ``batch_units``). A loss whose scale behaves like another one is warned about once.
-        sample_costs: each training sample's cost (its token count): a sequence indexed like the training dataset, a
-            function of the index, or ``"lengths"`` for the dataset's ``lengths`` attribute. Each global batch is then
-            split across ranks by cost and each device's measured speed (equal predicted times), not by sample count.
-        batch_units: for ``"count_mean"`` without ``sample_costs``: a function of the local batch giving its count
-            (e.g. ``lambda batch: batch["mask"].sum()``); one small all-gather per step, no gradient accumulation.
+        loss_normalisation, sample_costs, batch_units: what the loss averages over and each sample's cost, as for
+            :class:`~lightning_cannikin.training.strategy.CannikinStrategy` (the same weights reach FSDP2's
+            averaging reduce-scatter).
         data_parallel_size: ``"auto"`` (the default) is the world size: pure sharded data parallelism (unlike
             ``ModelParallelStrategy``'s own "auto", which is the number of nodes).
         tensor_parallel_size: ``"auto"`` or 1; larger values are refused (see :data:`TENSOR_PARALLEL_ERROR`).
