@@ -220,7 +220,8 @@ class SpeedModel:
         """The all-reduce model: its whole time and the part exposed after backward (``None`` before any)."""
         return self.comm_fitter.fit()
 
-    def tail(self) -> float:  # the median time a step costs beyond its slowest rank's compute
+    def tail(self) -> float:
+        """The median time a step costs beyond its slowest rank's compute (0 before any complete step)."""
         return float(np.median(self.tails)) if self.tails else 0.0
 
     def pieces(self, models: Sequence[LinearTimeModel] | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -182,10 +182,10 @@ class RuntimeState:
             # an epoch resumed on another world size has placeholders (no sizes) for the batches it did not run
             indices = [q for q in range(first, max(last, position + 1)) if q == position or self.sampler.sizes_at(q)]
         window = [sizes if q == position else self.sampler.sizes_at(q) for q in indices]  # type: ignore[union-attr]
-        units = self._window_units(indices)
-        key = (self.normalisation, tuple(window), rank, indices.index(position)) if units is None else None
+        units, micro = self._window_units(indices), indices.index(position)
+        key = (self.normalisation, tuple(window), rank, micro) if units is None else None
         if key is None or key != self._weights_key:  # most steps repeat the last one's sizes
-            weights = step_weights(self.normalisation, window, units, rank, indices.index(position))
+            weights = step_weights(self.normalisation, window, units, rank, micro)
             self._weights_key, self._weights = key, weights
         weights = self._weights
         self.accumulation_window = weights.noise_sizes
