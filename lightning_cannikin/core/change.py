@@ -4,7 +4,8 @@ A *clear change* is a run of recent step times of which at least three in four s
 what the device used to take, all on the same side. A periodic stall (every second or third step) or a one-window
 glitch never fills three quarters of the window, so neither counts; a device that halves its speed fills it within
 about ``window`` steps. A large change (beyond twice the band) is judged over a shorter window, ``FAST_WINDOW``
-steps: longer than any one-window glitch, short enough to act within about ten steps (:func:`large_change`). A
+steps: longer than any one-window glitch, short enough to act within about ten steps (:func:`large_change`); a
+change beyond the square of twice the band, after ``SURE_RUN`` steps in a row, longer than a glitch that large. A
 smaller change is judged the same way over a longer window; the recency-weighted fits follow it at the re-plan it
 asks for.
 
@@ -42,6 +43,10 @@ FAST_WINDOW = 12
 # the latest steps beyond twice the band that make a change suspected: a device that is clearly slower now, but not for
 # long enough to count (a stall every second or third step never runs this long)
 SUSPECT_RUN = 3
+# the latest steps in a row beyond the sure band (twice the band, squared: 2.25x with the default band, slower or
+# faster) that count at once: the larger a change, the less of it a glitch can fake. Longer than a 4x glitch of 4
+# steps, and a 2x glitch never reaches the band; a device four times slower is acted on after 6 steps, not 9
+SURE_RUN = 6
 SUSPECTED, CHANGED = 1, 2  # :meth:`LocalChangeCheck.verdict` (0: neither)
 _PARKED = 3  # other batch sizes whose watch is kept (an epoch's last batch, the sizes of a probe)
 # how far beyond a rank's largest timed batch size its model is still trusted to judge a change of speed
@@ -80,9 +85,16 @@ def _median(values: Sequence[float]) -> float:
 
 def large_change(ratios: Sequence[float], band: float, window: int = DEFAULT_WINDOW) -> float | None:
     """:func:`clear_change` over ``window`` ratios, or, sooner, beyond twice the band over ``FAST_WINDOW`` of them:
-    a device that takes twice as long (or half) is acted on after 9 steps, a glitch of 8 steps still never counts."""
+    a device that takes twice as long (or half) is acted on after 9 steps, a glitch of 8 steps still never counts;
+    or, sooner still, the latest ``SURE_RUN`` ratios all beyond the sure band ``(1 + 2 band)^2``: a device four times
+    slower is acted on after 6 steps, a glitch of 4 steps at 4x still never counts."""
     ratio = clear_change(ratios, band, window)
-    return ratio if ratio is not None else clear_change(ratios, 2.0 * band, min(FAST_WINDOW, window))
+    if ratio is None:
+        ratio = clear_change(ratios, 2.0 * band, min(FAST_WINDOW, window))
+    run = min(SURE_RUN, window)
+    if ratio is None and trailing_run(ratios, (1.0 + 2.0 * band) ** 2 - 1.0) >= run:
+        ratio = _median(ratios[-run:])
+    return ratio
 
 
 def trailing_run(ratios: Sequence[float], band: float) -> int:
