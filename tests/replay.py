@@ -165,8 +165,12 @@ def replay(
         # the ranks' one-bit answers are cast on the steps the schedule names, and read as the engine reads them
         changed = any([vote.poll(schedule.check_due(done)) for vote in votes])
         phi = noise(done) if noise is not None else None
-        adapt = policy is not None and policy.max_batch_size is not None and identified
-        adapt = adapt and schedule.total_due(phi, done)
+        adapt_ready = policy is not None and policy.max_batch_size is not None and identified
+        adapt = adapt_ready and schedule.total_due(phi, done)
+        # an epoch end re-plans as the engine's does (a forced total is goodput's choice: always due)
+        noise_due = phi if adapt_ready else None
+        due_end = done in (totals or {}) or schedule.epoch_end_due(done, identified, changed, noise_due)
+        epoch_end = epoch_end and due_end
         if not (epoch_end or adapt or schedule.due(done, identified, True, changed)):
             continue
         if changed:
@@ -186,6 +190,7 @@ def replay(
             schedule.adapted_at(done, phi is not None, decision.noise_band)
         out.decisions.append((done, decision))
         total_changed = decision.plan.global_batch_size != plan.global_batch_size
-        schedule.replanned(done, total_changed or decision.untimed, True, changed and model.changing)
+        kept = decision.plan.local_batch_sizes == plan.local_batch_sizes and not total_changed
+        schedule.replanned(done, total_changed or decision.untimed, True, changed and model.changing, kept)
         plan, identified = decision.plan, decision.identified
     return out

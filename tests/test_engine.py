@@ -68,7 +68,8 @@ def test_the_checkpoint_keeps_the_callbacks_key_and_keys_and_an_old_one_loads():
     engine = callback.engine
     runtime = RuntimeState()
     engine.attach(runtime, OneRank())
-    assert set(engine.state_dict()) == OLD_KEYS
+    # the keys the callback wrote before the engine existed, and the routine re-plans' two (absent in older ones)
+    assert set(engine.state_dict()) == OLD_KEYS | {"last_replan_step", "routine_gap"}
     # a checkpoint from before `last_adapt_step`, `adapted` and `noise_in_flight` existed
     old = {
         "balancer": None,
@@ -85,6 +86,7 @@ def test_the_checkpoint_keeps_the_callbacks_key_and_keys_and_an_old_one_loads():
     engine.start()
     assert engine.progress.value == 12.5 and engine.step == 9 and engine.history.entries[0]["step"] == 4
     assert engine.schedule.last_adapt_step == 9 and engine.schedule.adapted
+    assert engine.schedule.last_replan_step == 9 and engine.schedule.routine_gap == 0  # its next epoch end re-plans
     assert not engine.identified, "no speed model saved: nothing is identified on these devices"
 
 

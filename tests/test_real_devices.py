@@ -7,6 +7,8 @@ emulated devices), over several seeds.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -15,7 +17,7 @@ from lightning_cannikin.core.goodput import candidate_batch_sizes, goodput
 from lightning_cannikin.core.noise_scale import NoiseScaleEstimator
 from lightning_cannikin.core.optperf import optimal_split
 from lightning_cannikin.core.policy import PolicySettings
-from lightning_cannikin.core.schedule import ReplanSchedule
+from lightning_cannikin.core.schedule import ROUTINE_GAP_CAP, ReplanSchedule
 from lightning_cannikin.simulation.emulated_devices import EmulatedDevices
 from tests.replay import replay
 
@@ -115,6 +117,31 @@ def test_periodic_stalls_and_a_glitch_are_not_changes_of_speed(seed):
     # a one-window glitch just before epoch-end re-plans moves no plan: it is not a recurring stall either
     run = replay(glitch, 3, 96, 300, epoch_steps=50)
     assert max(run.regret(step) for step in range(108, 300)) <= 0.03, run.decisions
+
+
+def test_epoch_ends_replan_less_often_while_replans_keep_the_plan():
+    schedule = ReplanSchedule(8)
+    schedule.replanned(16, total_changed=False, balance=True)  # the balancing re-plan: a new split
+    assert schedule.epoch_end_due(128, True, False, None)
+    schedule.replanned(128, total_changed=False, balance=True, kept=True)
+    ends = []
+    for end in range(256, 128 * 40, 128):  # 128-step epochs whose re-plans keep the plan
+        if schedule.epoch_end_due(end, True, False, None):
+            ends.append(end)
+            schedule.replanned(end, total_changed=False, balance=True, kept=True)
+    assert ends[:4] == [256, 512, 1024, 1920], ends  # the gap doubles from the 112 steps since the last re-plan
+    assert all(b - a == ROUTINE_GAP_CAP for a, b in itertools.pairwise(ends[3:])), ends
+    # whatever the gap, an epoch end re-plans when something asks for it
+    skipped = ends[-1] + 128
+    assert not schedule.epoch_end_due(skipped, True, False, None)
+    assert schedule.epoch_end_due(skipped, True, True, None), "a rank's check saw a change"
+    assert schedule.epoch_end_due(skipped, False, False, None), "a device is not timed at two sizes yet"
+    assert schedule.epoch_end_due(skipped, True, False, 500.0), "a confident noise scale and no band: the total"
+    schedule.adapted_at(skipped, True, (400.0, 600.0))
+    assert not schedule.epoch_end_due(skipped + 128, True, False, 500.0), "inside the band the total stays"
+    assert schedule.epoch_end_due(skipped + 128, True, False, 700.0), "out of it"
+    schedule.replanned(skipped + 128, total_changed=False, balance=True)  # a re-plan that moved the split
+    assert schedule.epoch_end_due(skipped + 256, True, False, None), "the next epoch end re-plans again"
 
 
 def test_the_schedule_replans_when_a_check_says_so_and_settles_after():

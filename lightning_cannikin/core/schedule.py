@@ -1,6 +1,7 @@
 """When to re-plan mid-epoch: every few steps while some device's speed is unmeasured, on a fixed cadence, when a
 rank's local check sees its speed change, and when to reconsider the total batch mid-epoch (when the confident noise
-scale leaves the band the last choice holds in, not on a clock).
+scale leaves the band the last choice holds in, not on a clock); and whether an epoch's end re-plans when nothing asks
+for it (less often while re-plans keep finding the plan in force).
 
 Pure Python: imports neither torch nor Lightning.
 """
@@ -9,12 +10,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ReplanSchedule"]
+__all__ = ["ROUTINE_GAP_CAP", "ReplanSchedule"]
+
+# the most steps an epoch end waits between re-plans nothing asked for: the fits still take in a slow drift that no
+# change check sees at least this often
+ROUTINE_GAP_CAP = 1024
 
 
 @dataclass
 class ReplanSchedule:
-    """Mid-epoch re-plan cadence; epoch ends always re-plan.
+    """Mid-epoch re-plan cadence, and the epoch ends' (:meth:`epoch_end_due`).
 
     Args:
         warmup_steps: while some rank's slope is not measured (``identified`` false), re-plan every this many steps:
@@ -39,6 +44,9 @@ class ReplanSchedule:
     settle_at: int | None = None  # a re-plan due once a new total batch has been timed at its new sizes
     check_every_n_steps: int | None = 4
     noise_band: tuple[float, float] | None = None  # the noise scales the total in force was chosen for
+    # steps an epoch end waits after the last re-plan when nothing asks for one: doubled by every re-plan that keeps
+    # the plan in force (up to ROUTINE_GAP_CAP), none after one that changes it
+    routine_gap: int = 0
 
     def __post_init__(self) -> None:
         if int(self.warmup_steps) < 1:
@@ -54,7 +62,7 @@ class ReplanSchedule:
         """Whether every rank asks its local change check after ``step`` steps (the same answer on every rank)."""
         return self.check_every_n_steps is not None and step % self.check_every_n_steps == 0
 
-    def total_due(self, noise_scale: float | None, step: int) -> bool:
+    def total_due(self, noise_scale: float | None, step: int, epoch_end: bool = False) -> bool:
         """Whether to reconsider the total batch mid-epoch after ``step`` steps: the noise scale is confident (``None``
         while it is not, as :meth:`~lightning_cannikin.core.noise_scale.NoiseScaleEstimator.confident_noise_scale`
         gives it), at least ``adapt_every_n_steps`` steps passed since the last reconsideration, and either no band is
@@ -62,8 +70,9 @@ class ReplanSchedule:
         the band the last choice holds in (:attr:`~lightning_cannikin.core.policy.Decision.noise_band`, kept here by
         :meth:`adapted_at`). Not while a re-plan waits for new sizes to be timed (:attr:`settle_at`): their times would
         be the model's guesses. Every rank holds the same noise scale and band, so every rank answers alike at the same
-        step, with no collective."""
-        floor = self.adapt_every_n_steps
+        step, with no collective. At an ``epoch_end`` the floor does not apply (the epoch's end may change the total
+        whatever ``adapt_every_n_steps`` says)."""
+        floor = 0 if epoch_end else self.adapt_every_n_steps
         if noise_scale is None or floor is None or step - self.last_adapt_step < floor:
             return False
         if self.settle_at is not None and step < self.settle_at:
@@ -91,13 +100,30 @@ class ReplanSchedule:
         settling = self.settle_at is not None and step >= self.settle_at
         return warming_up or periodic or settling
 
-    def replanned(self, step: int, total_changed: bool, balance: bool, changed: bool = False) -> None:
+    def epoch_end_due(self, step: int, identified: bool, changed: bool, noise_scale: float | None) -> bool:
+        """Whether an epoch's end re-plans (the same answer on every rank): something asks for it (a device not yet
+        timed at two sizes, ``changed``: some rank's check saw a change, a re-plan waiting to settle, the total batch:
+        :meth:`total_due` at ``noise_scale``, ``None`` where the total is fixed), or :attr:`routine_gap` steps ran
+        since the last re-plan. While
+        re-plans keep finding the plan in force, they come at every other epoch end, then every fourth, up to
+        ``ROUTINE_GAP_CAP`` steps apart: each is rank zero's fit and decision while the other ranks wait, and on
+        short epochs of fast steps those waits were a visible share of the run."""
+        total = self.total_due(noise_scale, step, epoch_end=True)
+        pending = not identified or changed or total or self.settle_at is not None
+        return pending or step - self.last_replan_step >= self.routine_gap
+
+    def replanned(
+        self, step: int, total_changed: bool, balance: bool, changed: bool = False, kept: bool = False
+    ) -> None:
         """A re-plan happened after ``step`` steps. A new total (or a split beyond the sizes a rank was timed at:
         ``total_changed``) puts ranks at sizes their models extrapolated to: re-split once ``warmup_steps`` steps have
         timed the new plan. After a change of speed (``changed``: the re-plan a local check asked for) the model is
         rescaled from a few steps at one size and the split already near the new optimum: re-split after half as
         many, so that few steps run the rescaled model's guess, and drop the noise band the total was chosen in (it
-        was for the old speeds). An even split has nothing to re-split."""
+        was for the old speeds). An even split has nothing to re-split. ``kept``: the plan in force was kept (the
+        routine gap doubles; a new plan resets it)."""
+        gap = max(2 * self.routine_gap, step - self.last_replan_step)
+        self.routine_gap = min(gap, ROUTINE_GAP_CAP) if kept else 0
         self.last_replan_step = step
         if changed and self.last_adapt_step != step:
             # the band held the noise scales for which the total was best on the old speeds: reconsider the total at

@@ -3,11 +3,9 @@
 It owns the speed model, the noise estimator and its observer, the plan history, the schedule's state, the progress,
 and a re-plan's protocol (:meth:`BalancingEngine.replan`): gather every rank's step records, rank zero fits them and
 decides (:meth:`BalancingEngine.decide`, through :func:`~lightning_cannikin.core.policy.decide`), broadcast the
-decision, adopt it everywhere. A frontend is hook wiring: where steps start and end, a :class:`Collective`, and what
-adopting a plan means on its framework's side. The maths lives in :mod:`lightning_cannikin.core`.
-
-A re-plan, or a reconsideration of the total batch, at a step chosen identically on every rank is one call:
-``engine.replan(mid_epoch=True, adapt_total=...)``; :meth:`BalancingEngine.replan_due` is the schedule's choice.
+decision, adopt it everywhere (at a step every rank chose alike: :meth:`BalancingEngine.replan_due` mid-epoch,
+:meth:`BalancingEngine.epoch_end_due`). A frontend is hook wiring: where steps start and end, a :class:`Collective`,
+and what adopting a plan means on its framework's side. The maths lives in :mod:`lightning_cannikin.core`.
 """
 
 from __future__ import annotations
@@ -17,8 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-# Lightning's and Fabric's rank-zero message (the same function; it imports no Trainer and no Fabric)
-from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.rank_zero import rank_zero_info  # Lightning's and Fabric's (no Trainer, no Fabric)
 
 from lightning_cannikin.core.change import LocalChangeCheck
 from lightning_cannikin.core.history import PlanHistory
@@ -215,15 +212,14 @@ class BalancingEngine:
         if runtime.timer.reduced:
             self._identify_optimizer()
             if self.observer is not None and self.estimator is not None:
-                # every rank folds the same exchanged numbers: the factor follows the noise scale at every step,
-                # identical on every rank, with no collective of its own
+                # every rank folds the same exchanged numbers: the factor is identical everywhere, no collective
                 updated = self.observer.fold_into(self.estimator, runtime.accumulation_window)
         self.step += 1
         return updated
 
     def replan_due(self, resizable: bool = True, epoch_ends: bool = False) -> tuple[bool, bool]:
         """``(re-plan now, reconsider the total too)`` after the step; ``resizable``: the epoch may change length;
-        ``epoch_ends``: it was the epoch's last batch, whose end re-plans anyway (the same records, the vote kept)."""
+        ``epoch_ends``: it was the epoch's last batch, whose end decides (:meth:`epoch_end_due`; the vote kept)."""
         runtime = self.runtime
         assert runtime is not None
         if not runtime.timer.reduced or runtime.fixed_split:
@@ -232,11 +228,15 @@ class BalancingEngine:
         self._changed = vote is not None and vote.poll(self.schedule.check_due(self.step))
         if epoch_ends:
             return False, False
-        # the total follows the confident noise scale out of its band: every rank folds the same exchanged numbers
-        # and holds the band rank zero broadcast, so every rank answers alike here, with no collective
+        # the total follows the confident noise scale out of the band rank zero broadcast: alike on every rank
         ready = self.policy.max_batch_size is not None and resizable and (self.identified or not self.policy.balance)
         adapt = ready and self.schedule.total_due(self.usable_noise_scale(), self.step)
         return adapt or self.schedule.due(self.step, self.identified, self.policy.balance, self._changed), adapt
+
+    def epoch_end_due(self) -> bool:
+        """Whether the epoch's end re-plans (:meth:`ReplanSchedule.epoch_end_due`; every rank alike)."""
+        noise = self.usable_noise_scale() if self.policy.max_batch_size is not None else None  # None: no total due
+        return self.schedule.epoch_end_due(self.step, self.identified or not self.policy.balance, self._changed, noise)
 
     def decide(
         self, records: list[StepRecord], current: Plan | None, mid_epoch: bool, adapt_total: bool | None = None
@@ -288,7 +288,8 @@ class BalancingEngine:
         # a new total, a walk to a device's knee, or a change of speed the model followed: re-split once timed (a
         # check that fired on what the model does not see, the scheduler's jitter of tiny steps, has nothing to settle)
         changed = self._changed and decision.changing
-        self.schedule.replanned(self.step, total_changed or decision.untimed, self.policy.balance, changed)
+        kept = plan.local_batch_sizes == current.local_batch_sizes and not total_changed
+        self.schedule.replanned(self.step, total_changed or decision.untimed, self.policy.balance, changed, kept)
         if self._changed and self.vote is not None:
             self.vote.reset()
         self._changed = False

@@ -25,6 +25,8 @@ def engine_state(engine: Any) -> dict[str, Any]:
         "identified": engine.identified,
         "last_adapt_step": engine.schedule.last_adapt_step,
         "adapted": engine.schedule.adapted,
+        "last_replan_step": engine.schedule.last_replan_step,
+        "routine_gap": engine.schedule.routine_gap,
         "noise_in_flight": engine.observer.state_dict() if engine.observer is not None else None,
     }
 
@@ -41,6 +43,8 @@ def restore_engine(engine: Any, state: dict[str, Any]) -> None:
     engine.step = engine.schedule.last_replan_step = state["step"]
     engine.schedule.last_adapt_step = int(state.get("last_adapt_step", engine.step))
     engine.schedule.adapted = bool(state.get("adapted", True))
+    engine.schedule.last_replan_step = int(state.get("last_replan_step", engine.step))
+    engine.schedule.routine_gap = int(state.get("routine_gap", 0))  # older checkpoints: the next epoch end re-plans
     if state.get("noise_in_flight") is not None and engine.observer is not None:
         engine.observer.load_state_dict(state["noise_in_flight"])
     world_size = engine.collective.world_size if engine.collective is not None else 1

@@ -189,8 +189,8 @@ class CannikinFabricStrategy(DDPStrategy):
         self.engine.step_finished()
         if self._fixed is None:
             epoch_end = position == len(loader.uneven_sampler) - 1
-            due, adapt = self.engine.replan_due()
-            if epoch_end or due:
+            due, adapt = self.engine.replan_due(epoch_ends=epoch_end)
+            if due or (epoch_end and self.engine.epoch_end_due()):
                 self.replan(adapt_total=epoch_end or adapt)
 
     @override

@@ -185,7 +185,7 @@ class BalancingCallback(Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         runtime = self.engine.runtime
         assert runtime is not None
-        if not runtime.fixed_split:
+        if not runtime.fixed_split and self.engine.epoch_end_due():
             self._log(trainer, self.engine.replan(mid_epoch=False, adapt_total=True, epoch=trainer.current_epoch))
 
     def _log(self, trainer: pl.Trainer, decision: Decision | None) -> None:
