@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_cannikin.core.change import FAST_WINDOW, SURE_RUN, LocalChangeCheck, clear_change, large_change
+from lightning_cannikin.core.change import (
+    FAST_WINDOW,
+    SURE_RUN,
+    SUSPECTED,
+    LocalChangeCheck,
+    clear_change,
+    large_change,
+)
 from lightning_cannikin.simulation.emulated_devices import EmulatedDevices
 from tests.replay import replay
 
@@ -89,3 +96,27 @@ def test_an_epochs_shorter_last_batch_does_not_start_the_watch_over():
     check.reset()
     check.observe(56, 0.4)
     assert not check.changed(), "a reset starts every size over"
+
+
+def test_a_suspicion_stands_through_an_epochs_shorter_last_batch():
+    # 15-step epochs whose last batch is 54 samples, not 56, 4x slower from step 40: the 54-sample step at 44 has no
+    # reference of its own; answering "nothing" there ended the ranks' every-step vote, and the change waited for the
+    # next scheduled check (2 steps late end to end). It carries the 56-sample steps' suspicion (not a change: that
+    # needs evidence at the size itself, and counts when the 56-sample steps return).
+    check = LocalChangeCheck()
+    verdicts = {}
+    for step in range(50):
+        size = 54 if step % 15 == 14 else 56
+        check.observe(size, (0.06 + (0.006 if step >= 40 else 0.0015) * size))
+        verdicts[step] = check.verdict()
+    assert verdicts[42] == verdicts[43] == SUSPECTED and verdicts[44] == SUSPECTED, verdicts
+    assert check.changed() and min(s for s, v in verdicts.items() if v == 2) == 46  # 40-43, 45, 46: six in a row
+    check.reset()
+    check.observe(54, 0.4)
+    assert check.verdict() == 0, "a reset forgets what was carried"
+    changed = LocalChangeCheck()
+    for step in range(60):
+        changed.observe(56, 0.1 if step < 30 else 0.4)
+    assert changed.changed()
+    changed.observe(54, 0.4)
+    assert changed.verdict() == SUSPECTED, "a change at the size left is carried as a suspicion, not as a change"

@@ -162,6 +162,7 @@ class LocalChangeCheck:
         self.small_band, self.small_window = float(small_band), int(small_window)
         self._batch_size: int | None = None
         self._seen = 0
+        self._carried = 0  # SUSPECTED: the size last left suspected a change (while this one has no reference)
         self._reference: list[float] = []
         self._recent: deque[float] = deque(maxlen=max(self.window, self.small_window))
         # the watch at the latest other batch sizes, resumed when a size returns: an epoch's shorter last batch
@@ -171,7 +172,7 @@ class LocalChangeCheck:
 
     def reset(self) -> None:
         """Start over: a re-plan happened (the model now knows what the times showed)."""
-        self._batch_size, self._seen = None, 0
+        self._batch_size, self._seen, self._carried = None, 0, 0
         self._reference = []
         self._recent.clear()
         self._parked.clear()
@@ -182,6 +183,9 @@ class LocalChangeCheck:
             return
         if batch_size != self._batch_size:
             if self._batch_size is not None:
+                # a suspicion (or more) at the size left stands while the new one has no reference: an epoch's
+                # shorter last batch (one step) must not end it, and the ranks' every-step vote with it
+                self._carried = SUSPECTED if self.verdict() else 0
                 self._parked[self._batch_size] = (self._seen, self._reference, self._recent)
                 while len(self._parked) > _PARKED:
                     del self._parked[next(iter(self._parked))]  # the size left longest ago
@@ -204,7 +208,7 @@ class LocalChangeCheck:
         """:data:`CHANGED` (a clear change), :data:`SUSPECTED` (the latest ``SUSPECT_RUN`` or more times beyond twice
         the large band, not yet a change: worth asking again at the next step, not on the usual cadence) or 0."""
         if len(self._reference) < self.reference:
-            return 0
+            return self._carried  # no reference at this size yet: a suspicion at the size just left
         expected = _median(self._reference)
         ratios = [t / expected for t in self._recent]
         spread = 1.4826 * _median([abs(t / expected - 1.0) for t in self._reference])
