@@ -153,6 +153,8 @@ def test_the_schedule_replans_when_a_check_says_so_and_settles_after():
     assert schedule.due(20, True, True) and not schedule.due(19, True, True)
     schedule.replanned(20, total_changed=True, balance=True)  # a new total (or untimed sizes): the whole warm-up
     assert schedule.due(28, True, True) and not schedule.due(27, True, True)
+    schedule.replanned(28, total_changed=False, balance=True, changed=True, kept=True)
+    assert schedule.settle_at is None and not schedule.due(32, True, True), "a kept split has nothing to settle"
     with pytest.raises(ValueError, match="check_every_n_steps"):
         ReplanSchedule(8, check_every_n_steps=0)
 

@@ -121,7 +121,8 @@ class ReplanSchedule:
         rescaled from a few steps at one size and the split already near the new optimum: re-split after half as
         many, so that few steps run the rescaled model's guess, and drop the noise band the total was chosen in (it
         was for the old speeds). An even split has nothing to re-split. ``kept``: the plan in force was kept (the
-        routine gap doubles; a new plan resets it)."""
+        routine gap doubles; a new plan resets it; after a change, no rank runs a size it was not timed at, so there
+        is nothing to settle)."""
         gap = max(2 * self.routine_gap, step - self.last_replan_step)
         self.routine_gap = min(gap, ROUTINE_GAP_CAP) if kept else 0
         self.last_replan_step = step
@@ -130,4 +131,5 @@ class ReplanSchedule:
             # the next step the floor allows (as after a resume), not when the noise scale happens to move
             self.noise_band = None
         settle = max(self.warmup_steps // 2, 1) if changed else self.warmup_steps
-        self.settle_at = step + settle if (total_changed or changed) and balance else None
+        # a change re-plan that kept the split left every rank at sizes it was timed at: nothing to settle
+        self.settle_at = step + settle if (total_changed or (changed and not kept)) and balance else None
