@@ -47,6 +47,9 @@ SUSPECT_RUN = 3
 # faster) that count at once: the larger a change, the less of it a glitch can fake. Longer than a 4x glitch of 4
 # steps, and a 2x glitch never reaches the band; a device four times slower is acted on after 6 steps, not 9
 SURE_RUN = 6
+# the latest records of a rescaled rank back at its old model's times (and faster than the rescaled one by the band)
+# that undo the rescale: the change was a passing stall that outlasted the window
+RETURN_RUN = 4
 SUSPECTED, CHANGED = 1, 2  # :meth:`LocalChangeCheck.verdict` (0: neither)
 _PARKED = 3  # other batch sizes whose watch is kept (an epoch's last batch, the sizes of a probe)
 # how far beyond a rank's largest timed batch size its model is still trusted to judge a change of speed
@@ -234,15 +237,22 @@ class ChangeWatch:
         self._held: dict[int, list[Any]] = {}  # a suspected change of speed, kept apart until it is clear or ends
         # each rank's latest records at batch sizes inside its timed range, across re-plans: the change window
         self._recent: list[deque[Any]] = [deque(maxlen=DEFAULT_WINDOW) for _ in range(int(world_size))]
+        # a rank rescaled lately: its model before, the ratio, and the records judged since (until confirmed)
+        self._before: dict[int, tuple[Callable[[int], float], float, int]] = {}
 
     @property
     def suspected(self) -> bool:
         """Whether some rank's latest times are held apart as a suspected change of speed (not yet clear, not ended)."""
         return bool(self._held)
 
+    @property
+    def unconfirmed(self) -> bool:
+        """Whether some rank was rescaled lately and may still return to its old speed (:meth:`judge`)."""
+        return bool(self._before)
+
     def clear(self) -> None:
         """Forget what was seen (a restart, a restored state)."""
-        self._held = {}
+        self._held, self._before = {}, {}
         for recent in self._recent:
             recent.clear()
 
@@ -259,7 +269,15 @@ class ChangeWatch:
         superseded. A run of new samples beyond the tolerance that does not
         yet fill the window is held apart (the old model kept) until it does, or until samples inside the band end it:
         a one-window glitch never moves the model, and periodic stalls never fill three quarters of the window.
+
+        A stall that outlasts the window is rescaled like a change, and the rank moved to a share it was not timed at;
+        once the stall ends, its times there match its old model, and nothing else would compare them with it (the fit
+        takes them in, anchored at the old size by the stall's samples). So for ``2 * DEFAULT_WINDOW`` records after a
+        rescale, its latest ``RETURN_RUN`` records at any size back within the tolerance of the old model and beyond it
+        from the rescaled one undo the rescale (the ratio returned is its inverse).
         """
+        if rank in self._before and (back := self._returned(rank, records, model)) is not None:
+            return back
         tolerance, recent = self.tolerance, self._recent[rank]
         for r in records:
             if sizes and sizes[0] <= r.batch_size <= _NEAR * sizes[-1] and float(model(r.batch_size)) > 0:
@@ -278,6 +296,7 @@ class ChangeWatch:
             records[:] = [r for r in pending if r.step >= first]
             recent.clear()
             recent.extend(r for r in records if r in beyond)
+            self._before[rank] = (model, ratio, 0)
             return ratio
         run = trailing_run(ratios, tolerance)
         since = list(recent)[-run].step if run else None
@@ -285,4 +304,28 @@ class ChangeWatch:
         if held:
             self._held[rank] = held  # suspected: keep the old model until it is clear, or ends
         records[:] = [r for r in pending if r not in held]
+        return None
+
+    def _returned(self, rank: int, records: list[Any], model: Callable[[int], float]) -> float | None:
+        """The inverse of ``rank``'s last rescale if its latest records are back at its old speed, else ``None``."""
+        old, ratio, seen = self._before[rank]
+        band = 1.0 + self.tolerance
+        latest = sorted(records, key=lambda r: r.step)[-RETURN_RUN:]
+
+        def back(r: Any) -> bool:
+            then, now = float(old(r.batch_size)), float(model(r.batch_size))
+            if then <= 0 or now <= 0 or not then / band <= r.compute <= then * band:
+                return False
+            return r.compute * band < now if ratio > 1.0 else r.compute > now * band
+
+        if len(latest) == RETURN_RUN and all(back(r) for r in latest):
+            del self._before[rank]
+            self._held.pop(rank, None)
+            self._recent[rank].clear()
+            return 1.0 / ratio
+        seen += len(records)
+        if seen >= 2 * DEFAULT_WINDOW:
+            del self._before[rank]  # the change held
+        else:
+            self._before[rank] = (old, ratio, seen)
         return None

@@ -128,6 +128,8 @@ class Decision:
         changing: the speed model had just followed a clear change of some rank's speed, or held a suspected one
             apart (``SpeedModel.changing``; set by the engine): a re-plan that a local change check asked for is
             followed by a settling one once the new plan is timed; without it there is nothing to settle.
+        unconfirmed: some rank was rescaled lately and may yet return to its old speed (a passing stall; set by the
+            engine from ``SpeedModel.watch``): re-plan again once the warm-up's steps have timed the plan.
         split_gain: the best split's predicted relative step-time gain over the split kept in its place (the most
             even one or the one in force; the smallest such gain when none is kept), against ``split_margin``
             (``None``: no split was weighed, e.g. a probe or an even split).
@@ -147,6 +149,7 @@ class Decision:
     split_gain: float | None = None
     changing: bool = False
     split_margin: float | None = None
+    unconfirmed: bool = False
 
 
 @lru_cache(maxsize=256)  # asked every step with the same few arguments (pure, small, immutable result)

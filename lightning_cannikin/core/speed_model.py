@@ -106,7 +106,7 @@ class SpeedModel:
         # the planner's pieces (fitted; the speed-free part): asked hundreds of times a decision (read-only arrays)
         self._pieces: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._warm = [0] * self.world_size  # samples each rank has had since its start; the first ones are left out
-        self._watch = ChangeWatch(self.world_size, self.settings.drift_tolerance)
+        self.watch = ChangeWatch(self.world_size, self.settings.drift_tolerance)  # each rank's changes of speed
 
     def _new_fitter(self) -> ComputeTimeFitter:
         return ComputeTimeFitter(half_life=self.settings.half_life, max_samples=self.settings.max_samples)
@@ -172,7 +172,7 @@ class SpeedModel:
             return []
         drifted = []
         for rank, rank_records in sorted(kept.items()):
-            ratio = self._watch.judge(rank, rank_records, self.models()[rank], self.fitters[rank].distinct_batch_sizes)
+            ratio = self.watch.judge(rank, rank_records, self.models()[rank], self.fitters[rank].distinct_batch_sizes)
             if ratio is not None:
                 self.fitters[rank].rescale(ratio)  # the device keeps its measured slope at its new speed
                 drifted.append(rank)
@@ -181,7 +181,7 @@ class SpeedModel:
     @property
     def changing(self) -> bool:
         """The last :meth:`add` rescaled a rank to a clear change of speed (``drifts``) or holds a suspected one."""
-        return bool(self.drifts) or self._watch.suspected
+        return bool(self.drifts) or self.watch.suspected
 
     @property
     def upper(self) -> list[int] | None:
@@ -395,15 +395,13 @@ class SpeedModel:
     def restarted(self) -> None:
         """The devices restarted (a resumed run): they warm up again, so their first samples are left out anew."""
         self._warm = [0] * self.world_size
-        self._watch.clear()
+        self.watch.clear()
         self._joint.clear()
 
     def load_state_dict(self, state: dict) -> None:
         """Restore fitted state; from a run with another world size only the tail is kept (devices changed)."""
-        self._models = None
-        self._pieces = {}
-        self._watch.clear()
-        self._joint.clear()
+        self._models, self._pieces = None, {}
+        self.restarted()  # the watch and the joint records cleared (the warm-up counts come from the state)
         warm = state.get("warm")
         same = state["world_size"] == self.world_size
         self._warm = list(warm) if same and warm is not None else [self.settings.warmup_samples] * self.world_size

@@ -104,8 +104,7 @@ class BalancingEngine:
         world_size = collective.world_size
         if self.speed_model is None:
             bounds = BatchBounds.parse(self.local_batch_bounds, world_size)
-            speed = SpeedModelSettings(half_life=self.settings.half_life)
-            self.speed_model = SpeedModel(world_size, speed, bounds)
+            self.speed_model = SpeedModel(world_size, SpeedModelSettings(half_life=self.settings.half_life), bounds)
         if self.observer is None and world_size > 1 and self.track_noise_scale:
             every = (self.settings.noise_exchange_every, self.settings.noise_every_n_steps)
             self.observer = runtime.noise_observer_type(collective.rank, world_size, None, *every)
@@ -257,7 +256,7 @@ class BalancingEngine:
         adapt_total = not mid_epoch if adapt_total is None else adapt_total
         noise, base = self.usable_noise_scale(), self.estimator.base_batch_size
         decision = decide(self.speed_model, current, policy, noise, base, adapt_total=adapt_total, adam=self.adam)
-        return replace(decision, changing=self.speed_model.changing)
+        return replace(decision, changing=self.speed_model.changing, unconfirmed=self.speed_model.watch.unconfirmed)
 
     def replan(self, mid_epoch: bool, adapt_total: bool, epoch: int = 0) -> Decision | None:
         """Gather, decide on rank zero, broadcast, adopt; every rank calls it after the same step. ``mid_epoch``: the
@@ -285,11 +284,12 @@ class BalancingEngine:
             self.schedule.adapted_at(self.step, self.adapt_ready, decision.noise_band)
         plan = decision.plan
         total_changed = plan.total_batch_size != current.total_batch_size
-        # a new total, a walk to a device's knee, or a change of speed the model followed: re-split once timed (a
-        # check that fired on what the model does not see, the scheduler's jitter of tiny steps, has nothing to settle)
+        # a new total, a walk to a device's knee, a rescale that may be a passing stall, or a change of speed the model
+        # followed: re-split once timed (a check fired by what the model does not see has nothing to settle)
         changed = self._changed and decision.changing
         kept = plan.local_batch_sizes == current.local_batch_sizes and not total_changed
-        self.schedule.replanned(self.step, total_changed or decision.untimed, self.policy.balance, changed, kept)
+        timing = total_changed or decision.untimed or decision.unconfirmed
+        self.schedule.replanned(self.step, timing, self.policy.balance, changed, kept)
         if self._changed and self.vote is not None:
             self.vote.reset()
         self._changed = False
