@@ -191,7 +191,7 @@ def replay(
         out.decisions.append((done, decision))
         total_changed = decision.plan.global_batch_size != plan.global_batch_size
         kept = decision.plan.local_batch_sizes == plan.local_batch_sizes and not total_changed
-        timing = total_changed or decision.untimed or model.watch.unconfirmed
-        schedule.replanned(done, timing, True, changed and model.changing, kept)
+        timing = total_changed or decision.untimed
+        schedule.replanned(done, timing, True, changed and model.changing, kept, model.watch.unconfirmed)
         plan, identified = decision.plan, decision.identified
     return out

@@ -159,6 +159,27 @@ def test_the_schedule_replans_when_a_check_says_so_and_settles_after():
         ReplanSchedule(8, check_every_n_steps=0)
 
 
+def test_an_unconfirmed_rescale_is_rejudged_every_warmup_only_while_the_split_it_moved_is_in_force():
+    schedule = ReplanSchedule(8)
+    # a rescale (perhaps a passing stall) that left the split as it was: no rank runs a share the rescale gave it,
+    # so no re-plan is run just to judge it (on identical CPU ranks each kept re-plan was rank zero's fit, in vain)
+    schedule.replanned(16, total_changed=False, balance=True, changed=True, kept=True, unconfirmed=True)
+    assert schedule.settle_at is None and not any(schedule.due(step, True, True) for step in range(17, 64))
+    # a later re-plan moved the split while it is unconfirmed: re-judged every warm-up from then, kept splits too
+    schedule.replanned(64, total_changed=False, balance=True, unconfirmed=True)
+    assert schedule.due(72, True, True) and not schedule.due(71, True, True)
+    schedule.replanned(72, total_changed=False, balance=True, kept=True, unconfirmed=True)
+    assert schedule.due(80, True, True) and not schedule.due(79, True, True)
+    # confirmed (or undone): nothing more to judge
+    schedule.replanned(80, total_changed=False, balance=True, kept=True, unconfirmed=False)
+    assert schedule.settle_at is None and not schedule.unconfirmed_moved
+    # a change re-plan that moved the split: settled after half the warm-up, then every warm-up while unconfirmed
+    schedule.replanned(96, total_changed=False, balance=True, changed=True, unconfirmed=True)
+    assert schedule.settle_at == 100
+    schedule.replanned(100, total_changed=False, balance=True, kept=True, unconfirmed=True)
+    assert schedule.settle_at == 108
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 def test_a_rank_balanced_into_its_flat_region_is_not_given_an_extrapolated_split(seed):
     # flat below 160/64/24 samples (GPU saturation), B = 192: once balanced, rank 2 sits in its flat region where a

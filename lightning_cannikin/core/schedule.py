@@ -47,6 +47,9 @@ class ReplanSchedule:
     # steps an epoch end waits after the last re-plan when nothing asks for one: doubled by every re-plan that keeps
     # the plan in force (up to ROUTINE_GAP_CAP), none after one that changes it
     routine_gap: int = 0
+    # a rescale not confirmed yet (a passing stall may have been taken for a change) moved the split: re-plan every
+    # warm-up until it is confirmed or undone, so that a rank is not left at the share a stall gave it
+    unconfirmed_moved: bool = False
 
     def __post_init__(self) -> None:
         if int(self.warmup_steps) < 1:
@@ -112,7 +115,13 @@ class ReplanSchedule:
         return pending or step - self.last_replan_step >= self.routine_gap
 
     def replanned(
-        self, step: int, total_changed: bool, balance: bool, changed: bool = False, kept: bool = False
+        self,
+        step: int,
+        total_changed: bool,
+        balance: bool,
+        changed: bool = False,
+        kept: bool = False,
+        unconfirmed: bool = False,
     ) -> None:
         """A re-plan happened after ``step`` steps. A new total (or a split beyond the sizes a rank was timed at:
         ``total_changed``) puts ranks at sizes their models extrapolated to: re-split once ``warmup_steps`` steps have
@@ -121,7 +130,10 @@ class ReplanSchedule:
         many, so that few steps run the rescaled model's guess, and drop the noise band the total was chosen in (it
         was for the old speeds). An even split has nothing to re-split. ``kept``: the plan in force was kept (the
         routine gap doubles; a new plan resets it; after a change, no rank runs a size it was not timed at, so there
-        is nothing to settle)."""
+        is nothing to settle). ``unconfirmed``: some rank was rescaled lately and may return to its old speed; once a
+        re-plan moved the split since, re-plan every ``warmup_steps`` until it is confirmed or undone. While the split
+        stays the one before the rescale, no rank runs a share the rescale gave it: the next re-plan judges it, and
+        re-plans that would each keep the split (rank zero's fit while the others wait) are not run."""
         gap = max(2 * self.routine_gap, step - self.last_replan_step)
         self.routine_gap = min(gap, ROUTINE_GAP_CAP) if kept else 0
         self.last_replan_step = step
@@ -131,4 +143,6 @@ class ReplanSchedule:
             self.noise_band = None
         settle = max(self.warmup_steps // 2, 1) if changed else self.warmup_steps
         # a change re-plan that kept the split left every rank at sizes it was timed at: nothing to settle
-        self.settle_at = step + settle if (total_changed or (changed and not kept)) and balance else None
+        self.unconfirmed_moved = unconfirmed and (self.unconfirmed_moved or not kept)
+        follow = total_changed or self.unconfirmed_moved or (changed and not kept)
+        self.settle_at = step + settle if follow and balance else None

@@ -284,12 +284,12 @@ class BalancingEngine:
             self.schedule.adapted_at(self.step, self.adapt_ready, decision.noise_band)
         plan = decision.plan
         total_changed = plan.total_batch_size != current.total_batch_size
-        # a new total, a walk to a device's knee, a rescale that may be a passing stall, or a change of speed the model
-        # followed: re-split once timed (a check fired by what the model does not see has nothing to settle)
+        # a new total, a walk to a device's knee, a split moved by a rescale that may be a passing stall, or a change of
+        # speed the model followed: re-split once timed (a check fired by what the model does not see settles nothing)
         changed = self._changed and decision.changing
         kept = plan.local_batch_sizes == current.local_batch_sizes and not total_changed
-        timing = total_changed or decision.untimed or decision.unconfirmed
-        self.schedule.replanned(self.step, timing, self.policy.balance, changed, kept)
+        timing = total_changed or decision.untimed
+        self.schedule.replanned(self.step, timing, self.policy.balance, changed, kept, decision.unconfirmed)
         if self._changed and self.vote is not None:
             self.vote.reset()
         self._changed = False
