@@ -8,6 +8,7 @@ import pytest
 from lightning_cannikin.core.goodput import (
     GoodputChoice,
     adascale_gain,
+    adopted_at,
     candidate_batch_sizes,
     choose_batch_size,
     efficiency,
@@ -175,3 +176,34 @@ def test_plain_numbers_take_the_scalar_path_and_agree_with_the_arrays_bitwise():
     assert adascale_gain(123.0, 64, 64) == 1.0 and efficiency(None, 128, 64) == 0.5
     with pytest.raises(ValueError, match="noise_scale"):
         efficiency(float("nan"), 64, 32)
+
+
+def test_adopted_at_many_noise_scales_is_choose_batch_size_at_each():
+    # the band of a goodput choice asks at 97 noise scales in one pass; each answer must be choose_batch_size's
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        sizes = np.unique(rng.integers(1, 2048, size=rng.integers(1, 40)))
+        times = rng.uniform(0.005, 0.5, size=sizes.size) * (1 + sizes / 256)
+        times[rng.random(sizes.size) < 0.1] = np.inf  # infeasible candidates
+        if rng.random() < 0.3:
+            times[rng.integers(sizes.size)] = times[0]  # equal goodputs happen too: the smallest size wins
+        current = int(rng.choice(sizes)) if rng.random() < 0.7 else int(rng.integers(1, 2048))
+        current_time = float(rng.uniform(0.005, 1.0)) if rng.random() < 0.9 else math.inf
+        phis = float(rng.uniform(10, 20000)) * 2.0 ** (np.arange(-48, 49) / 8.0)
+        margin = float(rng.choice([0.0, 0.05, 0.2]))
+        fast = adopted_at(sizes, times, phis, 64, current, current_time, margin)
+        slow = [choose_batch_size(sizes, times, phi, 64, current, current_time, margin).adopted for phi in phis]
+        assert fast.tolist() == slow
+
+        case = (sizes, times, current, current_time, margin)
+        assert slow == [_adopted_by_hand(float(phi), *case) for phi in phis]
+
+
+def _adopted_by_hand(
+    phi: float, sizes: np.ndarray, times: np.ndarray, current: int, current_time: float, margin: float
+) -> bool:
+    """choose_batch_size's rule, one candidate at a time."""
+    values = [float(goodput(int(b), float(t), phi, 64)) for b, t in zip(sizes, times, strict=True)]
+    best = max(values)
+    size = min(int(b) for b, v in zip(sizes, values, strict=True) if v == best)
+    return size != current and best > (1 + margin) * float(goodput(current, current_time, phi, 64))

@@ -21,7 +21,15 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import ArrayLike
 
-__all__ = ["GoodputChoice", "adascale_gain", "candidate_batch_sizes", "choose_batch_size", "efficiency", "goodput"]
+__all__ = [
+    "GoodputChoice",
+    "adascale_gain",
+    "adopted_at",
+    "candidate_batch_sizes",
+    "choose_batch_size",
+    "efficiency",
+    "goodput",
+]
 
 
 def _scalar_or_array(x: np.ndarray) -> float | np.ndarray:
@@ -220,13 +228,46 @@ def choose_batch_size(
     if not margin >= 0.0:
         raise ValueError(f"`margin` must be >= 0, got {margin}.")
     current_time = np.inf if current_step_time is None else current_step_time
-    current = float(goodput(current_batch_size, current_time, noise_scale, base_batch_size))
     if noise_scale is None:
         # Efficiency is unknown, so goodputs of different batch sizes cannot be compared yet.
+        current = float(goodput(current_batch_size, current_time, noise_scale, base_batch_size))
         return GoodputChoice(int(current_batch_size), current, current, False, int(current_batch_size))
-    values = np.asarray(goodput(sizes, times, noise_scale, base_batch_size))
-    best = values.max()
-    index = int(np.argmin(np.where(values == best, sizes, np.iinfo(np.int64).max)))
-    best_size = int(sizes[index])
-    adopted = best_size != int(current_batch_size) and float(best) > (1.0 + margin) * current
-    return GoodputChoice(best_size, float(best), current, bool(adopted), int(current_batch_size))
+    phi = np.array([noise_scale], dtype=np.float64)
+    now = (current_batch_size, current_time)
+    size, best, current, adopted = _choices(sizes, times, phi, base_batch_size, *now, margin)
+    return GoodputChoice(int(size[0]), float(best[0]), float(current[0]), bool(adopted[0]), int(current_batch_size))
+
+
+def adopted_at(
+    candidates: ArrayLike,
+    step_times: ArrayLike,
+    noise_scales: ArrayLike,
+    base_batch_size: float,
+    current_batch_size: int,
+    current_step_time: float,
+    margin: float = 0.05,
+) -> np.ndarray:
+    """:func:`choose_batch_size`'s ``adopted`` at each of many noise scales, in one pass (where a choice holds)."""
+    sizes = np.asarray(candidates, dtype=np.int64).reshape(-1)
+    times = np.asarray(step_times, dtype=np.float64).reshape(-1)
+    phis = np.asarray(noise_scales, dtype=np.float64).reshape(-1)
+    return _choices(sizes, times, phis, base_batch_size, current_batch_size, current_step_time, margin)[3]
+
+
+def _choices(
+    sizes: np.ndarray,
+    times: np.ndarray,
+    phis: np.ndarray,
+    base_batch_size: float,
+    current_batch_size: int,
+    current_time: float,
+    margin: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per noise scale in ``phis``: the best candidate (the smallest of equal goodputs), its goodput, the current
+    batch's goodput, and whether the best is adopted (it differs and beats the current one by more than ``margin``)."""
+    values = np.asarray(goodput(sizes[None, :], times[None, :], phis[:, None], base_batch_size))
+    current = np.asarray(goodput(current_batch_size, current_time, phis, base_batch_size)).reshape(-1)
+    best = values.max(axis=1)
+    best_size = np.where(values == best[:, None], sizes[None, :], np.iinfo(np.int64).max).min(axis=1)
+    adopted = (best_size != int(current_batch_size)) & (best > (1.0 + margin) * current)
+    return best_size, best, current, adopted

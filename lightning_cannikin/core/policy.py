@@ -19,10 +19,19 @@ from typing import Protocol
 import numpy as np
 from numpy.typing import ArrayLike
 
-from lightning_cannikin.core.goodput import GoodputChoice, adascale_gain, candidate_batch_sizes, choose_batch_size
+from lightning_cannikin.core.goodput import (
+    GoodputChoice,
+    adascale_gain,
+    adopted_at,
+    candidate_batch_sizes,
+    choose_batch_size,
+)
 from lightning_cannikin.core.lr_scaling import lr_factor, validate_rule
 from lightning_cannikin.core.optperf import most_even_split
 from lightning_cannikin.core.plan import Plan, even_split
+
+# candidate micro-step globals, their accumulation steps, their predicted step times, the kept total's time
+TotalOptions = tuple[np.ndarray, np.ndarray, np.ndarray, float]
 
 __all__ = ["Decision", "PolicySettings", "StepTimeModel", "decide", "learning_rate_scale"]
 
@@ -189,8 +198,10 @@ def decide(
     global_batch, accumulation = current.global_batch_size, current.accumulation_steps
     choice, split_gain, split_margin = None, None, None
     adapt = adapt_total and settings.max_batch_size is not None and noise_scale is not None
-    if adapt and (model.identified or not settings.balance):
-        global_batch, accumulation, choice = _choose_total(model, current, settings, noise_scale, base_batch_size)  # type: ignore[arg-type]
+    adapt = adapt and (model.identified or not settings.balance)
+    options = _total_options(model, current, settings, base_batch_size) if adapt else None
+    if adapt:
+        global_batch, accumulation, choice = _choose_total(options, current, settings, noise_scale, base_batch_size)  # type: ignore[arg-type]
     if settings.balance and not model.identified:
         # a slope guessed from one batch size can be far off (AdaptDL's prior puts half the time in the intercept):
         # rather than act on it, move every rank a little from where it is, so the next re-plan measures slopes
@@ -205,8 +216,10 @@ def decide(
     plan = Plan(sizes, accumulation, predicted_step_time=float(model.predict(sizes)))
     factor, gain = learning_rate_scale(settings.lr_scaling, plan.total_batch_size, base_batch_size, noise_scale, adam)
     band = None
-    if adapt and (model.identified or not settings.balance):
-        band = _noise_band(model, plan, settings, noise_scale, base_batch_size)  # type: ignore[arg-type]
+    if adapt:
+        if (plan.global_batch_size, accumulation) != (current.global_batch_size, current.accumulation_steps):
+            options = _total_options(model, plan, settings, base_batch_size)  # the kept total's time is the new one's
+        band = _noise_band(options, plan, settings, noise_scale, base_batch_size)  # type: ignore[arg-type]
     timed = getattr(model, "timed", None)  # a model that knows which sizes it timed lately
     untimed = settings.balance and model.identified and timed is not None and not timed(plan.local_batch_sizes)
     total_gain = None if choice is None else _relative_gain(choice.goodput, choice.current_goodput)
@@ -261,11 +274,10 @@ def _split(
 
 
 def _choose_total(
-    model: StepTimeModel, current: Plan, settings: PolicySettings, noise_scale: float, base_batch_size: int
+    options: TotalOptions | None, current: Plan, settings: PolicySettings, noise_scale: float, base_batch_size: int
 ) -> tuple[int, int, GoodputChoice | None]:
-    """``(global batch, accumulation steps)`` with the best predicted goodput, or the current ones, and the choice
-    (``None`` when no candidate fits)."""
-    options = _total_options(model, current, settings, base_batch_size)
+    """``(global batch, accumulation steps)`` with the best predicted goodput among ``options`` (from
+    :func:`_total_options`), or the current ones, and the choice (``None`` when no candidate fits)."""
     if options is None:
         return current.global_batch_size, current.accumulation_steps, None
     micro, steps, times, kept = options
@@ -281,24 +293,17 @@ def _choose_total(
 
 
 def _noise_band(
-    model: StepTimeModel, plan: Plan, settings: PolicySettings, noise_scale: float, base_batch_size: int
+    options: TotalOptions | None, plan: Plan, settings: PolicySettings, noise_scale: float, base_batch_size: int
 ) -> tuple[float, float]:
     """The noise scales around ``noise_scale`` for which ``plan``'s total stays the goodput choice (no other total
     gains more than the margin), on a geometric grid of 1/64x to 64x in steps of 2**(1/8); the step times are the
-    model's, computed once. The ends of the grid are open: beyond them the band extends to 0 or infinity."""
-    options = _total_options(model, plan, settings, base_batch_size)
+    model's (``options``, from :func:`_total_options` with ``plan`` in force). The ends of the grid are open: beyond
+    them the band extends to 0 or infinity."""
     if options is None or not np.isfinite(noise_scale) or noise_scale <= 0:
         return 0.0, float("inf")
     micro, steps, times, kept = options
     grid = float(noise_scale) * 2.0 ** (np.arange(-48, 49) / 8.0)
-    stays = np.array(
-        [
-            not choose_batch_size(
-                micro * steps, times, phi, base_batch_size, plan.total_batch_size, kept, margin=settings.margin
-            ).adopted
-            for phi in grid
-        ]
-    )
+    stays = ~adopted_at(micro * steps, times, grid, base_batch_size, plan.total_batch_size, kept, settings.margin)
     middle = 48
     if not stays[middle]:
         return float(noise_scale), float(noise_scale)  # another total is already better: any move re-decides
@@ -312,7 +317,7 @@ def _noise_band(
 
 def _total_options(
     model: StepTimeModel, current: Plan, settings: PolicySettings, base_batch_size: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, float] | None:
+) -> TotalOptions | None:
     """The candidate totals (micro-step globals and their accumulation), their predicted step times and the time of
     keeping the current total; ``None`` when no candidate fits.
 
