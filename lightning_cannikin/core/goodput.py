@@ -233,8 +233,9 @@ def choose_batch_size(
         current = float(goodput(current_batch_size, current_time, noise_scale, base_batch_size))
         return GoodputChoice(int(current_batch_size), current, current, False, int(current_batch_size))
     phi = np.array([noise_scale], dtype=np.float64)
-    now = (current_batch_size, current_time)
-    size, best, current, adopted = _choices(sizes, times, phi, base_batch_size, *now, margin)
+    size, best, current, adopted = _choices(
+        sizes, times, phi, base_batch_size, current_batch_size, current_time, margin
+    )
     return GoodputChoice(int(size[0]), float(best[0]), float(current[0]), bool(adopted[0]), int(current_batch_size))
 
 

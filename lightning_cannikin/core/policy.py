@@ -138,7 +138,8 @@ class Decision:
             apart (``SpeedModel.changing``; set by the engine): a re-plan that a local change check asked for is
             followed by a settling one once the new plan is timed; without it there is nothing to settle.
         unconfirmed: some rank was rescaled lately and may yet return to its old speed (a passing stall; set by the
-            engine from ``SpeedModel.watch``): re-plan again once the warm-up's steps have timed the plan.
+            engine from ``SpeedModel.watch``): once a re-plan has moved the split since, re-plan again every warm-up
+            until it is confirmed or undone (``ReplanSchedule.replanned``).
         split_gain: the best split's predicted relative step-time gain over the split kept in its place (the most
             even one or the one in force; the smallest such gain when none is kept), against ``split_margin``
             (``None``: no split was weighed, e.g. a probe or an even split).
@@ -198,7 +199,7 @@ def decide(
     global_batch, accumulation = current.global_batch_size, current.accumulation_steps
     choice, split_gain, split_margin = None, None, None
     adapt = adapt_total and settings.max_batch_size is not None and noise_scale is not None
-    adapt = adapt and (model.identified or not settings.balance)
+    adapt = adapt and (model.identified or not settings.balance)  # the total waits for measured speeds
     options = _total_options(model, current, settings, base_batch_size) if adapt else None
     if adapt:
         global_batch, accumulation, choice = _choose_total(options, current, settings, noise_scale, base_batch_size)  # type: ignore[arg-type]

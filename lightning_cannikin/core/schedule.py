@@ -142,7 +142,7 @@ class ReplanSchedule:
             # the next step the floor allows (as after a resume), not when the noise scale happens to move
             self.noise_band = None
         settle = max(self.warmup_steps // 2, 1) if changed else self.warmup_steps
-        # a change re-plan that kept the split left every rank at sizes it was timed at: nothing to settle
         self.unconfirmed_moved = unconfirmed and (self.unconfirmed_moved or not kept)
+        # a change re-plan that kept the split left every rank at sizes it was timed at: nothing to settle
         follow = total_changed or self.unconfirmed_moved or (changed and not kept)
         self.settle_at = step + settle if follow and balance else None
