@@ -54,6 +54,7 @@ class StrategyCollective:
     def __init__(self, strategy: Any) -> None:
         self._strategy = strategy
         self._transfer: HostTransfer | PinnedTransfer | None = None
+        self._ballots: list[torch.Tensor] = []  # vote tensors whose answer was read, for the next votes
 
     @property
     def rank(self) -> int:
@@ -80,10 +81,19 @@ class StrategyCollective:
     def max_later(self, value: int) -> Callable[[], int]:
         if not (dist.is_available() and dist.is_initialized()):
             return lambda: value
-        vote = torch.tensor([float(value)], device=self._strategy.root_device)
+        # a vote's tensor is reused once its answer was read (one is in flight at a time): a new tensor per vote cost
+        # more than the collective's own call on CPU
+        vote = self._ballots.pop() if self._ballots else torch.empty(1, device=self._strategy.root_device)
+        vote.fill_(float(value))
         work = dist.all_reduce(vote, op=dist.ReduceOp.MAX, async_op=True)
         if self._transfer is None:
             self._transfer = PinnedTransfer() if vote.is_cuda else HostTransfer()
-        transfer = self._transfer
+        transfer, ballots = self._transfer, self._ballots
         handle = transfer.start(vote, work)
-        return lambda: int(transfer.read(handle)[0])
+
+        def read() -> int:
+            answer = int(transfer.read(handle)[0])
+            ballots.append(vote)
+            return answer
+
+        return read
