@@ -147,13 +147,15 @@ def replay(
     )
     ballot = _Ballot(world_size)
     tolerance = model.settings.drift_tolerance
-    votes = [ChangeVote(change_check(tolerance), ballot, read_next_step) for _ in range(world_size)]
+    votes = [ChangeVote(change_check(tolerance), ballot, read_next_step, True) for _ in range(world_size)]
     checks = [vote.check for vote in votes]
     plan = Plan(even_split(total, world_size))
     identified = False
     pending: list[StepRecord] = []
     for step in range(steps):
         out.plans.append(plan)
+        for vote in votes:
+            vote.cast()  # as each rank's backward starts: the answer its last check decided goes out
         compute = [devices.delay_ms(r, b, step) / 1000 for r, b in enumerate(plan.local_batch_sizes)]
         pending += [
             StepRecord(step, r, b, compute[r], max(compute) + TAIL_S) for r, b in enumerate(plan.local_batch_sizes)

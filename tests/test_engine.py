@@ -251,6 +251,51 @@ def test_the_change_vote_is_read_one_step_later_and_not_again_after_the_replan_i
         assert not vote.poll(check_due=False) and not vote.poll()
 
 
+def test_a_scheduled_answer_goes_out_as_the_next_backward_starts_and_is_read_at_the_same_step():
+    from lightning_cannikin.core.change import CHANGED, SUSPECTED, LocalChangeCheck
+    from lightning_cannikin.training.change_vote import ChangeVote
+
+    class Ranks:  # every rank's answers in one maximum: here another rank's verdicts, played in order
+        def __init__(self, others):
+            self.others, self.sent = list(others), []
+
+        def max_later(self, value):
+            self.sent.append(value)
+            other = self.others.pop(0)
+            return lambda: max(value, other)
+
+    # CPU: read at the step after the check, as when it was sent at the check
+    ranks = Ranks([0, 0, SUSPECTED, CHANGED])
+    vote = ChangeVote(LocalChangeCheck(), ranks, read_next_step=True, cast_before_backward=True)
+    assert not vote.poll(check_due=True) and ranks.sent == [], "decided at the check, not sent yet"
+    for seconds in [0.020] * 20 + [0.080] * 16:
+        vote.check.observe(16, seconds)  # this rank's times change after the check
+    assert vote.check.changed()
+    vote.cast()
+    vote.cast()
+    assert ranks.sent == [0], "the next backward sends the answer the check decided, once"
+    assert not vote.poll(check_due=False), "read at the next step"
+    assert not vote.poll(check_due=True) and ranks.sent == [0]
+    vote.reset()  # a re-plan between the check and the next backward: every rank drops the answer decided before it
+    vote.cast()
+    assert ranks.sent == [0]
+    assert not vote.poll(check_due=True)
+    assert not vote.poll(check_due=False) and ranks.sent == [0, 0], "no backward since: it goes out before the read"
+    assert not vote.poll(check_due=True)
+    vote.cast()
+    # read: some rank suspects a change. From here every answer goes out at once and is read at once
+    assert vote.poll(check_due=False) and ranks.sent == [0, 0, 0, 0]
+    # CUDA: read at the next check
+    ranks = Ranks([0, CHANGED])
+    vote = ChangeVote(LocalChangeCheck(), ranks, read_next_step=False, cast_before_backward=True)
+    assert not vote.poll(check_due=True) and ranks.sent == []
+    vote.cast()
+    assert not vote.poll(check_due=False) and ranks.sent == [0], "between checks: nothing read, nothing sent"
+    assert not vote.poll(check_due=True), "the next check reads it, and decides the next answer"
+    vote.cast()
+    assert vote.poll(check_due=True) and ranks.sent == [0, 0], "another rank's change, read at the check after"
+
+
 def test_the_engine_acts_only_on_a_confident_noise_scale():
     # B = 96 against a true noise scale of 20,000: after the 20 updates that used to be enough, the averaged |G|^2 is
     # often <= 0 (an infinite noise scale, which would send the total to max_batch_size and the gain to B / B0)

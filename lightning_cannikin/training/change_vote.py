@@ -7,6 +7,10 @@ answers, one integer each, in a maximum that nobody waits for (:meth:`Collective
 same later step: on CPU at the next step (every rank issued the vote before that step's gradient all-reduce on the
 same process group, which runs collectives in order, so the vote is done when the step is), on CUDA at the next check
 (the host may run a step or more ahead of the device: reading its pinned copy a step later could wait for the device).
+Where the frontend says when a backward starts, a scheduled answer is cast there (:meth:`ChangeVote.cast`), not at the
+end of the step that decided it: its rounds then run beside the backward and the gradient all-reduce queued behind it,
+when the ranks meet anyway, instead of beside the next forward (on a host whose ranks share cores, a collective's
+rounds between two steps cost each of them time slices). The answer is the same, read at the same step.
 No step waits for the vote, and a change is acted on by every rank at the same step. When the maximum says some
 rank *suspects* a change (its latest times far beyond its reference, not yet for long enough to count), every rank
 votes again at every step, and reads that vote at once, until the answer is a change or nothing: what every rank read
@@ -31,13 +35,23 @@ class ChangeVote:
         check: this rank's local check (the step timer feeds it each step's time as it reads it).
         collective: where the answers meet.
         read_next_step: read the vote at the step after it was cast (CPU); otherwise at the next check (CUDA).
+        cast_before_backward: a scheduled answer waits for :meth:`cast`, which the frontend calls when the next
+            backward starts (every rank at the same backward); otherwise it goes out when :meth:`poll` decides it.
 
     """
 
-    def __init__(self, check: LocalChangeCheck, collective: Collective, read_next_step: bool = True) -> None:
+    def __init__(
+        self,
+        check: LocalChangeCheck,
+        collective: Collective,
+        read_next_step: bool = True,
+        cast_before_backward: bool = False,
+    ) -> None:
         self.check = check
         self.read_next_step = read_next_step
+        self.cast_before_backward = cast_before_backward
         self._collective = collective
+        self._ballot: int | None = None  # an answer decided at a check, waiting for the next backward
         self._in_flight: Callable[[], int] | None = None
         self._stale = False  # the vote in flight was cast before the re-plan that answered it
         self.urgent = False  # some rank suspects a change: vote at every step until it counts or ends
@@ -48,15 +62,23 @@ class ChangeVote:
         goes out. While suspected, the answer is read at once: every rank casts it at the same step, so the wait is
         the ranks meeting a moment earlier than at the next step's all-reduce (on CUDA, the host waiting for the
         device), for a few steps, and a change counts one step sooner."""
+        self.cast()  # an answer no backward sent since (a step without one) goes now, before anything is read
         changed = False
         if self._in_flight is not None and (self.read_next_step or check_due or self.urgent):
             changed = self._read()
         if check_due or self.urgent:
-            self._stale = False
-            self._in_flight = self._collective.max_later(self.check.verdict())
+            self._ballot = self.check.verdict()
+            if self.urgent or not self.cast_before_backward:
+                self.cast()
             if self.urgent:
                 changed = self._read() or changed
         return changed
+
+    def cast(self) -> None:
+        """Send the answer a check decided, if one waits (the frontend, as a backward starts: every rank alike)."""
+        if self._ballot is not None:
+            self._stale = False
+            self._in_flight, self._ballot = self._collective.max_later(self._ballot), None
 
     def _read(self) -> bool:
         verdict = 0 if self._stale else self._in_flight()  # type: ignore[misc]
@@ -68,4 +90,5 @@ class ChangeVote:
         """A re-plan followed the change: start the check over, and drop the vote cast before it."""
         self.check.reset()
         self._stale = self._in_flight is not None
+        self._ballot = None  # decided before the re-plan, on every rank alike: its answer would be dropped anyway
         self.urgent = False

@@ -64,15 +64,10 @@ class BalancingEngine:
         BatchBounds.check(local_batch_bounds)
         settings = settings or CannikinSettings()
         self.settings = settings
-        self.policy = PolicySettings(
-            max_batch_size, balance, settings.adapt_margin, lr_scaling, accumulate=settings.accumulate
-        )
-        self.schedule = ReplanSchedule(
-            settings.warmup_steps,
-            replan_every_n_steps,
-            settings.adapt_every_n_steps,
-            check_every_n_steps=settings.check_every_n_steps,
-        )
+        margin, checks = settings.adapt_margin, settings.check_every_n_steps
+        self.policy = PolicySettings(max_batch_size, balance, margin, lr_scaling, accumulate=settings.accumulate)
+        every = (settings.warmup_steps, replan_every_n_steps, settings.adapt_every_n_steps)
+        self.schedule = ReplanSchedule(*every, check_every_n_steps=checks)
         self.local_batch_bounds = local_batch_bounds
         self.base_batch_size = base_batch_size
         track = settings.track_noise_scale
@@ -112,7 +107,7 @@ class BalancingEngine:
         self.vote = None
         if world_size > 1 and self.policy.balance and self.schedule.check_every_n_steps is not None:
             check = LocalChangeCheck(self.speed_model.settings.drift_tolerance)
-            self.vote = ChangeVote(check, collective, read_next_step=not collective.host_runs_ahead)
+            self.vote = ChangeVote(check, collective, not collective.host_runs_ahead, cast_before_backward=True)
             runtime.timer.listeners[:] = [self.vote.check.observe]  # its own times, as the timer reads them
         self.runtime, self.collective, self._on_adopt = runtime, collective, on_adopt
 
@@ -133,7 +128,7 @@ class BalancingEngine:
         if self.observer is not None:
             self.observer.scaler = scaler
         if self._restored is not None:
-            self._load(self._restored)
+            restore_engine(self, self._restored)
             self._restored = None
 
     def _identify_optimizer(self) -> None:
@@ -187,6 +182,11 @@ class BalancingEngine:
         """A training step (or accumulation micro-step) starts on this rank."""
         assert self.runtime is not None
         self.runtime.timer.start()
+
+    def backward_started(self) -> None:
+        """A backward starts: the answer the last change check decided goes out now (:meth:`ChangeVote.cast`)."""
+        if self.vote is not None:
+            self.vote.cast()
 
     def backward_done(self, parameters: Any) -> None:
         """Its backward ended; an accumulation micro-step's gradient is a noise group of its own."""
@@ -345,6 +345,3 @@ class BalancingEngine:
             )
         runtime.adopt(plan)
         return plan
-
-    def _load(self, state: dict[str, Any]) -> None:
-        restore_engine(self, state)

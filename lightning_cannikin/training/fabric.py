@@ -201,6 +201,7 @@ class CannikinFabricStrategy(DDPStrategy):
         # an accumulation micro-step runs under `no_backward_sync`: no all-reduce, its compute ends at backward
         reduces = getattr(self._ddp, "require_backward_grad_sync", True) if self._ddp is not None else True
         self.runtime.timer.will_reduce(reduces)
+        self.engine.backward_started()
         super().backward(tensor, module, *args, **kwargs)
 
     def replan(self, adapt_total: bool = False) -> Plan | None:

@@ -149,6 +149,10 @@ class BalancingCallback(Callback):
         self.engine.step_started()
 
     @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self.engine.backward_started()
+
+    @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.engine.backward_done(pl_module.parameters())
 
