@@ -35,6 +35,7 @@ class Replay:
     decisions: list[tuple[int, Decision]] = field(default_factory=list)  # (step after which it was taken, decision)
     drifts: list[tuple[int, list[int]]] = field(default_factory=list)
     changes: list[int] = field(default_factory=list)  # steps at which a rank's local check asked for a re-plan
+    votes: int = 0  # the ranks' comparisons of their checks (collectives of one number)
     model: SpeedModel | None = None
 
     def clean_step_time(self, plan: Plan, step: int = 0) -> float:
@@ -88,11 +89,14 @@ class _Ballot:
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
+        self.rounds = 0
         self._cast: list[int] = []
 
     def max_later(self, value: int) -> Callable[[], int]:
         if len(self._cast) == self.world_size:
             self._cast = []
+        if not self._cast:
+            self.rounds += 1
         cast = self._cast
         cast.append(value)
         return lambda: max(cast)
@@ -114,6 +118,7 @@ def replay(
     noise: Callable[[int], float | None] | None = None,
     change_check: Callable[[float], LocalChangeCheck] = LocalChangeCheck,
     read_next_step: bool = True,
+    paced_checks: bool = True,
 ) -> Replay:
     """Run ``steps`` steps from an even split of ``total``.
 
@@ -137,6 +142,8 @@ def replay(
         change_check: each rank's local change check, from the speed model's drift tolerance.
         read_next_step: the ranks' vote (:class:`ChangeVote`) is read the step after it is cast (CPU), else at the
             next check (CUDA).
+        paced_checks: space the checks by the plan's predicted step time, as the engine does
+            (:data:`~lightning_cannikin.core.schedule.CHECK_PERIOD_S`); ``False``: every ``check_every_n_steps``.
 
     """
     out = Replay(devices, world_size)
@@ -165,7 +172,8 @@ def replay(
         done = step + 1
         epoch_end = epoch_steps is not None and done % epoch_steps == 0
         # the ranks' one-bit answers are cast on the steps the schedule names, and read as the engine reads them
-        changed = any([vote.poll(schedule.check_due(done)) for vote in votes])
+        seconds = plan.predicted_step_time if paced_checks else None
+        changed = any([vote.poll(schedule.check_due(done, seconds)) for vote in votes])
         phi = noise(done) if noise is not None else None
         adapt_ready = policy is not None and policy.max_batch_size is not None and identified
         adapt = adapt_ready and schedule.total_due(phi, done)
@@ -196,4 +204,5 @@ def replay(
         timing = total_changed or decision.untimed
         schedule.replanned(done, timing, True, changed and model.changing, kept, model.watch.unconfirmed)
         plan, identified = decision.plan, decision.identified
+    out.votes = ballot.rounds
     return out

@@ -144,6 +144,17 @@ def test_epoch_ends_replan_less_often_while_replans_keep_the_plan():
     assert schedule.epoch_end_due(skipped + 256, True, False, None), "the next epoch end re-plans again"
 
 
+def test_on_fast_steps_the_ranks_compare_their_checks_at_most_once_a_check_period():
+    from lightning_cannikin.core.schedule import CHECK_PERIOD_S
+
+    schedule = ReplanSchedule(8)
+    assert CHECK_PERIOD_S == 0.1
+    checks = lambda seconds: [s for s in range(1, 41) if schedule.check_due(s, seconds)]  # noqa: E731
+    assert checks(None) == checks(0.030) == list(range(4, 41, 4)), "no prediction yet, or steps of 25 ms and more"
+    assert checks(0.012) == [9, 18, 27, 36], "12 ms steps: every ceil(0.1 / 0.012) = 9 steps"
+    assert not ReplanSchedule(8, check_every_n_steps=None).check_due(20, 0.012)
+
+
 def test_the_schedule_replans_when_a_check_says_so_and_settles_after():
     schedule = ReplanSchedule(8)
     assert schedule.check_due(16) and schedule.check_due(12) and not schedule.check_due(14)  # every 4 steps

@@ -224,7 +224,9 @@ class BalancingEngine:
         if not runtime.timer.reduced or runtime.fixed_split:
             return False, False  # no re-plan mid-window: a window's micro-batches share one layout
         vote = self.vote
-        self._changed = vote is not None and vote.poll(self.schedule.check_due(self.step))
+        plan = runtime.plan if vote is not None else None  # its predicted step spaces the checks (alike everywhere)
+        seconds = plan.predicted_step_time if plan is not None else None
+        self._changed = vote is not None and vote.poll(self.schedule.check_due(self.step, seconds))
         if epoch_ends:
             return False, False
         # the total follows the confident noise scale out of the band rank zero broadcast: alike on every rank

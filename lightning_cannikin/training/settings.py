@@ -38,7 +38,7 @@ class CannikinSettings:
     | ``noise_every_n_steps`` | 8 | measure the noise statistics on one optimizer step in this many |
     | ``noise_exchange_every`` | 8 | measured steps whose statistics share one all-reduce of a few floats |
     | ``max_noise_error`` | 0.25 | act on the noise scale once its parts' standard errors are within this share |
-    | ``check_every_n_steps`` | 4 | how often the ranks compare their local speed-change checks (``None``: off) |
+    | ``check_every_n_steps`` | 4 | how often the ranks compare their speed-change checks (at most every 0.1 s) |
     | ``progress_bar`` | False | show the total and rank zero's local batch on Lightning's progress bar |
 
     Args:
@@ -72,9 +72,10 @@ class CannikinSettings:
             of their values, over at least ten effective steps: an estimate whose ``|G|^2`` may still be zero or
             negative (an infinite noise scale) moves nothing. ``None``: on ``min_noise_updates`` alone.
         check_every_n_steps: every rank checks its own step times for a clear change of speed (a co-tenant, a
-            throttled device) at no cost; every this many steps the ranks compare the answers in one all-reduce of a
-            single number that nobody waits for (read the next step on CPU, at the next check on CUDA), and re-plan
-            mid-epoch when some rank saw one. ``None``: changes are followed at the re-plans that come anyway.
+            throttled device) at no cost; every this many steps (on steps shorter than 25 ms, every 0.1 s) the ranks
+            compare the answers in one all-reduce of a single number that nobody waits for (read the next step on
+            CPU, at the next check on CUDA), and re-plan mid-epoch when some rank saw one. ``None``: changes are
+            followed at the re-plans that come anyway.
         progress_bar: also show the total and rank zero's local batch on Lightning's progress bar (every logger
             receives every ``cannikin/*`` value either way; at 80 columns the bar truncates their names).
 
