@@ -132,8 +132,10 @@ class CannikinStrategy(UnevenBatchesMixin, DDPStrategy):
             # parameter hooks time the gradients
             self._readiness = GradientReadiness(self.model.parameters(), lambda: runtime.timer.gradient_ready())
             if runtime.noise is not None:
+                # a hook per parameter where the buckets are the gradients, and on CPU (grad_capture says why)
                 in_place = bool(getattr(self.model, "gradient_as_bucket_view", False))
-                self._capture = GradientCapture(self.model.parameters(), runtime.noise.norms, in_place)
+                per_parameter = in_place or self.root_device.type == "cpu"
+                self._capture = GradientCapture(self.model.parameters(), runtime.noise.norms, per_parameter)
         # DDP calls the LightningModule after its pre-forward work (buffer broadcast, a collective that waits for
         # slower ranks): that is where this rank's compute starts
         if self._forward_hook is not None:
