@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_cannikin.training.host_transfer import HostTransfer, PinnedTransfer
+from lightning_cannikin.training.object_exchange import all_gather_objects, broadcast_object
 
 __all__ = ["Collective", "StrategyCollective"]
 
@@ -48,8 +49,9 @@ class Collective(Protocol):
 
 
 class StrategyCollective:
-    """A :class:`Collective` over a Lightning or a Fabric strategy: the strategy's own ``broadcast`` and rank, and
-    torch.distributed's object all-gather (neither strategy gathers objects); a single process gathers itself."""
+    """A :class:`Collective` over a Lightning or a Fabric strategy: its rank and device, and the objects of a re-plan
+    in one collective round each (:mod:`~lightning_cannikin.training.object_exchange`); a single process gathers
+    itself."""
 
     def __init__(self, strategy: Any) -> None:
         self._strategy = strategy
@@ -71,12 +73,12 @@ class StrategyCollective:
     def all_gather(self, obj: Any) -> list[Any]:
         if not (dist.is_available() and dist.is_initialized()):
             return [obj]
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, obj)
-        return gathered
+        return all_gather_objects(obj, torch.device(self._strategy.root_device))
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return self._strategy.broadcast(obj, src=src)
+        if not (dist.is_available() and dist.is_initialized()):
+            return self._strategy.broadcast(obj, src=src)
+        return broadcast_object(obj, src, torch.device(self._strategy.root_device))
 
     def max_later(self, value: int) -> Callable[[], int]:
         if not (dist.is_available() and dist.is_initialized()):
