@@ -56,7 +56,7 @@ class StrategyCollective:
     def __init__(self, strategy: Any) -> None:
         self._strategy = strategy
         self._transfer: HostTransfer | PinnedTransfer | None = None
-        self._ballots: list[torch.Tensor] = []  # vote tensors whose answer was read, for the next votes
+        self._vote_tensors: list[torch.Tensor] = []  # votes whose answer was read, reused by the next ones
 
     @property
     def rank(self) -> int:
@@ -77,7 +77,7 @@ class StrategyCollective:
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not (dist.is_available() and dist.is_initialized()):
-            return self._strategy.broadcast(obj, src=src)
+            return obj
         return broadcast_object(obj, src, torch.device(self._strategy.root_device))
 
     def max_later(self, value: int) -> Callable[[], int]:
@@ -85,17 +85,17 @@ class StrategyCollective:
             return lambda: value
         # a vote's tensor is reused once its answer was read (one is in flight at a time): a new tensor per vote cost
         # more than the collective's own call on CPU
-        vote = self._ballots.pop() if self._ballots else torch.empty(1, device=self._strategy.root_device)
+        vote = self._vote_tensors.pop() if self._vote_tensors else torch.empty(1, device=self._strategy.root_device)
         vote.fill_(float(value))
         work = dist.all_reduce(vote, op=dist.ReduceOp.MAX, async_op=True)
         if self._transfer is None:
             self._transfer = PinnedTransfer() if vote.is_cuda else HostTransfer()
-        transfer, ballots = self._transfer, self._ballots
+        transfer, reusable = self._transfer, self._vote_tensors
         handle = transfer.start(vote, work)
 
         def read() -> int:
             answer = int(transfer.read(handle)[0])
-            ballots.append(vote)
+            reusable.append(vote)
             return answer
 
         return read
