@@ -202,7 +202,8 @@ def replay(
         total_changed = decision.plan.global_batch_size != plan.global_batch_size
         kept = decision.plan.local_batch_sizes == plan.local_batch_sizes and not total_changed
         timing = total_changed or decision.untimed
-        schedule.replanned(done, timing, True, changed and model.changing, kept, model.watch.unconfirmed)
+        unconfirmed = model.watch.unconfirmed
+        schedule.replanned(done, timing, True, changed and model.changing, kept, unconfirmed, decision.at_optimum)
         plan, identified = decision.plan, decision.identified
     out.votes = ballot.rounds
     return out

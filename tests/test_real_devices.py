@@ -144,6 +144,31 @@ def test_epoch_ends_replan_less_often_while_replans_keep_the_plan():
     assert schedule.epoch_end_due(skipped + 256, True, False, None), "the next epoch end re-plans again"
 
 
+def test_routine_replans_come_four_times_further_apart_while_the_kept_split_is_at_the_models_optimum():
+    from lightning_cannikin.core.plan import Plan
+    from lightning_cannikin.core.policy import Decision
+
+    plan = Plan((32, 32, 32))
+    assert Decision(plan, 1.0, 1.0, True, split_gain=0.003, split_margin=0.135).at_optimum, "0.3% against 13.5%"
+    assert not Decision(plan, 1.0, 1.0, True, split_gain=0.026, split_margin=0.077).at_optimum, "a third of it"
+    assert not Decision(plan, 1.0, 1.0, True).at_optimum, "no split weighed (a probe, an even split)"
+    # the same 128-step epochs as above, every re-plan keeping a split at the optimum: 256 re-plans (112 steps since
+    # the last one), then 448, 1024 (the cap) apart, where doubling gaps re-planned at 512, 1024 and 1920
+    schedule = ReplanSchedule(8)
+    schedule.replanned(16, total_changed=False, balance=True)
+    schedule.replanned(128, total_changed=False, balance=True, kept=True, at_optimum=True)
+    ends = []
+    for end in range(256, 128 * 40, 128):
+        if schedule.epoch_end_due(end, True, False, None):
+            ends.append(end)
+            schedule.replanned(end, total_changed=False, balance=True, kept=True, at_optimum=True)
+    assert ends[:3] == [256, 768, 1792], ends
+    assert all(b - a == ROUTINE_GAP_CAP for a, b in itertools.pairwise(ends[1:])), ends
+    # a split that moves resets the gap, as before
+    schedule.replanned(ends[-1] + 128, total_changed=False, balance=True, at_optimum=True)
+    assert schedule.epoch_end_due(ends[-1] + 256, True, False, None)
+
+
 def test_on_fast_steps_the_ranks_compare_their_checks_at_most_once_a_check_period():
     from lightning_cannikin.core.schedule import CHECK_PERIOD_S
 

@@ -135,6 +135,7 @@ class ReplanSchedule:
         changed: bool = False,
         kept: bool = False,
         unconfirmed: bool = False,
+        at_optimum: bool = False,
     ) -> None:
         """A re-plan happened after ``step`` steps. A new total (or a split beyond the sizes a rank was timed at:
         ``total_changed``) puts ranks at sizes their models extrapolated to: re-split once ``warmup_steps`` steps have
@@ -146,8 +147,11 @@ class ReplanSchedule:
         is nothing to settle). ``unconfirmed``: some rank was rescaled lately and may return to its old speed; once a
         re-plan moved the split since, re-plan every ``warmup_steps`` until it is confirmed or undone. While the split
         stays the one before the rescale, no rank runs a share the rescale gave it: the next re-plan judges it, and
-        re-plans that would each keep the split (rank zero's fit while the others wait) are not run."""
-        gap = max(2 * self.routine_gap, step - self.last_replan_step)
+        re-plans that would each keep the split (rank zero's fit while the others wait) are not run.
+        ``at_optimum``: the kept split is where the model puts the optimum
+        (:attr:`~lightning_cannikin.core.policy.Decision.at_optimum`): the routine gap quadruples, as the next routine
+        re-plan is unlikely to move the split before a check sees a change."""
+        gap = max((4 if at_optimum else 2) * self.routine_gap, step - self.last_replan_step)
         self.routine_gap = min(gap, ROUTINE_GAP_CAP) if kept else 0
         self.last_replan_step = step
         if changed and self.last_adapt_step != step:
