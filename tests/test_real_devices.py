@@ -153,7 +153,8 @@ def test_routine_replans_come_four_times_further_apart_while_the_kept_split_is_a
     assert not Decision(plan, 1.0, 1.0, True, split_gain=0.026, split_margin=0.077).at_optimum, "a third of it"
     assert not Decision(plan, 1.0, 1.0, True).at_optimum, "no split weighed (a probe, an even split)"
     # the same 128-step epochs as above, every re-plan keeping a split at the optimum: 256 re-plans (112 steps since
-    # the last one), then 448, 1024 (the cap) apart, where doubling gaps re-planned at 512, 1024 and 1920
+    # the last one), then the first epoch end at least 448 steps later, then every 1024 (the cap), where doubling
+    # gaps re-planned at 512, 1024 and 1920
     schedule = ReplanSchedule(8)
     schedule.replanned(16, total_changed=False, balance=True)
     schedule.replanned(128, total_changed=False, balance=True, kept=True, at_optimum=True)
