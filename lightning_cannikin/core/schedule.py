@@ -121,8 +121,9 @@ class ReplanSchedule:
         timed at two sizes, ``changed``: some rank's check saw a change, a re-plan waiting to settle, the total batch:
         :meth:`total_due` at ``noise_scale``, ``None`` where the total is fixed), or :attr:`routine_gap` steps ran
         since the last re-plan. While re-plans keep finding the plan in force, they come at every other epoch end,
-        then every fourth, up to ``ROUTINE_GAP_CAP`` steps apart: each is rank zero's fit and decision while the
-        other ranks wait, and on short epochs of fast steps those waits were a visible share of the run."""
+        then every fourth, up to ``ROUTINE_GAP_CAP`` steps apart (the gap quadruples while the kept split is at the
+        model's optimum, :meth:`replanned`): each is rank zero's fit and decision while the other ranks wait, and on
+        short epochs of fast steps those waits were a visible share of the run."""
         total = self.total_due(noise_scale, step, epoch_end=True)
         pending = not identified or changed or total or self.settle_at is not None
         return pending or step - self.last_replan_step >= self.routine_gap
