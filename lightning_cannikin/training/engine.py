@@ -290,8 +290,9 @@ class BalancingEngine:
         # speed the model followed: re-split once timed (a check fired by what the model does not see settles nothing)
         changed = self._changed and decision.changing
         kept = plan.local_batch_sizes == current.local_batch_sizes and not total_changed
-        timing, model_says = total_changed or decision.untimed, (decision.unconfirmed, decision.at_optimum)
-        self.schedule.replanned(self.step, timing, self.policy.balance, changed, kept, *model_says)
+        timing = total_changed or decision.untimed
+        unconfirmed, at_optimum = decision.unconfirmed, decision.at_optimum
+        self.schedule.replanned(self.step, timing, self.policy.balance, changed, kept, unconfirmed, at_optimum)
         if self._changed and self.vote is not None:
             self.vote.reset()
         self._changed = False
