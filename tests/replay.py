@@ -143,7 +143,8 @@ def replay(
         read_next_step: the ranks' vote (:class:`ChangeVote`) is read the step after it is cast (CPU), else at the
             next check (CUDA).
         paced_checks: space the checks by the plan's predicted step time, as the engine does
-            (:data:`~lightning_cannikin.core.schedule.CHECK_PERIOD_S`); ``False``: every ``check_every_n_steps``.
+            (:meth:`~lightning_cannikin.core.schedule.ReplanSchedule.check_interval`); ``False``: every
+            ``check_every_n_steps``.
 
     """
     out = Replay(devices, world_size)

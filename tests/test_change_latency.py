@@ -9,8 +9,6 @@ at 4x, a 2x glitch of 8 steps and stalls every second or third step never re-pla
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 from lightning_cannikin.core.change import (
@@ -21,7 +19,7 @@ from lightning_cannikin.core.change import (
     clear_change,
     large_change,
 )
-from lightning_cannikin.core.schedule import CHECK_PERIOD_S
+from lightning_cannikin.core.schedule import ReplanSchedule
 from lightning_cannikin.simulation.emulated_devices import EmulatedDevices
 from tests.replay import replay
 
@@ -69,12 +67,13 @@ def test_a_4x_slowdown_is_replanned_after_6_steps(seed):
 
 @pytest.mark.parametrize("slower", [100, 110, 118])
 def test_on_fast_steps_a_change_waits_at_most_one_check_period_for_fewer_votes(slower):
-    # steps of about 7 ms: the ranks compare their checks every ceil(0.1 s / step) steps, not every 4 (each
-    # comparison is a collective); a 4x slowdown is still acted on within the 6 steps it needs plus one such interval
+    # steps of about 7 ms: the ranks compare their checks once a check period (0.1 s, stretched by 25 ms / step on
+    # shorter steps), not every 4 steps (each comparison is a collective); a 4x slowdown is still acted on within the
+    # 6 steps it needs plus one such interval
     devices = EmulatedDevices([0.05, 0.1, 0.2], 2.0, {slower: [0.2, 0.1, 0.2]}, jitter_ms=0.2, seed=0, **WARMUP)
     run = replay(devices, 3, 96, 300, epoch_steps=300)
     predicted = run.plans[slower].predicted_step_time
-    interval = math.ceil(CHECK_PERIOD_S / predicted)
+    interval = ReplanSchedule(8).check_interval(predicted)
     assert interval > 8, predicted
     assert len(run.changes) == 1 and slower + SURE_RUN <= run.changes[0] <= slower + SURE_RUN + interval, run.changes
     assert run.votes <= 300 // interval + 12, "a vote a check period, and the few of the warm-up and the suspicion"

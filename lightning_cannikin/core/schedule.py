@@ -11,12 +11,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["CHECK_PERIOD_S", "ROUTINE_GAP_CAP", "ReplanSchedule"]
+__all__ = ["CHECK_PERIOD_MAX_S", "CHECK_PERIOD_S", "PACED_BELOW_S", "ROUTINE_GAP_CAP", "ReplanSchedule"]
 
 # the ranks compare their change checks at most this often: each comparison is a collective of one number, a fixed
 # cost (about a millisecond and a half where ranks share cores, measured), which on steps of a few milliseconds every
 # 4 steps took 2-3% of the time; the 4-step cadence holds for steps of 25 ms and longer
 CHECK_PERIOD_S = 0.1
+# on steps shorter than this the period grows as the steps shrink (0.2 s at 12.5 ms, 0.5 s at 5 ms, 1 s at most): a
+# check every 0.1 s still cost 1.35% of 12 ms steps where ranks share cores (measured), while waiting for the next
+# check costs a change a fraction of a second of imbalance
+PACED_BELOW_S = 0.025
+CHECK_PERIOD_MAX_S = 1.0
 
 # the most steps an epoch end waits between re-plans nothing asked for: the fits still take in a slow drift that no
 # change check sees at least this often
@@ -70,13 +75,19 @@ class ReplanSchedule:
     def check_due(self, step: int, step_seconds: float | None = None) -> bool:
         """Whether every rank asks its local change check after ``step`` steps (the same answer on every rank);
         ``step_seconds``: the predicted time of a step of the plan in force (every rank holds the same plan), which
-        spaces the checks at least ``CHECK_PERIOD_S`` apart."""
+        spaces the checks (:meth:`check_interval`)."""
+        every = self.check_interval(step_seconds)
+        return every is not None and step % every == 0
+
+    def check_interval(self, step_seconds: float | None = None) -> int | None:
+        """Steps between two checks (``None``: no checks) on steps of ``step_seconds``: ``check_every_n_steps``, but at
+        least ``CHECK_PERIOD_S`` apart, a period stretched by ``PACED_BELOW_S / step_seconds`` on shorter steps (up to
+        ``CHECK_PERIOD_MAX_S``)."""
         every = self.check_every_n_steps
-        if every is None:
-            return False
-        if step_seconds is not None and step_seconds > 0:
-            every = max(every, math.ceil(CHECK_PERIOD_S / step_seconds))
-        return step % every == 0
+        if every is None or step_seconds is None or step_seconds <= 0:
+            return every
+        period = min(CHECK_PERIOD_S * max(1.0, PACED_BELOW_S / step_seconds), CHECK_PERIOD_MAX_S)
+        return max(every, math.ceil(period / step_seconds))
 
     def total_due(self, noise_scale: float | None, step: int, epoch_end: bool = False) -> bool:
         """Whether to reconsider the total batch mid-epoch after ``step`` steps: the noise scale is confident (``None``
@@ -152,7 +163,10 @@ class ReplanSchedule:
         ``at_optimum``: the kept split is where the model puts the optimum
         (:attr:`~lightning_cannikin.core.policy.Decision.at_optimum`): the routine gap quadruples, as the next routine
         re-plan is unlikely to move the split before a check sees a change."""
-        gap = max((4 if at_optimum else 2) * self.routine_gap, step - self.last_replan_step)
+        elapsed = step - self.last_replan_step
+        # at the optimum the gap quadruples from the first kept re-plan on (the steps since the last re-plan included):
+        # on short epochs of fast steps the second routine re-plan came an epoch after the first, and kept it again
+        gap = 4 * max(self.routine_gap, elapsed) if at_optimum else max(2 * self.routine_gap, elapsed)
         self.routine_gap = min(gap, ROUTINE_GAP_CAP) if kept else 0
         self.last_replan_step = step
         if changed and self.last_adapt_step != step:
