@@ -161,8 +161,9 @@ class ReplanSchedule:
         stays the one before the rescale, no rank runs a share the rescale gave it: the next re-plan judges it, and
         re-plans that would each keep the split (rank zero's fit while the others wait) are not run.
         ``at_optimum``: the kept split is where the model puts the optimum
-        (:attr:`~lightning_cannikin.core.policy.Decision.at_optimum`): the routine gap quadruples, as the next routine
-        re-plan is unlikely to move the split before a check sees a change."""
+        (:attr:`~lightning_cannikin.core.policy.Decision.at_optimum`): the routine gap quadruples (from the steps
+        since the last re-plan, if more), as the next routine re-plan is unlikely to move the split before a check
+        sees a change."""
         elapsed = step - self.last_replan_step
         # at the optimum the gap quadruples from the first kept re-plan on (the steps since the last re-plan included):
         # on short epochs of fast steps the second routine re-plan came an epoch after the first, and kept it again

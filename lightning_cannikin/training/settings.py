@@ -72,10 +72,10 @@ class CannikinSettings:
             of their values, over at least ten effective steps: an estimate whose ``|G|^2`` may still be zero or
             negative (an infinite noise scale) moves nothing. ``None``: on ``min_noise_updates`` alone.
         check_every_n_steps: every rank checks its own step times for a clear change of speed (a co-tenant, a
-            throttled device) at no cost; every this many steps (on steps shorter than 25 ms, every 0.1 s) the ranks
-            compare the answers in one all-reduce of a single number that nobody waits for (read the next step on
-            CPU, at the next check on CUDA), and re-plan mid-epoch when some rank saw one. ``None``: changes are
-            followed at the re-plans that come anyway.
+            throttled device) at no cost; every this many steps (at least 0.1 s apart, further on steps under 25 ms)
+            the ranks compare the answers in one all-reduce of a single number that nobody waits for (read the next
+            step on CPU, at the next check on CUDA), and re-plan mid-epoch when some rank saw one. ``None``: changes
+            are followed at the re-plans that come anyway.
         progress_bar: also show the total and rank zero's local batch on Lightning's progress bar (every logger
             receives every ``cannikin/*`` value either way; at 80 columns the bar truncates their names).
 
