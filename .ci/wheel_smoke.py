@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_cannikin
-from lightning_cannikin import Cannikin, EmulatedCluster
+from lightning_cannikin import Cannikin, CannikinSettings, EmulatedCluster
 
 venv = Path(sys.argv[1]).resolve()
 assert Path(lightning_cannikin.__file__).resolve().is_relative_to(venv), lightning_cannikin.__file__
@@ -53,7 +53,11 @@ trainer = pl.Trainer(
     devices=2,
     max_epochs=2,
     logger=CSVLogger(out, name="run"),
-    callbacks=[EmulatedCluster([1.0, 3.0], fixed_ms=2.0), Cannikin(warmup_steps=4), FinalPlan(out / "plan.json")],
+    callbacks=[
+        EmulatedCluster([1.0, 3.0], fixed_ms=2.0),
+        Cannikin(settings=CannikinSettings(warmup_steps=4)),
+        FinalPlan(out / "plan.json"),
+    ],
     enable_checkpointing=False,
     enable_progress_bar=False,
     enable_model_summary=False,

@@ -9,7 +9,7 @@ interleaved in every repeat so that a change in the machine's load hits all of t
 - ``ddp``: Lightning's ``DDPStrategy``, even split (the reference);
 - ``cannikin``: ``strategy="cannikin"`` as a new user would write it (the callback is added, the total batch is
   fixed, the split is balanced on measured speed);
-- ``cannikin_noise``: the same plus the gradient-noise statistics (``Cannikin(track_noise_scale=True)``), every
+- ``cannikin_noise``: the same plus the gradient-noise statistics (``CannikinSettings(track_noise_scale=True)``), every
   step measured, through the Python comm hook;
 - ``cannikin_noise_every4``: the statistics of one step in four (``noise_every_n_steps=4``): DDP's own all-reduce on
   every step, the local gradient's norm is captured before DDP copies the result back on the measured ones;
