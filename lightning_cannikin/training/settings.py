@@ -38,7 +38,7 @@ class CannikinSettings:
     | ``noise_every_n_steps`` | 8 | measure the noise statistics on one optimizer step in this many |
     | ``noise_exchange_every`` | 8 | measured steps whose statistics share one all-reduce of a few floats |
     | ``max_noise_error`` | 0.25 | act on the noise scale once its parts' standard errors are within this share |
-    | ``check_every_n_steps`` | 4 | how often ranks compare speed-change checks, at most each 0.1 s (``None``: off) |
+    | ``check_every_n_steps`` | 4 | steps between the ranks' speed-change comparisons, >= 0.1 s apart (``None``: off) |
     | ``progress_bar`` | False | show the total and rank zero's local batch on Lightning's progress bar |
 
     Args:
