@@ -273,8 +273,9 @@ def markdown(report: dict[str, Any], variants: tuple[str, ...]) -> str:
         "",
         'Variants: `ddp` Lightning\'s DDPStrategy (the reference); `cannikin` `strategy="cannikin"` alone (balancing, '
         "fixed total); `cannikin_adaptive` `Cannikin(max_batch_size=<the total>)` with the default settings (noise "
-        "statistics on one step in eight, local change checks compared every 4 steps, the total reconsidered when the"
-        " noise scale leaves its band; capped at the starting total so the machinery is measured, not a larger "
+        "statistics on one step in eight, local change checks compared every 4 steps and at least 0.1 s apart, "
+        "further on steps under 25 ms, the total reconsidered when the noise scale leaves its band; capped at the "
+        "starting total so the machinery is measured, not a larger "
         "batch); `fixed` a fixed even split through Cannikin's strategy, no callback (a variant over it in the same"
         " repeat, paired: the engine's own cost). Re-plans: plans adopted per run"
         " (warm-up, epoch ends, speed changes the ranks' checks saw, the settling re-plan after each, the total's "
