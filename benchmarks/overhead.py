@@ -35,11 +35,17 @@ variant's samples/s over the fixed split's in the same repeat is reported too: t
     python benchmarks/overhead.py --quick --variants cannikin_adaptive   # a few minutes, for diagnosing
     python benchmarks/overhead.py --quick --variants cannikin_adaptive --profile cannikin_adaptive
     python benchmarks/overhead.py --quick --variants cannikin_adaptive --set noise_every_n_steps=16
+    python benchmarks/overhead.py --pool benchmarks/results/overhead_s14.json benchmarks/results/overhead_s15.json
 
 ``--quick`` runs 3 repeats of 3 epochs and saves to the temporary folder; ``--profile VARIANT`` first runs that
 variant once more with cProfile in rank 0 over the measured span (left out of the figures) and prints where its
 CPU time goes (``--profile ddp`` for the reference); ``--set`` changes the default adaptive configuration's
 :class:`CannikinSettings` (diagnosis only; the saved report names it).
+
+Every median ratio comes with a bootstrap 95% interval over the repeats (:func:`median_interval`): on these shared
+hosts a repeat's ratio moves by tens of percent, and a target inside the interval is neither met nor missed by the
+run. ``--pool REPORT...`` runs nothing: it pools the per-repeat ratios of saved reports (runs of the same code) and
+prints each variant's median and interval over all of them.
 """
 
 from __future__ import annotations
@@ -54,10 +60,12 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
@@ -233,6 +241,44 @@ def cpu_per_sample(result: dict[str, Any], skip_epochs: int) -> float:
     return sum(cpu[skip_epochs] for cpu in result["cpu"]) / sum(result["samples"][skip_epochs:])
 
 
+def median_interval(
+    values: Sequence[float], level: float = 0.95, resamples: int = 10_000, seed: int = 0
+) -> tuple[float, float]:
+    """A bootstrap percentile interval of the median of ``values``: the repeats resampled with replacement, with a
+    fixed ``seed`` so that a report reads the same every time it is made."""
+    data = np.asarray(values, dtype=float)
+    if data.size == 0:
+        raise ValueError("`values` is empty: there are no repeats to take an interval over.")
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"`level` must be in (0, 1), got {level}.")
+    medians = np.median(np.random.default_rng(seed).choice(data, size=(resamples, data.size)), axis=1)
+    tail = 50.0 * (1.0 - level)
+    low, high = np.percentile(medians, [tail, 100.0 - tail])
+    return float(low), float(high)
+
+
+def pooled(reports: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every variant's per-repeat ratios to DDP (and to the fixed split, where run) over several saved reports, with
+    their medians and 95% intervals."""
+    ratios: dict[str, dict[str, list[float]]] = {}
+    for report in reports:
+        for key, value in report.items():
+            if not key.endswith("_vs_ddp"):
+                continue
+            entry = ratios.setdefault(key[: -len("_vs_ddp")], {"ratios": [], "cpu_per_sample_ratios": []})
+            entry["ratios"] += value["ratios"]
+            entry["cpu_per_sample_ratios"] += value["cpu_per_sample_ratios"]
+            if "vs_fixed_ratios" in value:
+                entry.setdefault("vs_fixed_ratios", []).extend(value["vs_fixed_ratios"])
+    return {
+        variant: {
+            name: {"repeats": len(values), "median": statistics.median(values), "ci95": median_interval(values)}
+            for name, values in entry.items()
+        }
+        for variant, entry in ratios.items()
+    }
+
+
 def markdown(report: dict[str, Any], variants: tuple[str, ...]) -> str:
     """The report as a self-explanatory table (``<out>.md`` beside the JSON)."""
     setup = report["setup"]
@@ -259,9 +305,10 @@ def markdown(report: dict[str, Any], variants: tuple[str, ...]) -> str:
         r = report[f"{variant}_vs_ddp"]
         cpu_repeats = ", ".join(f"{x:.2f}" for x in r["cpu_per_sample_ratios"])
         wall_repeats = ", ".join(f"{x:.2f}" for x in r["ratios"])
-        paired = f"{r['vs_fixed_median']:.3f}" if "vs_fixed_median" in r else ""
+        paired = f"{r['vs_fixed_median']:.3f} {_interval(r['vs_fixed_ci95'])}" if "vs_fixed_median" in r else ""
+        wall = f"{r['median']:.3f} {_interval(r['ci95'])}"
         lines.append(
-            f"| {variant} | {r['cpu_per_sample_median']:.3f} | {cpu_repeats} | {r['median']:.3f} | {wall_repeats}"
+            f"| {variant} | {r['cpu_per_sample_median']:.3f} | {cpu_repeats} | {wall} | {wall_repeats}"
             f" | {paired} | {statistics.median(report['replans'][variant]):.0f} |"
         )
     lines += [
@@ -269,7 +316,8 @@ def markdown(report: dict[str, Any], variants: tuple[str, ...]) -> str:
         f"Spread of DDP's own repeats (max - min over the median): {100 * report['ddp_spread']:.0f}% in samples/s,"
         f" {100 * report['ddp_cpu_spread']:.0f}% in CPU per sample. Where the wall-clock spread is far above 5%, the"
         " samples/s ratios cannot show a 5% difference; the CPU ratios are the figure to read then: at 0.95x DDP's"
-        " throughput a variant may spend at most 1/0.95 = 1.053x DDP's CPU per sample.",
+        " throughput a variant may spend at most 1/0.95 = 1.053x DDP's CPU per sample. In brackets: a bootstrap 95%"
+        " interval of the median ratio over these repeats; a target inside it is neither met nor missed by this run.",
         "",
         'Variants: `ddp` Lightning\'s DDPStrategy (the reference); `cannikin` `strategy="cannikin"` alone (balancing, '
         "fixed total); `cannikin_adaptive` `Cannikin(max_batch_size=<the total>)` with the default settings (noise "
@@ -305,7 +353,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         metavar="NAME=VALUE",
         help="change a CannikinSettings field of cannikin_adaptive (diagnosis), e.g. noise_every_n_steps=16",
     )
+    parser.add_argument(
+        "--pool", nargs="+", type=Path, metavar="REPORT", help="run nothing: pool saved reports' repeats (same code)"
+    )
     args = parser.parse_args(argv)
+    if args.pool:
+        return print_pooled(args.pool)
     if args.quick:
         args.repeats, args.epochs = min(args.repeats, 3), min(args.epochs, 3)
     overrides = {name: _value(value) for name, value in (item.split("=", 1) for item in args.set)}
@@ -371,6 +424,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         cpu_ratios = [c / d for c, d in zip(cpu[variant], cpu["ddp"], strict=True)]
         report[f"{variant}_vs_ddp"] = {
             "median": statistics.median(ratios),
+            "ci95": median_interval(ratios),
             "ratios": ratios,
             "cpu_per_sample_median": statistics.median(cpu_ratios),
             "cpu_per_sample_ratios": cpu_ratios,
@@ -379,7 +433,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             # the same strategy without the engine, in the same repeat: the engine's own cost, which the machine's
             # load (moving DDP's own repeats by tens of percent) disturbs least
             paired = [c / f for c, f in zip(throughput[variant], throughput["fixed"], strict=True)]
-            report[f"{variant}_vs_ddp"].update(vs_fixed_median=statistics.median(paired), vs_fixed_ratios=paired)
+            report[f"{variant}_vs_ddp"].update(
+                vs_fixed_median=statistics.median(paired), vs_fixed_ci95=median_interval(paired), vs_fixed_ratios=paired
+            )
     # how noisy the machine was: the spread of DDP's own repeats
     ddp = throughput["ddp"]
     report["ddp_spread"] = (max(ddp) - min(ddp)) / statistics.median(ddp)
@@ -392,7 +448,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         r = report[f"{variant}_vs_ddp"]
         repeats = ", ".join(f"{x:.2f}" for x in r["ratios"])
         print(
-            f"{variant:20s} / ddp = {r['median']:.3f}x samples/s (repeats {repeats});"
+            f"{variant:20s} / ddp = {r['median']:.3f}x samples/s {_interval(r['ci95'])} (repeats {repeats});"
             f" CPU per sample {r['cpu_per_sample_median']:.3f}x"
             + (f"; / fixed in the same repeat {r['vs_fixed_median']:.3f}x" if "vs_fixed_median" in r else "")
         )
@@ -402,6 +458,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     print(f"saved {args.out}")
     return report
+
+
+def _interval(bounds: Sequence[float]) -> str:
+    return f"({bounds[0]:.3f}-{bounds[1]:.3f})"
+
+
+def print_pooled(paths: Sequence[Path]) -> dict[str, dict[str, Any]]:
+    """``--pool``: the pooled medians and intervals of saved reports, printed."""
+    result = pooled([json.loads(Path(path).read_text()) for path in paths])
+    names = {"ratios": "samples/s / ddp", "cpu_per_sample_ratios": "CPU per sample / ddp", "vs_fixed_ratios": "/ fixed"}
+    for variant, figures in result.items():
+        for name, figure in figures.items():
+            print(
+                f"{variant:22s} {names[name]:21s} {figure['median']:.3f} {_interval(figure['ci95'])}"
+                f" over {figure['repeats']} repeats"
+            )
+    return result
 
 
 def _load() -> list[float]:
