@@ -257,23 +257,25 @@ def median_interval(
     return float(low), float(high)
 
 
+# the per-repeat ratios a report holds for each variant, and how ``--pool`` names them
+_POOLED = {"ratios": "samples/s / ddp", "cpu_per_sample_ratios": "CPU per sample / ddp", "vs_fixed_ratios": "/ fixed"}
+
+
 def pooled(reports: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Every variant's per-repeat ratios to DDP (and to the fixed split, where run) over several saved reports, with
     their medians and 95% intervals."""
     ratios: dict[str, dict[str, list[float]]] = {}
     for report in reports:
         for key, value in report.items():
-            if not key.endswith("_vs_ddp"):
-                continue
-            entry = ratios.setdefault(key[: -len("_vs_ddp")], {"ratios": [], "cpu_per_sample_ratios": []})
-            entry["ratios"] += value["ratios"]
-            entry["cpu_per_sample_ratios"] += value["cpu_per_sample_ratios"]
-            if "vs_fixed_ratios" in value:
-                entry.setdefault("vs_fixed_ratios", []).extend(value["vs_fixed_ratios"])
+            if key.endswith("_vs_ddp"):
+                entry = ratios.setdefault(key[: -len("_vs_ddp")], {})
+                for name in _POOLED:
+                    entry.setdefault(name, []).extend(value.get(name, []))
     return {
         variant: {
             name: {"repeats": len(values), "median": statistics.median(values), "ci95": median_interval(values)}
             for name, values in entry.items()
+            if values  # the pairing with the fixed split exists only where it ran
         }
         for variant, entry in ratios.items()
     }
@@ -450,7 +452,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(
             f"{variant:20s} / ddp = {r['median']:.3f}x samples/s {_interval(r['ci95'])} (repeats {repeats});"
             f" CPU per sample {r['cpu_per_sample_median']:.3f}x"
-            + (f"; / fixed in the same repeat {r['vs_fixed_median']:.3f}x" if "vs_fixed_median" in r else "")
+            + (
+                f"; / fixed in the same repeat {r['vs_fixed_median']:.3f}x {_interval(r['vs_fixed_ci95'])}"
+                if "vs_fixed_median" in r
+                else ""
+            )
         )
     print(
         f"DDP's own spread across repeats: {100 * report['ddp_spread']:.1f}% of its median in samples/s,"
@@ -467,11 +473,10 @@ def _interval(bounds: Sequence[float]) -> str:
 def print_pooled(paths: Sequence[Path]) -> dict[str, dict[str, Any]]:
     """``--pool``: the pooled medians and intervals of saved reports, printed."""
     result = pooled([json.loads(Path(path).read_text()) for path in paths])
-    names = {"ratios": "samples/s / ddp", "cpu_per_sample_ratios": "CPU per sample / ddp", "vs_fixed_ratios": "/ fixed"}
     for variant, figures in result.items():
         for name, figure in figures.items():
             print(
-                f"{variant:22s} {names[name]:21s} {figure['median']:.3f} {_interval(figure['ci95'])}"
+                f"{variant:22s} {_POOLED[name]:21s} {figure['median']:.3f} {_interval(figure['ci95'])}"
                 f" over {figure['repeats']} repeats"
             )
     return result
