@@ -21,7 +21,9 @@ Schema version 1 (JSON object; non-finite numbers are written as ``null`` so the
                           warmup_samples, probe_lever} (the last three optional: older profiles lack them)
     history              [{step, epoch, local_batch_sizes, total_batch_size, predicted_step_time,
                            measured_step_time, lr_factor, noise_scale}], one entry per re-plan
-    noise_scale_history  [{step, noise_scale, ...}]
+    noise_scale_history  [{step, noise_scale, noise_low, noise_high, ...}]: noise_low and noise_high (optional:
+                         older profiles lack them) bound the noise scale in samples; null, like a missing key, is
+                         unknown or unbounded, so an infinite noise_high is written as null
     balancer_state       SpeedModel.state_dict()
 
 Pure: numpy and the project's pure modules only (no torch, no Lightning).
@@ -87,8 +89,10 @@ def build_profile(
         balancer: the callback's speed model; ranks without samples get ``model: null``.
         history: the callback's ``history`` (one dict per re-plan).
         base_batch_size: the total batch the learning rate was tuned for, if known.
-        noise_scale_history: dicts with at least ``step`` and ``noise_scale``; ``None`` takes them from the history
-            entries whose ``noise_scale`` is known and finite.
+        noise_scale_history: dicts with at least ``step`` and ``noise_scale``, optionally ``noise_low`` and
+            ``noise_high`` (its confidence bounds; an infinite one is stored as ``None``); ``None`` takes the
+            history entries whose ``noise_scale`` is known and finite (their step, epoch, total batch and noise
+            scale: no bounds).
 
     Returns:
         A dict of plain JSON types (numpy scalars converted, non-finite numbers as ``None``).
@@ -212,7 +216,8 @@ class Profile:
         lower: per-rank lower bounds on the local batch.
         upper: per-rank upper bounds, or ``None``.
         history: the callback's plan history, one dict per re-plan.
-        noise_scale_history: dicts with at least ``step`` and ``noise_scale``.
+        noise_scale_history: dicts with at least ``step`` and ``noise_scale``, optionally ``noise_low`` and
+            ``noise_high`` (``None`` where unknown or infinite).
         settings: the speed model's ``half_life`` (``None``: infinite), ``tail_window`` and ``max_samples``.
         balancer_state: the speed model's ``state_dict()`` (the key keeps the name of schema version 1).
         created_unix: when the profile was built, if recorded.

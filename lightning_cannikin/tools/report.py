@@ -38,6 +38,8 @@ STEP_TIME_PNG = "step_time.png"
 TRAINING_PNG = "training.png"
 
 _DPI = 110
+# Up to this many noise measurements, each gets a marker (and a bar for its bounds).
+_FEW_POINTS = 60
 # How to get matplotlib: the one fix every "no plot" message gives.
 PLOTS_INSTALL = 'pip install "lightning-cannikin[plots]"'
 
@@ -70,7 +72,8 @@ def write_report(profile: Profile, out_dir: str | os.PathLike[str]) -> list[Path
 
     - ``compute_time.png``: measured compute time vs local batch per device, with the fitted lines.
     - ``step_time.png``: predicted vs measured step time per re-plan.
-    - ``training.png``: total batch, LR factor and noise scale over training.
+    - ``training.png``: total batch, LR factor and noise scale over training; the noise panel adds the noise
+      scale's confidence bounds, where recorded, and the total batch.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -193,23 +196,26 @@ def plot_step_time(profile: Profile) -> Figure:
 
 
 def plot_training(profile: Profile) -> Figure:
-    """Total batch, LR factor and noise scale over training, one panel each (a panel without data says so)."""
+    """Total batch, LR factor and noise scale over training, one panel each (a panel without data says so).
+
+    The noise panel also shows the noise scale's confidence bounds where the profile has them, and the total batch
+    on the same axis, so that a reader sees the total follow the bounds.
+    """
     figure = _figure(8.0, 8.0)
     batch_ax, lr_ax, noise_ax = figure.subplots(3, 1, sharex=True)
     history = profile.history
     batch = _series(history, "total_batch_size")
     lr = _series(history, "lr_factor")
     noise = _series(profile.noise_scale_history, "noise_scale")
+    bounds = _noise_bounds(profile.noise_scale_history)
     panels = (
         (batch_ax, batch, "total batch size", "C0", "no plan history"),
         (lr_ax, lr, "LR factor", "C1", "no LR factor recorded"),
-        (noise_ax, noise, "noise scale (samples)", "C2", "noise scale not measured (track_noise_scale off?)"),
     )
     for ax, (steps, values), label, color, empty in panels:
         ax.set_ylabel(label)
         if steps.size == 0:
-            ax.text(0.5, 0.5, empty, ha="center", va="center", transform=ax.transAxes, color="0.4")
-            ax.set_yticks([])
+            _empty(ax, empty)
             continue
         # A plan holds from its re-plan to the next: a step function, not a line between re-plans.
         ax.step(steps, values, where="post", color=color, marker="o", markersize=3)
@@ -225,13 +231,74 @@ def plot_training(profile: Profile) -> Figure:
             fontsize="small",
             color="0.3",
         )
-    if noise[0].size and np.ptp(noise[1]) > 0 and noise[1].min() > 0 and noise[1].max() / noise[1].min() > 20:
-        noise_ax.set_yscale("log")  # the noise scale grows by orders of magnitude over a run
+    _plot_noise(noise_ax, noise, bounds, batch)
     noise_ax.set_xlabel("training step")
-    if not (batch[0].size or lr[0].size or noise[0].size):
+    if not (batch[0].size or lr[0].size or noise[0].size or bounds[0].size):
         noise_ax.set_xticks([])  # a 0..1 step axis with nothing on it would look like data
     figure.suptitle("Adaptive schedule")
     return figure
+
+
+def _plot_noise(
+    ax: Axes,
+    noise: tuple[np.ndarray, np.ndarray],
+    bounds: tuple[np.ndarray, np.ndarray, np.ndarray],
+    batch: tuple[np.ndarray, np.ndarray],
+) -> None:
+    """The noise panel: the estimate, its confidence band or lower bound, and the total batch in samples."""
+    ax.set_ylabel("noise scale (samples)")
+    steps, low, high = bounds
+    if noise[0].size == 0 and steps.size == 0:
+        _empty(ax, "noise scale not measured (track_noise_scale off?)")
+        return
+    # A marker on each measurement shows a few of them; over a dense trail (one per update) markers hide the band.
+    few = max(noise[0].size, steps.size) <= _FEW_POINTS
+    banded = np.isfinite(high)
+    if banded.any():
+        # Like the estimate's step line, a bound holds until the next measurement.
+        edges = np.append(steps, steps[-1])
+        values = np.where(banded, high, np.nan)
+        band = ax.stairs(values, edges, baseline=low, fill=True, color="C2", alpha=0.18, label="confidence band")
+        band.sticky_edges.y.clear()  # a margin below the lowest bound, as for the lines
+        if few:
+            ax.vlines(steps[banded], low[banded], high[banded], color="C2", linewidth=1, alpha=0.5)
+    if not banded.all():
+        lower_only = np.where(banded, np.nan, low)
+        ax.step(
+            steps, lower_only, "^--" if few else "--", where="post", color="C2", markersize=4, label="lower bound only"
+        )
+    if noise[0].size:
+        ax.step(*noise, "o-" if few else "-", where="post", color="C2", markersize=3, label="noise scale")
+    if batch[0].size:
+        ax.step(*batch, where="post", color="C0", linewidth=1.2, alpha=0.8, label="total batch")
+    # A lower bound of 0 is no bound at all: it must not keep the axis linear.
+    shown = np.concatenate([noise[1], low[low > 0], high[banded], batch[1]])
+    if shown.size and shown.min() > 0 and shown.max() / shown.min() > 20:
+        ax.set_yscale("log")  # the noise scale grows by orders of magnitude over a run
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small", loc="best")
+
+
+def _noise_bounds(entries: Iterable[Mapping[str, Any]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(steps, low, high)`` of the noise-scale confidence bounds, sorted by step.
+
+    An entry counts where its step and a finite ``noise_low`` are known; its ``noise_high`` is ``inf`` where it is
+    missing, ``None`` (how a profile stores infinity) or not finite: a lower bound only.
+    """
+    rows = sorted(
+        (float(e["step"]), float(e["noise_low"]), float(e["noise_high"]) if _finite(e.get("noise_high")) else math.inf)
+        for e in entries
+        if e.get("step") is not None and _finite(e.get("noise_low"))
+    )
+    if not rows:
+        return np.empty(0), np.empty(0), np.empty(0)
+    steps, low, high = (np.asarray(column, dtype=float) for column in zip(*rows, strict=True))
+    return steps, low, high
+
+
+def _empty(ax: Axes, message: str) -> None:
+    ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes, color="0.4")
+    ax.set_yticks([])
 
 
 def _series(entries: Iterable[Mapping[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
