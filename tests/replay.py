@@ -16,7 +16,7 @@ import numpy as np
 from lightning_cannikin.core.change import LocalChangeCheck
 from lightning_cannikin.core.optperf import optimal_split
 from lightning_cannikin.core.plan import BatchBounds, Plan, even_split
-from lightning_cannikin.core.policy import Decision, PolicySettings, decide
+from lightning_cannikin.core.policy import Decision, PolicySettings, decide, noise_bounds
 from lightning_cannikin.core.schedule import ReplanSchedule
 from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings, StepRecord
 from lightning_cannikin.simulation.emulated_devices import EmulatedDevices
@@ -177,9 +177,9 @@ def replay(
         changed = any([vote.poll(schedule.check_due(done, seconds)) for vote in votes])
         phi = noise(done) if noise is not None else None
         adapt_ready = policy is not None and policy.max_batch_size is not None and identified
-        adapt = adapt_ready and schedule.total_due(phi, done)
+        adapt = adapt_ready and schedule.total_due(noise_bounds(phi), done)
         # an epoch end re-plans as the engine's does (a forced total is goodput's choice: always due)
-        noise_due = phi if adapt_ready else None
+        noise_due = noise_bounds(phi) if adapt_ready else None
         due_end = done in (totals or {}) or schedule.epoch_end_due(done, identified, changed, noise_due)
         epoch_end = epoch_end and due_end
         if not (epoch_end or adapt or schedule.due(done, identified, True, changed)):

@@ -107,7 +107,7 @@ def test_total_batch_grows_only_at_epoch_ends_and_keeps_every_sample_once(tmp_pa
     dataset.y += 3.0 * torch.randn_like(dataset.y)
     model = RecordingRegressor(dataset, batch_size=8, record_dir=str(tmp_path), lr=0.01)
     settings = CannikinSettings(
-        min_noise_updates=5, max_noise_error=None, warmup_steps=4, adapt_every_n_steps=None, noise_every_n_steps=1
+        min_noise_updates=5, noise_bound_sigmas=0, warmup_steps=4, adapt_every_n_steps=None, noise_every_n_steps=1
     )
     cannikin = Cannikin(max_batch_size=128, balance=balance, settings=settings)
     trainer = quiet_trainer(

@@ -69,7 +69,7 @@ def test_the_checkpoint_keeps_the_callbacks_key_and_keys_and_an_old_one_loads():
     runtime = RuntimeState()
     engine.attach(runtime, OneRank())
     # the keys the callback wrote before the engine existed, and the routine re-plans' two (absent in older ones)
-    assert set(engine.state_dict()) == OLD_KEYS | {"last_replan_step", "routine_gap"}
+    assert set(engine.state_dict()) == OLD_KEYS | {"last_replan_step", "routine_gap", "noise_band", "band_total"}
     # a checkpoint from before `last_adapt_step`, `adapted` and `noise_in_flight` existed
     old = {
         "balancer": None,
@@ -296,24 +296,28 @@ def test_a_scheduled_answer_goes_out_as_the_next_backward_starts_and_is_read_at_
     assert vote.poll(check_due=True) and ranks.sent == [0, 0], "another rank's change, read at the check after"
 
 
-def test_the_engine_acts_only_on_a_confident_noise_scale():
-    # B = 96 against a true noise scale of 20,000: after the 20 updates that used to be enough, the averaged |G|^2 is
-    # often <= 0 (an infinite noise scale, which would send the total to max_batch_size and the gain to B / B0)
+def test_the_engine_acts_on_the_lower_bound_never_on_an_infinite_estimate():
+    # B = 96 against a true noise scale of 20,000: after 20 updates the averaged |G|^2 is often <= 0 (an infinite
+    # noise scale, which would send the total to max_batch_size and the gain to B / B0); the lower bound is finite
+    from lightning_cannikin.core.goodput import adascale_gain
     from tests.test_real_devices import _synthetic_estimator
 
-    guarded, counted = (
+    bounded, counted = (
         BalancingEngine(max_batch_size=4096),
-        BalancingEngine(max_batch_size=4096, settings=CannikinSettings(max_noise_error=None)),
+        BalancingEngine(max_batch_size=4096, settings=CannikinSettings(noise_bound_sigmas=0)),
     )
     infinite = 0
     for estimator in _synthetic_estimator(20_000, 0):
-        guarded.estimator = counted.estimator = estimator
-        phi = guarded.usable_noise_scale()
-        assert phi is None or 20_000 / 2.5 <= phi <= 2.5 * 20_000, (estimator.num_updates, phi)
-        infinite += counted.usable_noise_scale() == float("inf")
-        if phi is None:
-            assert guarded.scale(960) == (1.0, 1.0), "no gain on an estimate that is not confident"
-    assert infinite > 0, "the check must be able to fail: the count alone lets an infinite estimate through"
+        bounded.estimator = counted.estimator = estimator
+        bounds = bounded.noise_bounds()
+        if bounds is None:  # before min_noise_updates, and until the average spans ten effective steps
+            assert estimator.num_updates <= 12 and bounded.scale(960) == (1.0, 1.0), estimator.num_updates
+            continue
+        infinite += counted.noise_bounds()[0] == float("inf")
+        assert bounds[0] <= 1.5 * 20_000, (estimator.num_updates, bounds)
+        gain = adascale_gain(bounds[0], 960, 96)
+        assert bounded.scale(960) == (pytest.approx(gain), pytest.approx(gain)) and gain < 10.0
+    assert infinite > 0, "the check must be able to fail: the point estimate lets an infinite one through"
 
 
 def test_an_epochs_last_batch_leaves_its_replan_to_the_epoch_end():

@@ -184,7 +184,7 @@ def _train_adapting(fabric: L.Fabric, strategy: CannikinFabricStrategy, out: Pat
 
 def test_a_fabric_loop_adapts_its_total_batch_for_goodput(tmp_path):
     settings = CannikinSettings(
-        warmup_steps=4, min_noise_updates=5, max_noise_error=None, noise_every_n_steps=1, adapt_every_n_steps=None
+        warmup_steps=4, min_noise_updates=5, noise_bound_sigmas=0, noise_every_n_steps=1, adapt_every_n_steps=None
     )
     strategy = CannikinFabricStrategy(start_method="fork", max_batch_size=128, settings=settings)
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)

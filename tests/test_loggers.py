@@ -42,7 +42,7 @@ def _fit(tmp_path: Path, logger: Logger, devices: int = 2) -> None:
         EmulatedCluster([1.0, 3.0][:devices], fixed_ms=2.0),
         Cannikin(
             max_batch_size=64,
-            settings=CannikinSettings(min_noise_updates=3, max_noise_error=None, noise_every_n_steps=1),
+            settings=CannikinSettings(min_noise_updates=3, noise_bound_sigmas=0, noise_every_n_steps=1),
         ),
     ]
     trainer = quiet_trainer(

@@ -137,7 +137,7 @@ def test_per_step_gain_and_progress_schedule_equal_the_formula_on_a_replay(tmp_p
 
     settings = CannikinSettings(
         min_noise_updates=3,
-        max_noise_error=None,
+        noise_bound_sigmas=0,
         warmup_steps=1000,
         adapt_every_n_steps=None,
         noise_exchange_every=1,
@@ -183,7 +183,7 @@ def total_changing_cannikin(lr_scaling: str = "adascale", base_batch_size: int |
     settings = CannikinSettings(
         **{
             "min_noise_updates": 3,
-            "max_noise_error": None,
+            "noise_bound_sigmas": 0,
             "adapt_every_n_steps": 6,
             "noise_every_n_steps": 1,
             **kwargs,
@@ -269,7 +269,7 @@ def test_totals_reached_by_accumulation_give_the_exact_mean_gradient(tmp_path, m
     # optimizer dominate: micro-steps beyond the first cost nothing.
     known_step_times(monkeypatch, accumulation_is_free=True)
     settings = CannikinSettings(
-        min_noise_updates=3, max_noise_error=None, adapt_every_n_steps=None, noise_every_n_steps=1
+        min_noise_updates=3, noise_bound_sigmas=0, adapt_every_n_steps=None, noise_every_n_steps=1
     )
     cannikin = Cannikin(max_batch_size=48, balance=False, local_batch_bounds=8, lr_scaling="none", settings=settings)
     initial, records, extra = fit(tmp_path, cannikin, max_epochs=2)

@@ -29,7 +29,7 @@ def test_metrics_reach_a_csv_logger_and_the_profile_round_trips(tmp_path, capsys
             EmulatedCluster([1.0, 3.0], fixed_ms=2.0),
             Cannikin(
                 max_batch_size=64,
-                settings=CannikinSettings(min_noise_updates=3, max_noise_error=None, noise_every_n_steps=1),
+                settings=CannikinSettings(min_noise_updates=3, noise_bound_sigmas=0, noise_every_n_steps=1),
             ),
         ],
         max_epochs=2,

@@ -161,7 +161,7 @@ def test_the_simulator_and_the_callback_decide_alike(phi: float, max_batch: int)
 
     # the callback: the same devices measured at two splits, the same noise scale, rank zero's decision
     # the noise scale is given, as the simulator is given it (no spread to be confident about: the guard is off)
-    callback = Cannikin(max_batch_size=max_batch, settings=CannikinSettings(max_noise_error=None))
+    callback = Cannikin(max_batch_size=max_batch, settings=CannikinSettings(noise_bound_sigmas=0))
     bounds = BatchBounds(tuple(int(b) for b in simulated.lower), tuple(int(b) for b in simulated.upper))
     seen = [current.local_batch_sizes, simulated.plan("cannikin", base + 40).local_batch_sizes]
     callback.engine.speed_model = _fitted_on(
@@ -180,6 +180,10 @@ def test_the_simulator_and_the_callback_decide_alike(phi: float, max_batch: int)
             "var_biased": phi,
             "weight": 1.0,
             "num_updates": 99,
+            "sqr_sq_biased": 1.0,
+            "var_sq_biased": phi**2,
+            "weight_sq": 1.0,
+            "spread_known": True,
         }
     )
     callback.engine.estimator = estimator
@@ -287,3 +291,14 @@ def test_a_decision_says_why_it_kept_or_changed_the_total_and_the_split():
     assert stale.split_gain == pytest.approx(balancer.predict((16, 16)) / best_time - 1.0) and stale.split_gain > 0.02
     # no statistics: the total was not reconsidered
     assert stale.best_total is None and stale.total_gain is None
+
+
+def test_the_gain_takes_the_lower_bound_floored_at_a_grown_totals_band_and_capped_at_the_upper_bound():
+    from lightning_cannikin.core.policy import gain_noise_scale
+
+    assert gain_noise_scale(None, 256, 64, (100.0, 900.0)) is None, "no bounds: no gain"
+    assert gain_noise_scale((300.0, 800.0), 256, 64, (100.0, 900.0)) == 300.0, "the lower bound above the band's edge"
+    assert gain_noise_scale((50.0, 800.0), 256, 64, (100.0, 900.0)) == 100.0, "a grown total keeps its band's edge"
+    assert gain_noise_scale((20.0, 60.0), 256, 64, (100.0, 900.0)) == 60.0, "but no more than the upper bound allows"
+    assert gain_noise_scale((50.0, 800.0), 64, 64, (100.0, 900.0)) == 50.0, "at the base the band gives nothing"
+    assert gain_noise_scale((50.0, 800.0), 256, 64, None) == 50.0, "a band decided for another total gives nothing"

@@ -5,6 +5,7 @@ Pure Python and numpy: imports neither torch nor Lightning.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -14,7 +15,7 @@ import numpy as np
 from lightning_cannikin.core.plan import Plan
 from lightning_cannikin.core.speed_model import StepRecord
 
-__all__ = ["PlanHistory", "median_step_time"]
+__all__ = ["NoiseTrail", "PlanHistory", "median_step_time"]
 
 
 def median_step_time(records: Iterable[StepRecord], local_batch_sizes: Sequence[int]) -> float | None:
@@ -29,6 +30,48 @@ def median_step_time(records: Iterable[StepRecord], local_batch_sizes: Sequence[
         and all(step[rank].batch_size == b for rank, b in enumerate(local_batch_sizes) if rank in step)
     ]
     return float(np.median(times)) if times else None
+
+
+def _finite_or_none(value: float | None) -> float | None:
+    """Strict JSON has no infinity: an unbounded value is stored as ``None``."""
+    return None if value is None or not math.isfinite(value) else float(value)
+
+
+class NoiseTrail:
+    """The noise-scale estimate and its bounds over a fit, for the run profile's trajectory plot.
+
+    Every estimator update may add a point; past ``max_points`` every other one is dropped and points are kept half
+    as often, so a long run keeps an even, bounded trail.
+
+    Args:
+        max_points: the most points kept.
+
+    """
+
+    def __init__(self, max_points: int = 1024) -> None:
+        self.max_points = max_points
+        self.points: list[dict[str, Any]] = []
+        self._every = 1
+        self._seen = 0
+
+    def add(self, step: int, noise_scale: float | None, bounds: tuple[float, float] | None) -> None:
+        """The estimate after ``step`` steps and its bounds (``None``: no spread yet); infinite values stored as
+        ``None``."""
+        self._seen += 1
+        if noise_scale is None or (self._seen - 1) % self._every:
+            return
+        low, high = (None, None) if bounds is None else bounds
+        self.points.append(
+            {
+                "step": int(step),
+                "noise_scale": _finite_or_none(noise_scale),
+                "noise_low": _finite_or_none(low),
+                "noise_high": _finite_or_none(high),
+            }
+        )
+        if len(self.points) > self.max_points:
+            self.points = self.points[::2]
+            self._every *= 2
 
 
 class PlanHistory:

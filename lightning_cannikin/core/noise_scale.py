@@ -117,7 +117,8 @@ class NoiseScaleEstimator:
         self._var_sq_biased = 0.0
         self._weight_sq = 0.0
         self.num_updates = 0
-        self._confident: tuple[tuple[int, float], float | None] | None = None  # asked every step, changed by updates
+        self._spread_known = False
+        self._bounds: tuple[tuple[int, float], tuple[float, float] | None] | None = None  # kept until the next update
 
     def update(
         self,
@@ -157,7 +158,7 @@ class NoiseScaleEstimator:
         self._var_sq_biased = factor * self._var_sq_biased + (1.0 - factor) * grad_var**2
         self._weight_sq = factor**2 * self._weight_sq + (1.0 - factor) ** 2
         self.num_updates += 1
-        self._confident = None
+        self._bounds = None
         return True
 
     @property
@@ -191,8 +192,8 @@ class NoiseScaleEstimator:
         return var / sqr
 
     def standard_errors(self) -> tuple[float, float] | None:
-        """Standard errors of the averaged ``|G|^2`` and ``tr(Sigma)`` (None until the average spans ten effective
-        steps, below which the spread itself is unknown).
+        """Standard errors of the averaged ``|G|^2`` and ``tr(Sigma)`` (None until the average first spans ten
+        effective steps, below which the spread itself is unknown).
 
         From the statistics' own spread: the single-step estimates' variance around their average, times the sum of
         the squared normalised weights of the moving average (one over its effective number of steps).
@@ -200,8 +201,11 @@ class NoiseScaleEstimator:
         if self.num_updates < 2 or self._weight <= 0:
             return None
         share = self._weight_sq / self._weight**2
-        if share > 1.0 / _MIN_EFFECTIVE_STEPS:
+        if share > 1.0 / _MIN_EFFECTIVE_STEPS and not self._spread_known:
             return None  # a spread taken from a handful of steps is itself too uncertain to vouch for anything
+        # once known it stays: a larger total weighs each new step more (the window spans samples), which lowers the
+        # effective count below ten again for a while; the share widens the errors for it, as it should
+        self._spread_known = True
         errors = []
         for first, second in ((self._sqr_biased, self._sqr_sq_biased), (self._var_biased, self._var_sq_biased)):
             mean = first / self._weight
@@ -209,22 +213,45 @@ class NoiseScaleEstimator:
             errors.append(math.sqrt(spread * share))
         return errors[0], errors[1]
 
-    def confident(self, max_relative_error: float = 0.25) -> bool:
-        """Whether both averages are positive and known to within ``max_relative_error`` of themselves (one standard
-        error; 0.25: four standard errors above zero, so that checking at every step rarely passes on a lucky run):
-        then the noise scale is finite and about right; before, no decision should move on it."""
+    def bounds(self, sigmas: float = 2.0) -> tuple[float, float] | None:
+        """``(low, high)``: the noise scales the statistics cannot yet tell apart, ``sigmas`` standard errors wide.
+
+        ``low = max(tr - s * e_tr, 0) / (max(|G|^2, 0) + s * e_G)`` and ``high = (tr + s * e_tr) / (|G|^2 - s * e_G)``,
+        with ``e_G``, ``e_tr`` the standard errors of the two averages (:meth:`standard_errors`). ``low`` is finite even
+        while the ``|G|^2`` average is zero or negative (far below the noise scale, where ``|G|^2`` is the small
+        difference of two large numbers for thousands of steps), and a negative average counts as zero there, so noise
+        cannot tighten it: a move that pays under ``low`` pays under the truth with high probability, and the estimate
+        proves a direction long before it is precise. ``high`` is ``inf`` until ``|G|^2`` is clearly above zero.
+
+        Args:
+            sigmas: the width in standard errors (2: each side holds about 97.5% of the time); 0 gives the point
+                estimate on both sides (``noise_scale``, infinite when ``|G|^2`` is not positive) from the first update.
+
+        Returns:
+            ``None`` before the averages span ten effective steps (their spread is unknown), or before the first update
+            with ``sigmas=0``.
+
+        """
+        key = (self.num_updates, sigmas)
+        if self._bounds is not None and self._bounds[0] == key:
+            return self._bounds[1]  # asked every step, changed only by updates
+        self._bounds = key, self._compute_bounds(sigmas)
+        return self._bounds[1]
+
+    def _compute_bounds(self, sigmas: float) -> tuple[float, float] | None:
+        if sigmas == 0:
+            phi = self.noise_scale
+            return None if phi is None else (phi, phi)
         errors = self.standard_errors()
         if errors is None:
-            return False
+            return None
         sqr, var = self._sqr_biased / self._weight, self._var_biased / self._weight
-        return sqr > 0 and var > 0 and errors[0] <= max_relative_error * sqr and errors[1] <= max_relative_error * var
-
-    def confident_noise_scale(self, max_relative_error: float = 0.25) -> float | None:
-        """The noise scale once :meth:`confident`, else ``None`` (what goodput and the AdaScale gain should use)."""
-        key = (self.num_updates, max_relative_error)
-        if self._confident is None or self._confident[0] != key:  # the same until the next update: kept
-            self._confident = key, self.noise_scale if self.confident(max_relative_error) else None
-        return self._confident[1]
+        sqr_error, var_error = sigmas * errors[0], sigmas * errors[1]
+        top = max(sqr, 0.0) + sqr_error  # a negative average is noise: it must not tighten the bound on |G|^2
+        low = max(var - var_error, 0.0) / top if top > 0 else 0.0  # no spread to bound |G|^2 with: proves nothing
+        bottom = sqr - sqr_error
+        high = (var + var_error) / bottom if bottom > 0 else math.inf
+        return low, max(high, low)
 
     def state_dict(self) -> dict:
         """Everything needed to resume, as plain Python numbers (JSON-friendly)."""
@@ -238,6 +265,7 @@ class NoiseScaleEstimator:
             "sqr_sq_biased": self._sqr_sq_biased,
             "var_sq_biased": self._var_sq_biased,
             "weight_sq": self._weight_sq,
+            "spread_known": self._spread_known,
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -248,10 +276,8 @@ class NoiseScaleEstimator:
         self._var_biased = float(state_dict["var_biased"])
         self._weight = float(state_dict["weight"])
         self.num_updates = int(state_dict["num_updates"])
-        # a checkpoint from before the confidence: its spread is unknown, so take it as large as the averages
-        # themselves (one standard error of 100%) until new steps show the real one
-        weight = self._weight if self._weight > 0 else 1.0
-        self._sqr_sq_biased = float(state_dict.get("sqr_sq_biased", 2.0 * self._sqr_biased**2 / weight))
-        self._var_sq_biased = float(state_dict.get("var_sq_biased", 2.0 * self._var_biased**2 / weight))
-        self._weight_sq = float(state_dict.get("weight_sq", self._weight**2))
-        self._confident = None
+        self._sqr_sq_biased = float(state_dict["sqr_sq_biased"])
+        self._var_sq_biased = float(state_dict["var_sq_biased"])
+        self._weight_sq = float(state_dict["weight_sq"])
+        self._spread_known = bool(state_dict["spread_known"])
+        self._bounds = None

@@ -12,7 +12,7 @@ Pure: numpy and the project's maths modules only (no torch, no Lightning).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Protocol
 
@@ -32,8 +32,18 @@ from lightning_cannikin.core.plan import Plan, even_split
 
 # candidate micro-step globals, their accumulation steps, their predicted step times, the kept total's time
 TotalOptions = tuple[np.ndarray, np.ndarray, np.ndarray, float]
+# what is known of the noise scale: a value, the (low, high) bounds the statistics prove, or nothing yet
+NoiseEvidence = float | tuple[float, float] | None
 
-__all__ = ["Decision", "PolicySettings", "StepTimeModel", "decide", "learning_rate_scale"]
+__all__ = [
+    "Decision",
+    "PolicySettings",
+    "StepTimeModel",
+    "decide",
+    "gain_noise_scale",
+    "learning_rate_scale",
+    "noise_bounds",
+]
 
 
 class StepTimeModel(Protocol):
@@ -127,8 +137,9 @@ class Decision:
         identified: whether every device's slope was measured when the decision was made.
         noise_band: the noise scales ``(low, high)`` within which the total batch decided here stays the goodput
             choice (within the margin), given the speeds just fitted; ``None`` when the total was not considered.
-            Every rank holds the same noise scale, so each can tell on its own, and at the same step, when the
-            estimate leaves the band (:meth:`~lightning_cannikin.core.schedule.ReplanSchedule.total_due`).
+            Every rank holds the same noise bounds, so each can tell on its own, and at the same step, when they
+            prove a move out of it (:meth:`~lightning_cannikin.core.schedule.ReplanSchedule.total_due`), and the
+            learning-rate gain of a grown total uses no less than its lower edge (:func:`gain_noise_scale`).
         untimed: the plan puts some rank beyond the sizes it was timed at lately (a walk towards a knee): re-plan
             once it has been timed there, as after a change of total (``ReplanSchedule.replanned(total_changed=)``).
         best_total: the total batch with the best predicted goodput (``None``: the total was not reconsidered).
@@ -178,11 +189,40 @@ def learning_rate_scale(
     return factor, float(adascale_gain(noise_scale, total_batch_size, base_batch_size))
 
 
+def noise_bounds(noise: NoiseEvidence) -> tuple[float, float] | None:
+    """``(low, high)`` from what is known of the noise scale: a known value is both bounds."""
+    if noise is None:
+        return None
+    if isinstance(noise, tuple):
+        low, high = float(noise[0]), float(noise[1])
+    else:
+        low = high = float(noise)
+    if not 0.0 <= low <= high:  # also rejects NaN
+        raise ValueError(f"Noise-scale bounds must satisfy 0 <= low <= high, got {noise}.")
+    return low, high
+
+
+def gain_noise_scale(
+    bounds: tuple[float, float] | None, total_batch_size: int, base_batch_size: int, band: tuple[float, float] | None
+) -> float | None:
+    """The noise scale a step's AdaScale gain (and learning-rate factor) takes: the lower bound, so the gain is one
+    the statistics support; but while a total above the base is kept, at least the lower edge of its ``band`` (the
+    least noise scale for which that total is the goodput choice, :attr:`Decision.noise_band`), up to the upper
+    bound. The total and its gain then come from the same evidence: a total that was grown keeps a gain above 1 until
+    the bounds prove it too large (and the total shrinks), even while a noisier stretch widens them."""
+    if bounds is None:
+        return None
+    low, high = bounds
+    if band is not None and total_batch_size > base_batch_size:
+        low = max(low, min(band[0], high))
+    return low
+
+
 def decide(
     model: StepTimeModel,
     current: Plan,
     settings: PolicySettings,
-    noise_scale: float | None,
+    noise_scale: NoiseEvidence,
     base_batch_size: int,
     adapt_total: bool = True,
     adam: bool = False,
@@ -193,23 +233,31 @@ def decide(
         model: the step-time model (a fitted speed model, or the simulator's cluster).
         current: the plan in force.
         settings: the user's policy settings.
-        noise_scale: the gradient noise scale once it can be acted on; ``None`` keeps the total batch.
+        noise_scale: what is known of the gradient noise scale: the ``(low, high)`` bounds the statistics prove
+            (:meth:`~lightning_cannikin.core.noise_scale.NoiseScaleEstimator.bounds`), a known value, or ``None``
+            (nothing yet: the total batch is kept).
         base_batch_size: B0, the total batch the learning rate was tuned for.
         adapt_total: whether the total batch may change now (``False`` mid-epoch, where the epoch's length is fixed).
         adam: whether the optimizer is Adam-family (the square root of the AdaScale gain).
+
+    The total grows only to the goodput choice under the *lower* bound, and shrinks only to the choice under the
+    *upper* bound; in between it is kept. The best total rises with the noise scale, so a move made is one the truth
+    calls for too (with the bounds' confidence), and it goes no further than the evidence: a total chosen under the
+    lower bound is at most the one the true noise scale would choose.
 
     While some device's slope is not yet identified (one batch size seen), a balancing decision perturbs the current
     split instead, so that every rank runs a new batch size and the next re-plan can measure it; the total batch
     waits. An even split never probes: like AdaptDL, it chooses the total batch from the one-size prior until a
     change of total batch measures the slope.
     """
+    bounds = noise_bounds(noise_scale)
     global_batch, accumulation = current.global_batch_size, current.accumulation_steps
     choice, split_gain, split_margin = None, None, None
-    adapt = adapt_total and settings.max_batch_size is not None and noise_scale is not None
+    adapt = adapt_total and settings.max_batch_size is not None and bounds is not None
     adapt = adapt and (model.identified or not settings.balance)  # the total waits for measured speeds
     options = _total_options(model, current, settings, base_batch_size) if adapt else None
     if adapt:
-        global_batch, accumulation, choice = _choose_total(options, current, settings, noise_scale, base_batch_size)  # type: ignore[arg-type]
+        global_batch, accumulation, choice = _choose_total(options, current, settings, bounds, base_batch_size)  # type: ignore[arg-type]
     if settings.balance and not model.identified:
         # a slope guessed from one batch size can be far off (AdaptDL's prior puts half the time in the intercept):
         # rather than act on it, move every rank a little from where it is, so the next re-plan measures slopes
@@ -222,12 +270,13 @@ def decide(
     else:
         sizes = most_even_split(global_batch, model.world_size, model.lower, model.upper).local_batch_sizes
     plan = Plan(sizes, accumulation, predicted_step_time=float(model.predict(sizes)))
-    factor, gain = learning_rate_scale(settings.lr_scaling, plan.total_batch_size, base_batch_size, noise_scale, adam)
     band = None
     if adapt:
         if (plan.global_batch_size, accumulation) != (current.global_batch_size, current.accumulation_steps):
             options = _total_options(model, plan, settings, base_batch_size)  # the kept total's time is the new one's
-        band = _noise_band(options, plan, settings, noise_scale, base_batch_size)  # type: ignore[arg-type]
+        band = _noise_band(options, plan, settings, base_batch_size)
+    phi = gain_noise_scale(bounds, plan.total_batch_size, base_batch_size, band)
+    factor, gain = learning_rate_scale(settings.lr_scaling, plan.total_batch_size, base_batch_size, phi, adam)
     timed = getattr(model, "timed", None)  # a model that knows which sizes it timed lately
     untimed = settings.balance and model.identified and timed is not None and not timed(plan.local_batch_sizes)
     total_gain = None if choice is None else _relative_gain(choice.goodput, choice.current_goodput)
@@ -282,45 +331,72 @@ def _split(
 
 
 def _choose_total(
-    options: TotalOptions | None, current: Plan, settings: PolicySettings, noise_scale: float, base_batch_size: int
+    options: TotalOptions | None,
+    current: Plan,
+    settings: PolicySettings,
+    bounds: tuple[float, float],
+    base_batch_size: int,
 ) -> tuple[int, int, GoodputChoice | None]:
-    """``(global batch, accumulation steps)`` with the best predicted goodput among ``options`` (from
-    :func:`_total_options`), or the current ones, and the choice (``None`` when no candidate fits)."""
+    """``(global batch, accumulation steps)`` to run next among ``options`` (from :func:`_total_options`), or the
+    current ones, and the choice that decided it (``None`` when no candidate fits): a larger total where it beats the
+    current one by the margin under the lower bound, a smaller one where it does so under the upper bound."""
     if options is None:
         return current.global_batch_size, current.accumulation_steps, None
     micro, steps, times, kept = options
+    totals, total = micro * steps, current.total_batch_size
     # Keeping the total batch means running it at its best split (re-splitting is free), not at the current split:
     # a stale split must not credit a change of total batch with the gain of re-balancing.
-    choice = choose_batch_size(
-        micro * steps, times, noise_scale, base_batch_size, current.total_batch_size, kept, margin=settings.margin
-    )
+    low, high = bounds
+    choice = choose_batch_size(totals, times, low, base_batch_size, total, kept, margin=settings.margin)
+    if not (choice.adopted and choice.batch_size > total) and high != low:
+        down = choose_batch_size(totals, times, high, base_batch_size, total, kept, margin=settings.margin)
+        choice = down if down.adopted and down.batch_size < total else replace(choice, adopted=False)
     if not choice.adopted:
         return current.global_batch_size, current.accumulation_steps, choice
-    index = int(np.flatnonzero(micro * steps == choice.batch_size)[0])
+    index = int(np.flatnonzero(totals == choice.batch_size)[0])
     return int(micro[index]), int(steps[index]), choice
 
 
+# the noise scales a band is looked for in: from this far below the base batch to this far above the largest total, on
+# a coarse geometric grid whose steps around each edge are then split this many times finer
+_BAND_REACH = 64.0
+_BAND_STEPS_PER_DOUBLING = 8
+_BAND_REFINE = 64
+
+
 def _noise_band(
-    options: TotalOptions | None, plan: Plan, settings: PolicySettings, noise_scale: float, base_batch_size: int
-) -> tuple[float, float]:
-    """The noise scales around ``noise_scale`` for which ``plan``'s total stays the goodput choice (no other total
-    gains more than the margin), on a geometric grid of 1/64x to 64x in steps of 2**(1/8); the step times are the
-    model's (``options``, from :func:`_total_options` with ``plan`` in force). The ends of the grid are open: beyond
-    them the band extends to 0 or infinity."""
-    if options is None or not np.isfinite(noise_scale) or noise_scale <= 0:
-        return 0.0, float("inf")
+    options: TotalOptions | None, plan: Plan, settings: PolicySettings, base_batch_size: int
+) -> tuple[float, float] | None:
+    """The noise scales for which ``plan``'s total stays the goodput choice (no other total gains more than the
+    margin), from B0 / 64 to 64x the largest total, its edges found to within 0.14% (a coarse grid in steps of
+    2**(1/8), each edge's step split 64 times): a coarser edge would have the bounds prove moves that the decision
+    then finds under the margin, one re-plan per step. The step times are the model's (``options``, from
+    :func:`_total_options` with ``plan`` in force). The set is an interval: a larger total gains more the larger the
+    noise scale, a smaller one the smaller. Its ends are open at the grid's ends (0 or infinity); ``None`` when no
+    candidate fits."""
+    if options is None:
+        return None
     micro, steps, times, kept = options
-    grid = float(noise_scale) * 2.0 ** (np.arange(-48, 49) / 8.0)
-    stays = ~adopted_at(micro * steps, times, grid, base_batch_size, plan.total_batch_size, kept, settings.margin)
-    middle = 48
-    if not stays[middle]:
-        return float(noise_scale), float(noise_scale)  # another total is already better: any move re-decides
-    low, high = middle, middle
-    while low > 0 and stays[low - 1]:
-        low -= 1
-    while high < len(grid) - 1 and stays[high + 1]:
-        high += 1
-    return (0.0 if low == 0 else float(grid[low])), (float("inf") if high == len(grid) - 1 else float(grid[high]))
+    totals = micro * steps
+
+    def stays(grid: np.ndarray) -> np.ndarray:
+        return ~adopted_at(totals, times, grid, base_batch_size, plan.total_batch_size, kept, settings.margin)
+
+    doublings = np.log2(_BAND_REACH**2 * float(totals.max()) / base_batch_size)
+    count = int(np.ceil(doublings * _BAND_STEPS_PER_DOUBLING)) + 1
+    grid = np.geomspace(base_batch_size / _BAND_REACH, _BAND_REACH * float(totals.max()), count)
+    inside = np.flatnonzero(stays(grid))
+    if inside.size == 0:
+        return 0.0, float("inf")  # beaten at every noise scale (a total no candidate keeps): no bound moves it again
+    low, high = inside[0], inside[-1]
+    edges = [0.0, float("inf")]
+    if low > 0:  # the lowest noise scale that keeps it lies in (grid[low - 1], grid[low]]
+        fine = np.geomspace(grid[low - 1], grid[low], _BAND_REFINE + 1)[1:]
+        edges[0] = float(fine[np.flatnonzero(stays(fine))[0]])
+    if high < len(grid) - 1:  # the highest in [grid[high], grid[high + 1])
+        fine = np.geomspace(grid[high], grid[high + 1], _BAND_REFINE + 1)[:-1]
+        edges[1] = float(fine[np.flatnonzero(stays(fine))[-1]])
+    return edges[0], edges[1]
 
 
 def _total_options(

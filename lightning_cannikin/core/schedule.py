@@ -1,7 +1,7 @@
 """When to re-plan mid-epoch: every few steps while some device's speed is unmeasured, on a fixed cadence, when a
-rank's local check sees its speed change, and when to reconsider the total batch mid-epoch (when the confident noise
-scale leaves the band the last choice holds in, not on a clock); and whether an epoch's end re-plans when nothing asks
-for it (less often while re-plans keep finding the plan in force).
+rank's local check sees its speed change, and when to reconsider the total batch mid-epoch (when the noise scale's
+bounds prove a move out of the band the last choice holds in, not on a clock); and whether an epoch's end re-plans
+when nothing asks for it (less often while re-plans keep finding the plan in force).
 
 Pure Python: imports neither torch nor Lightning.
 """
@@ -37,9 +37,9 @@ class ReplanSchedule:
             the first re-plan probes a second batch size on every rank, the next one balances. Not used when the
             split is even (an even split probes nothing, so it would re-plan forever for no change).
         every_n_steps: also re-plan every this many steps (``None``: never on a cadence).
-        adapt_every_n_steps: mid-epoch, reconsider the total batch when the confident noise scale leaves the band
-            of the last choice (:meth:`total_due`), but no sooner than this many steps after the last reconsideration
-            (a floor, not a clock; ``None``: at epoch ends only).
+        adapt_every_n_steps: mid-epoch, reconsider the total batch when the noise scale's bounds prove a move out
+            of the band of the last choice (:meth:`total_due`), but no sooner than this many steps after the last
+            reconsideration (a floor, not a clock; ``None``: at epoch ends only).
         check_every_n_steps: ask every rank's :class:`~lightning_cannikin.core.change.LocalChangeCheck` after every
             this many steps (:meth:`check_due`, the same steps on every rank); a yes from any rank re-plans at that
             step (``None``: never). The check itself is local; only its one-bit answer must reach every rank.
@@ -89,25 +89,31 @@ class ReplanSchedule:
         period = min(CHECK_PERIOD_S * max(1.0, PACED_BELOW_S / step_seconds), CHECK_PERIOD_MAX_S)
         return max(every, math.ceil(period / step_seconds))
 
-    def total_due(self, noise_scale: float | None, step: int, epoch_end: bool = False) -> bool:
-        """Whether to reconsider the total batch mid-epoch after ``step`` steps: the noise scale is confident (``None``
-        while it is not, as :meth:`~lightning_cannikin.core.noise_scale.NoiseScaleEstimator.confident_noise_scale`
-        gives it), at least ``adapt_every_n_steps`` steps passed since the last reconsideration, and either no band is
-        held (no total was chosen with a confident noise scale yet, or a resume dropped it) or the noise scale has left
-        the band the last choice holds in (:attr:`~lightning_cannikin.core.policy.Decision.noise_band`, kept here by
-        :meth:`adapted_at`). Not while a re-plan waits for new sizes to be timed (:attr:`settle_at`): their times would
-        be the model's guesses. Every rank holds the same noise scale and band, so every rank answers alike at the same
-        step, with no collective. At an ``epoch_end`` the floor does not apply (the epoch's end may change the total
-        whatever ``adapt_every_n_steps`` says)."""
+    def total_due(self, bounds: tuple[float, float] | None, step: int, epoch_end: bool = False) -> bool:
+        """Whether to reconsider the total batch mid-epoch after ``step`` steps: the noise scale has bounds (``None``
+        until the statistics have a spread, :meth:`~lightning_cannikin.core.noise_scale.NoiseScaleEstimator.bounds`),
+        at least ``adapt_every_n_steps`` steps passed since the last reconsideration, and either no band is held (no
+        total was chosen with bounds yet, or a resume or a change of speed dropped it) or the bounds prove a move: the
+        lower bound is above the band the total in force holds in (a larger total pays even there), or the upper bound
+        is below it (:attr:`~lightning_cannikin.core.policy.Decision.noise_band`, kept here by :meth:`adapted_at`).
+        Not while a re-plan waits for new sizes to be timed (:attr:`settle_at`): their times would be the model's
+        guesses. Every rank holds the same bounds and band, so every rank answers alike at the same step, with no
+        collective. At an ``epoch_end`` the floor does not apply (the epoch's end may change the total whatever
+        ``adapt_every_n_steps`` says)."""
         floor = 0 if epoch_end else self.adapt_every_n_steps
-        if noise_scale is None or floor is None or step - self.last_adapt_step < floor:
+        if bounds is None or floor is None or step - self.last_adapt_step < floor:
             return False
         if self.settle_at is not None and step < self.settle_at:
             return False  # some rank runs sizes its model has not timed yet: the settling re-plan reconsiders
         if self.noise_band is None:
             return True
-        low, high = self.noise_band
-        return not low <= noise_scale <= high
+        return bounds[0] > self.noise_band[1] or bounds[1] < self.noise_band[0]
+
+    def settled(self, bounds: tuple[float, float] | None) -> bool:
+        """Whether the bounds lie inside the band of the total in force: no noise scale they allow moves the total, so
+        the statistics need not be measured on every step until they drift out."""
+        band = self.noise_band
+        return bounds is not None and band is not None and band[0] <= bounds[0] and bounds[1] <= band[1]
 
     def adapted_at(self, step: int, ready: bool, noise_band: tuple[float, float] | None = None) -> None:
         """The total batch was reconsidered after ``step`` steps (at an epoch end too); ``noise_band``: the
@@ -127,15 +133,17 @@ class ReplanSchedule:
         settling = self.settle_at is not None and step >= self.settle_at
         return warming_up or periodic or settling
 
-    def epoch_end_due(self, step: int, identified: bool, changed: bool, noise_scale: float | None) -> bool:
+    def epoch_end_due(
+        self, step: int, identified: bool, changed: bool, noise_bounds: tuple[float, float] | None
+    ) -> bool:
         """Whether an epoch's end re-plans (the same answer on every rank): something asks for it (a device not yet
         timed at two sizes, ``changed``: some rank's check saw a change, a re-plan waiting to settle, the total batch:
-        :meth:`total_due` at ``noise_scale``, ``None`` where the total is fixed), or :attr:`routine_gap` steps ran
+        :meth:`total_due` at ``noise_bounds``, ``None`` where the total is fixed), or :attr:`routine_gap` steps ran
         since the last re-plan. While re-plans keep finding the plan in force, they come at every other epoch end,
         then every fourth, up to ``ROUTINE_GAP_CAP`` steps apart (the gap quadruples while the kept split is at the
         model's optimum, :meth:`replanned`): each is rank zero's fit and decision while the other ranks wait, and on
         short epochs of fast steps those waits were a visible share of the run."""
-        total = self.total_due(noise_scale, step, epoch_end=True)
+        total = self.total_due(noise_bounds, step, epoch_end=True)
         pending = not identified or changed or total or self.settle_at is not None
         return pending or step - self.last_replan_step >= self.routine_gap
 

@@ -18,11 +18,11 @@ from typing import Any
 from lightning.fabric.utilities.rank_zero import rank_zero_info  # Lightning's and Fabric's (no Trainer, no Fabric)
 
 from lightning_cannikin.core.change import LocalChangeCheck
-from lightning_cannikin.core.history import PlanHistory
+from lightning_cannikin.core.history import NoiseTrail, PlanHistory
 from lightning_cannikin.core.lr_scaling import Progress, check_family
 from lightning_cannikin.core.noise_scale import NoiseScaleEstimator
 from lightning_cannikin.core.plan import BatchBounds, Plan
-from lightning_cannikin.core.policy import Decision, PolicySettings, decide, learning_rate_scale
+from lightning_cannikin.core.policy import Decision, PolicySettings, decide, gain_noise_scale, learning_rate_scale
 from lightning_cannikin.core.profile import PROFILE_FILENAME, build_profile, save_profile
 from lightning_cannikin.core.schedule import ReplanSchedule
 from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings, StepRecord
@@ -93,6 +93,8 @@ class BalancingEngine:
         self._family: str | None = None
         self._on_adopt: AdoptHook | None = None
         self._restored: dict[str, Any] | None = None
+        self.band_total: int | None = None  # the total the schedule's noise band was decided for
+        self.noise_trail = NoiseTrail()  # the estimate and its bounds over the fit, for the run profile
 
     def attach(self, runtime: RuntimeState, collective: Collective, on_adopt: AdoptHook | None = None) -> None:
         """Drive ``runtime`` over ``collective`` (at setup, before the training loader is built)."""
@@ -103,6 +105,7 @@ class BalancingEngine:
         if self.observer is None and world_size > 1 and self.track_noise_scale:
             every = (self.settings.noise_exchange_every, self.settings.noise_every_n_steps)
             self.observer = runtime.noise_observer_type(collective.rank, world_size, None, *every)
+            self.observer.cadence = self.noise_every
         runtime.attach(self.speed_model.bounds, self.observer, self.scale)
         self.vote = None
         if world_size > 1 and self.policy.balance and self.schedule.check_every_n_steps is not None:
@@ -156,27 +159,40 @@ class BalancingEngine:
         """The gradient noise scale in samples (equal on every rank; ``None`` until measured)."""
         return self.estimator.noise_scale if self.estimator is not None else None
 
-    def usable_noise_scale(self) -> float | None:
-        """The noise scale once it can be acted on: ``min_noise_updates`` measured steps averaged, and the statistics'
-        own spread puts both of its parts well above zero (``None`` before: an infinite or wild estimate would move
-        the total batch and the gain the most)."""
-        estimator, error = self.estimator, self.settings.max_noise_error
+    def noise_bounds(self) -> tuple[float, float] | None:
+        """The noise scales the statistics cannot yet tell apart, ``(low, high)``
+        (:meth:`~lightning_cannikin.core.noise_scale.NoiseScaleEstimator.bounds`, ``noise_bound_sigmas`` wide);
+        ``None`` before ``min_noise_updates`` measured steps or before the statistics have a spread. The same on every
+        rank: every estimator receives the same numbers."""
+        estimator = self.estimator
         if estimator is None or estimator.num_updates < self.settings.min_noise_updates:
             return None
-        return estimator.noise_scale if error is None else estimator.confident_noise_scale(error)
+        return estimator.bounds(self.settings.noise_bound_sigmas)
+
+    def noise_every(self) -> int:
+        """Optimizer steps per noise measurement now: every step while the bounds may still prove a move of the total
+        (or the gain still waits for them), one in ``noise_every_n_steps`` once they lie inside the band of the total in
+        force and only a drift of the noise scale could move it (alike on every rank: the same bounds and band)."""
+        if self.schedule.settled(self.noise_bounds()):
+            return self.settings.noise_every_n_steps
+        return 1
 
     def scale(self, total_batch_size: int) -> tuple[float, float]:
         """``(lr factor, AdaScale gain)`` of a step at ``total_batch_size`` with what is known now (the same on every
-        rank: the estimator receives the same numbers everywhere)."""
+        rank): the gain the noise scale's lower bound supports, and while a grown total is kept at least that of its
+        band's lower edge (:func:`~lightning_cannikin.core.policy.gain_noise_scale`): the total and its gain come from
+        the same evidence."""
         if self.estimator is None:
             return 1.0, 1.0
         base = self.estimator.base_batch_size
-        return learning_rate_scale(self.policy.lr_scaling, total_batch_size, base, self.usable_noise_scale(), self.adam)
+        band = self.schedule.noise_band if total_batch_size == self.band_total else None
+        phi = gain_noise_scale(self.noise_bounds(), total_batch_size, base, band)
+        return learning_rate_scale(self.policy.lr_scaling, total_batch_size, base, phi, self.adam)
 
     @property
     def adapt_ready(self) -> bool:
-        """The noise scale can be acted on, and the speeds are measured (or the split is even)."""
-        return self.usable_noise_scale() is not None and (self.identified or not self.policy.balance)
+        """The noise scale has bounds, and the speeds are measured (or the split is even)."""
+        return self.noise_bounds() is not None and (self.identified or not self.policy.balance)
 
     def step_started(self) -> None:
         """A training step (or accumulation micro-step) starts on this rank."""
@@ -213,6 +229,8 @@ class BalancingEngine:
             if self.observer is not None and self.estimator is not None:
                 # every rank folds the same exchanged numbers: the factor is identical everywhere, no collective
                 updated = self.observer.fold_into(self.estimator, runtime.accumulation_window)
+                if updated:
+                    self.noise_trail.add(self.step, self.estimator.noise_scale, self.noise_bounds())
         self.step += 1
         return updated
 
@@ -229,14 +247,14 @@ class BalancingEngine:
         self._changed = vote is not None and vote.poll(self.schedule.check_due(self.step, seconds))
         if epoch_ends:
             return False, False
-        # the total follows the confident noise scale out of the band rank zero broadcast: alike on every rank
+        # the total moves where the noise bounds prove it out of the band rank zero broadcast: alike on every rank
         ready = self.policy.max_batch_size is not None and resizable and (self.identified or not self.policy.balance)
-        adapt = ready and self.schedule.total_due(self.usable_noise_scale(), self.step)
+        adapt = ready and self.schedule.total_due(self.noise_bounds(), self.step)
         return adapt or self.schedule.due(self.step, self.identified, self.policy.balance, self._changed), adapt
 
     def epoch_end_due(self) -> bool:
         """Whether the epoch's end re-plans (:meth:`ReplanSchedule.epoch_end_due`; every rank alike)."""
-        noise = self.usable_noise_scale() if self.policy.max_batch_size is not None else None  # None: no total due
+        noise = self.noise_bounds() if self.policy.max_batch_size is not None else None  # None: no total due
         return self.schedule.epoch_end_due(self.step, self.identified or not self.policy.balance, self._changed, noise)
 
     def decide(
@@ -256,7 +274,7 @@ class BalancingEngine:
         # mid-epoch window must not straddle two values
         policy = replace(self.policy, accumulate=False) if mid_epoch else self.policy
         adapt_total = not mid_epoch if adapt_total is None else adapt_total
-        noise, base = self.usable_noise_scale(), self.estimator.base_batch_size
+        noise, base = self.noise_bounds(), self.estimator.base_batch_size
         decision = decide(self.speed_model, current, policy, noise, base, adapt_total=adapt_total, adam=self.adam)
         return replace(decision, changing=self.speed_model.changing, unconfirmed=self.speed_model.watch.unconfirmed)
 
@@ -282,9 +300,11 @@ class BalancingEngine:
         if decision is None or current is None:
             self.schedule.replanned(self.step, total_changed=False, balance=self.policy.balance)
             return None
+        plan = decision.plan
         if adapt_total:
             self.schedule.adapted_at(self.step, self.adapt_ready, decision.noise_band)
-        plan = decision.plan
+            if decision.noise_band is not None:
+                self.band_total = plan.total_batch_size
         total_changed = plan.total_batch_size != current.total_batch_size
         # a new total, a walk to a device's knee, a split moved by a rescale that may be a passing stall, or a change of
         # speed the model followed: re-split once timed (a check fired by what the model does not see settles nothing)
@@ -323,7 +343,8 @@ class BalancingEngine:
             return
         if self.save_profile and self.profile_dir and self.speed_model is not None:
             base = self.estimator.base_batch_size if self.estimator is not None else None
-            profile = build_profile(self.speed_model, self.history.entries, base_batch_size=base)
+            trail = self.noise_trail.points or None  # None: from the history (no statistics measured)
+            profile = build_profile(self.speed_model, self.history.entries, base, trail)
             save_profile(Path(self.profile_dir) / PROFILE_FILENAME, profile)
         rank_zero_info(explain(self.step, decision, current, self.policy))  # what was decided, and why
 

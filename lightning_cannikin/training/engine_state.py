@@ -27,6 +27,8 @@ def engine_state(engine: Any) -> dict[str, Any]:
         "adapted": engine.schedule.adapted,
         "last_replan_step": engine.schedule.last_replan_step,
         "routine_gap": engine.schedule.routine_gap,
+        "noise_band": engine.schedule.noise_band,
+        "band_total": engine.band_total,
         "noise_in_flight": engine.observer.state_dict() if engine.observer is not None else None,
     }
 
@@ -45,6 +47,9 @@ def restore_engine(engine: Any, state: dict[str, Any]) -> None:
     engine.schedule.adapted = bool(state.get("adapted", True))
     engine.schedule.last_replan_step = int(state.get("last_replan_step", engine.step))
     engine.schedule.routine_gap = int(state.get("routine_gap", 0))  # older checkpoints: the next epoch end re-plans
+    band = state.get("noise_band")
+    engine.schedule.noise_band = None if band is None else (float(band[0]), float(band[1]))
+    engine.band_total = state.get("band_total")
     if state.get("noise_in_flight") is not None and engine.observer is not None:
         engine.observer.load_state_dict(state["noise_in_flight"])
     world_size = engine.collective.world_size if engine.collective is not None else 1

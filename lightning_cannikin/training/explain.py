@@ -44,7 +44,7 @@ def explain(step: int, decision: Decision, current: Plan, policy: PolicySettings
             f" {_percent(decision.total_gain)} goodput, {side} the {_percent(policy.margin)} adapt margin)"
         )
     elif policy.max_batch_size is not None:
-        line += f"; total batch {total} not reconsidered (mid-epoch, or no confident noise scale yet)"
+        line += f"; total batch {total} not reconsidered (mid-epoch, or no bounds on the noise scale yet)"
     predicted = plan.predicted_step_time
     if predicted is not None:
         line += f"; predicted step {1000 * predicted:.1f} ms"

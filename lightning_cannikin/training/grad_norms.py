@@ -101,26 +101,6 @@ class GradientNorms:
             pieces = self._minus_previous(parameters, pieces)
         return self._squared(parameters, pieces, weight)
 
-    def parameter(self, parameter: torch.Tensor, subtract_previous: bool) -> torch.Tensor:
-        """``|g|^2`` of one parameter's gradient as it is now (preconditioned for Adam), less what earlier
-        micro-batches of the window put in it when asked; not divided by any weight (one read of the gradient, no
-        copy: what a hook on the parameter can afford)."""
-        piece = parameter.grad.detach().reshape(-1)
-        previous = self._previous.get(id(parameter)) if subtract_previous and self._previous_valid else None
-        if previous is not None:
-            piece = piece - previous
-        if self.optimizer is None:
-            return squared_norm(piece)
-        return self._squared([parameter], [piece], 1.0)
-
-    def gradients(self, parameters: Sequence[torch.Tensor], since_previous: bool = False) -> torch.Tensor:
-        """``|g|^2`` of the parameters' gradients as they are now (preconditioned for Adam), fused; with
-        ``since_previous``, of what the window's last micro-batch put in them. No gradient counts as zero."""
-        params, grads = _with_gradients(parameters)
-        if not params:
-            return torch.zeros((), dtype=torch.float32, device=parameters[0].device if parameters else None)
-        return self._squared(params, self._since_previous(params, grads) if since_previous else grads, 1.0)
-
     def _since_previous(self, parameters: Sequence[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
         return self._minus_previous(parameters, grads) if self._previous_valid else grads
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -66,12 +66,15 @@ class GradientNormObserver:
             collective is paid once per exchange. On gloo a collective of a few floats costs about a millisecond of
             CPU and wall time; on NCCL tens of microseconds.
         measure_every: measure one optimizer step in this many (:meth:`start_step`); the others cost nothing.
+            ``cadence``, where set, overrides it step by step.
 
     Attributes:
         measuring: whether the step in progress is measured (set before its first backward; a step not measured
             costs nothing and leaves no block).
         scaler: the ``GradScaler`` of ``16-mixed`` training (``None`` without one).
-        pending: the newest step whose norms were read, waiting for its ``Y``: ``(Z, sizes, scale)``.
+        cadence: a callable giving ``measure_every`` at the start of each optimizer step (``None``: the fixed value),
+            the same on every rank; a measured step weighs as the steps it stands for.
+        pending: the newest step whose norms were read, waiting for its ``Y``: ``(Z, sizes, scale, weight)``.
 
     """
 
@@ -90,14 +93,16 @@ class GradientNormObserver:
         self.norms = GradientNorms()
         self.measuring = True
         self.scaler: Any = None
+        self.cadence: Callable[[], int] | None = None
+        self._weight = 1  # the steps the step in progress stands for
         self._transfer = transfer
         self._last_global: torch.Tensor | float | None = None  # rank zero's Y of the last step, for the next exchange
-        self.pending: tuple[list[float], list[int], float] | None = None
+        self.pending: tuple[list[float], list[int], float, int] | None = None
         # issued exchanges not folded yet, oldest first: [transfer handle or read values, layout, read?], the layout
         # one (values, sizes) pair per step in it
         self._in_flight: deque[list[Any]] = deque()
         # steps waiting for the next exchange: this rank's block, or the summed values a checkpoint brought back
-        self._unsent: list[tuple[torch.Tensor | list[float], list[int] | None]] = []
+        self._unsent: list[tuple[torch.Tensor | list[float], list[int] | None, int]] = []
         self._snapshot: tuple[Any, torch.Tensor] | None = None  # a checkpoint's copy of them, being summed
         self._group: Any = None
         self._reset_step()
@@ -120,7 +125,9 @@ class GradientNormObserver:
 
     def start_step(self, step: int) -> None:
         """Optimizer step ``step`` (counted over the fit, as a resumed fit counts it) is about to start."""
-        self.measuring = step % self.measure_every == 0
+        every = self.measure_every if self.cadence is None else self.cadence()
+        self.measuring = step % every == 0
+        self._weight = every
 
     def after_micro_step(self, parameters: Iterable[torch.Tensor], weight: float) -> None:
         """Record a micro-batch that ended without a reduction (accumulation); ``weight`` is its share of the sum."""
@@ -152,17 +159,6 @@ class GradientNormObserver:
             exchange[-1] = scaler_scale(self.scaler) if self.scaler is not None else 1.0
         self._block, self._group = exchange, state.process_group
 
-    def captured(self, state: WeightedAllReduceState, local: torch.Tensor, parameters: Sequence[torch.Tensor]) -> None:
-        """A measured backward that DDP's own all-reduce reduced: ``local`` is this rank's squared local gradient
-        (taken by :class:`~lightning_cannikin.training.grad_capture.GradientCapture`), ``parameters`` now hold the
-        reduced gradients (rank zero takes ``Y`` from them)."""
-        if not self.measuring:
-            return
-        self._local = local / state.local_scale**2
-        self._close_block(state)
-        if self.rank == 0:
-            self._global = self.norms.gradients(parameters) / state.global_scale**2
-
     def after_reduce(self, state: WeightedAllReduceState, bucket: dist.GradBucket, reduced: torch.Tensor) -> None:
         if self.rank != 0 or not self.measuring:
             return  # the other ranks receive rank zero's Y through the exchange
@@ -191,7 +187,7 @@ class GradientNormObserver:
             return False
         # groups are rank-major, as they were exchanged: rank 0's micro-batches first
         sizes = [micro[rank] for rank in range(self.world_size) for micro in window] if window else None
-        self._unsent.append((block, sizes))
+        self._unsent.append((block, sizes, self._weight))
         if len(self._unsent) >= self.exchange_every:
             self._send()
         updated = False
@@ -202,7 +198,7 @@ class GradientNormObserver:
     def _send(self) -> None:
         """Issue the steps waiting for an exchange as one all-reduce; nothing waits for it."""
         blocks, self._unsent = self._unsent, []
-        live = [block for block, _ in blocks if isinstance(block, torch.Tensor)]
+        live = [block for block, _, _ in blocks if isinstance(block, torch.Tensor)]
         handle: Any = []
         if live:
             exchange = live[0] if len(live) == 1 else torch.cat(live)
@@ -210,10 +206,12 @@ class GradientNormObserver:
             if self._transfer is None:
                 self._transfer = PinnedTransfer() if exchange.is_cuda else HostTransfer()
             handle = self._transfer.start(exchange, work)
-        # per step: its count of floats, its sizes, and its summed values when a checkpoint already had them
+        # per step: its count of floats, its sizes, its summed values when a checkpoint already had them, its weight
         layout = [
-            (block.numel(), sizes, None) if isinstance(block, torch.Tensor) else (len(block), sizes, list(block))
-            for block, sizes in blocks
+            (block.numel(), sizes, None, weight)
+            if isinstance(block, torch.Tensor)
+            else (len(block), sizes, list(block), weight)
+            for block, sizes, weight in blocks
         ]
         self._in_flight.append([handle, layout, not live])
 
@@ -222,30 +220,33 @@ class GradientNormObserver:
         handle, layout, read = entry
         values = handle if read else self._transfer.read(handle)
         updated, offset = False, 0
-        for count, sizes, known in layout:
+        for count, sizes, known, weight in layout:
             if known is None:
                 known, offset = values[offset : offset + count], offset + count
-            updated = self._fold_step(estimator, known, sizes) or updated
+            updated = self._fold_step(estimator, known, sizes, weight) or updated
         return updated
 
     def snapshot_waiting(self) -> None:
         """Start summing a copy of the steps still waiting for their exchange (a checkpoint needs every rank's numbers;
         the exchange itself stays where it was, so saving a checkpoint changes nothing). Every rank calls it at the
         same step; :meth:`state_dict` calls it when nobody did."""
-        live = [block for block, _ in self._unsent if isinstance(block, torch.Tensor)]
+        live = [block for block, _, _ in self._unsent if isinstance(block, torch.Tensor)]
         if live and self._snapshot is None:
             copy = torch.cat(live)
             self._snapshot = (dist.all_reduce(copy, group=self._group, async_op=True), copy)
 
-    def _fold_step(self, estimator: NoiseScaleEstimator, values: list[float], sizes: list[int] | None) -> bool:
-        """One step's block: its ``Y`` and scale complete the pending step, its ``Z`` become the pending step."""
+    def _fold_step(
+        self, estimator: NoiseScaleEstimator, values: list[float], sizes: list[int] | None, weight: int
+    ) -> bool:
+        """One step's block: its ``Y`` and scale complete the pending step, its ``Z`` become the pending step (which
+        stands for ``weight`` optimizer steps)."""
         *local, previous_global, scale = values
         ready, self.pending = self.pending, None
         if sizes:
-            self.pending = (local, sizes, scale)
+            self.pending = (local, sizes, scale, weight)
         if ready is None:
             return False
-        ready_local, ready_sizes, ready_scale = ready
+        ready_local, ready_sizes, ready_scale, ready_weight = ready
         if scale < ready_scale:
             return False  # the scale backed off after that step: the scaler skipped it
         inverse = 1.0 / ready_scale**2
@@ -253,7 +254,7 @@ class GradientNormObserver:
         ready_local = [z * inverse for z in ready_local]
         if not math.isfinite(global_sqr) or not all(math.isfinite(z) for z in ready_local):
             return False  # nothing to pair, or an overflowing step (e.g. fp16): it tells nothing about the noise
-        return estimator.update(ready_local, ready_sizes, global_sqr, self.measure_every)
+        return estimator.update(ready_local, ready_sizes, global_sqr, ready_weight)
 
     def state_dict(self) -> dict:
         """The statistics in flight, read now (a checkpoint may wait for the device), for exact resumes.
@@ -268,10 +269,10 @@ class GradientNormObserver:
             if work is not None:
                 work.wait()
             summed, self._snapshot = copy.tolist(), None
-        for block, sizes in self._unsent:
+        for block, sizes, weight in self._unsent:
             if isinstance(block, torch.Tensor):
                 block, summed = summed[: block.numel()], summed[block.numel() :]
-            unsent.append([list(block), sizes])
+            unsent.append([list(block), sizes, weight])
         for entry in self._in_flight:
             if not entry[2]:
                 entry[0], entry[2] = self._transfer.read(entry[0]), True
@@ -284,17 +285,17 @@ class GradientNormObserver:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        pending = state.get("pending")
+        pending = state["pending"]
         if pending is None:
             self.pending = None
         else:
-            scale = float(pending[2]) if len(pending) > 2 else 1.0
-            self.pending = (list(pending[0]), [int(b) for b in pending[1]], scale)
-        self._last_global = state.get("last_global")
+            local, sizes, scale, weight = pending
+            self.pending = (list(local), _sizes(sizes), float(scale), int(weight))
+        self._last_global = state["last_global"]
         self._in_flight = deque(
-            [list(values), _layout(values, layout), True] for values, layout in state.get("in_flight", [])
+            [list(values), [_step(step) for step in layout], True] for values, layout in state["in_flight"]
         )
-        self._unsent = [(list(values), _sizes(sizes)) for values, sizes in state.get("unsent", [])]
+        self._unsent = [(list(values), _sizes(sizes), int(weight)) for values, sizes, weight in state["unsent"]]
         self._snapshot = None
 
 
@@ -302,12 +303,10 @@ def _sizes(sizes: Any) -> list[int] | None:
     return None if sizes is None else [int(b) for b in sizes]
 
 
-def _layout(values: list[float], layout: Any) -> list[tuple[int, list[int] | None, list[float] | None]]:
-    """An exchange's steps from a checkpoint: ``[[count, sizes, known], ...]``, or one step's sizes (a checkpoint
-    from before exchanges held several steps)."""
-    if layout is None or all(isinstance(b, int) for b in layout):
-        return [(len(values), _sizes(layout), None)]
-    return [(int(step[0]), _sizes(step[1]), step[2] if len(step) > 2 else None) for step in layout]
+def _step(step: Any) -> tuple[int, list[int] | None, list[float] | None, int]:
+    """One step of an exchange from a checkpoint: ``[count, sizes, known values or None, weight]``."""
+    count, sizes, known, weight = step
+    return int(count), _sizes(sizes), known, int(weight)
 
 
 class _Parameters:

@@ -167,7 +167,7 @@ class BalancingCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         engine = self.engine
-        updated = engine.step_finished()
+        engine.step_finished()
         runtime = engine.runtime
         assert runtime is not None
         if self._logging and engine.step % trainer.log_every_n_steps == 0:
@@ -177,9 +177,10 @@ class BalancingCallback(Callback):
                 if trainer.is_global_zero and (error := engine.history.prediction_error) is not None:
                     log_prediction_error(pl_module, error)
             phi, estimator = engine.noise_scale, engine.estimator
-            if updated and phi is not None and estimator is not None:
+            if phi is not None and estimator is not None:  # the latest estimate at every logging step
                 base = estimator.base_batch_size
-                log_noise_scale(pl_module, phi, self.plan.total_batch_size if self.plan is not None else base, base)
+                total = self.plan.total_batch_size if self.plan is not None else base
+                log_noise_scale(pl_module, phi, engine.noise_bounds(), total, base)
         # the epoch's last batch: its end re-plans next (a mid-epoch re-plan too would decide twice in a row)
         replan, adapt = engine.replan_due(epoch_resizable(trainer), batch_idx + 1 >= trainer.num_training_batches)
         if replan:

@@ -71,11 +71,17 @@ def log_prediction_error(pl_module: pl.LightningModule, error: float) -> None:
     pl_module.log("cannikin/prediction_error", float(error), on_step=True, on_epoch=False, rank_zero_only=True)
 
 
-def log_noise_scale(pl_module: pl.LightningModule, noise_scale: float, total: int, base: int) -> None:
-    """Rank zero's noise scale and the statistical efficiency of the total batch in force (``total``, against the
-    ``base`` the learning rate was tuned for); nothing while the noise scale is not finite."""
-    if not math.isfinite(noise_scale):
-        return
-    gained = efficiency(noise_scale, total, base)
-    for name, value in (("cannikin/noise_scale", noise_scale), ("cannikin/efficiency", gained)):
-        pl_module.log(name, float(value), on_step=True, on_epoch=False, rank_zero_only=True)
+def log_noise_scale(
+    pl_module: pl.LightningModule, noise_scale: float, bounds: tuple[float, float] | None, total: int, base: int
+) -> None:
+    """Rank zero's noise scale, its bounds (``cannikin/noise_scale_low``, ``_high``) and the statistical efficiency of
+    the total batch in force (``total``, against the ``base`` the learning rate was tuned for); a value that is not
+    finite (no detectable signal yet) is left out."""
+    values = {"cannikin/noise_scale": noise_scale}
+    if bounds is not None:
+        values["cannikin/noise_scale_low"], values["cannikin/noise_scale_high"] = bounds
+    if math.isfinite(noise_scale):
+        values["cannikin/efficiency"] = efficiency(noise_scale, total, base)
+    for name, value in values.items():
+        if math.isfinite(value):
+            pl_module.log(name, float(value), on_step=True, on_epoch=False, rank_zero_only=True)

@@ -34,10 +34,10 @@ class CannikinSettings:
     | ``adapt_every_n_steps`` | 1 | fewest steps between mid-epoch reconsiderations of the total (``None``: never) |
     | ``accumulate`` | True | reach totals beyond the upper bounds with gradient accumulation (changed at epoch ends) |
     | ``track_noise_scale`` | None | measure the gradient noise scale (``None``: when it can change something) |
-    | ``min_noise_updates`` | 20 | measured steps of noise statistics before the total batch may change |
-    | ``noise_every_n_steps`` | 8 | measure the noise statistics on one optimizer step in this many |
-    | ``noise_exchange_every`` | 8 | measured steps whose statistics share one all-reduce of a few floats |
-    | ``max_noise_error`` | 0.25 | act on the noise scale once its parts' standard errors are within this share |
+    | ``min_noise_updates`` | 10 | measured steps of noise statistics before the total batch may change |
+    | ``noise_every_n_steps`` | 8 | once the noise bounds settle the total, measure one optimizer step in this many |
+    | ``noise_exchange_every`` | 4 | measured steps whose statistics share one all-reduce of a few floats |
+    | ``noise_bound_sigmas`` | 2.0 | width of the noise scale's bounds, in standard errors, that moves must clear |
     | ``check_every_n_steps`` | 4 | steps between the ranks' speed-change comparisons, >= 0.1 s apart (``None``: off) |
     | ``progress_bar`` | False | show the total and rank zero's local batch on Lightning's progress bar |
 
@@ -47,12 +47,12 @@ class CannikinSettings:
         half_life: recency half-life of the timing fits, in steps.
         adapt_margin: relative goodput gain required to change the total batch (hysteresis).
         adapt_every_n_steps: with ``max_batch_size``, also reconsider the total batch mid-epoch: once the noise scale
-            is confident, then whenever it leaves the band of noise scales within which the last choice stays the
-            goodput choice (a check on numbers every rank holds alike, no collective), but no sooner than this many
-            training steps after the last reconsideration (a floor, no longer a clock; ``None``: at epoch ends only).
-            The estimate itself moves only when exchanged statistics are folded in (every ``noise_every_n_steps`` x
-            ``noise_exchange_every`` steps), so the default floor of 1 adds nothing to that; a larger one delays a
-            total the noise scale already calls for. A mid-epoch change keeps the accumulation and every sample once;
+            has bounds, then whenever they prove a move out of the band of noise scales within which the last choice
+            stays the goodput choice (a check on numbers every rank holds alike, no collective), but no sooner than
+            this many training steps after the last reconsideration (a floor, not a clock; ``None``: at epoch ends
+            only). The bounds move only when exchanged statistics are folded in (every ``noise_exchange_every``
+            measured steps), so the default floor of 1 adds nothing to that; a larger one delays a total the
+            statistics already call for. A mid-epoch change keeps the accumulation and every sample once;
             not under ``limit_train_batches``.
         accumulate: reach totals beyond what the upper bounds hold in one micro-step with gradient accumulation (the
             same micro-steps on every rank), changed at epoch ends. Off under manual optimization or when the Trainer
@@ -60,17 +60,20 @@ class CannikinSettings:
         track_noise_scale: measure the gradient noise scale. ``None``: only when it can change something, i.e. with
             ``max_batch_size`` or with ``lr_scaling="adascale"`` and a ``base_batch_size``.
         min_noise_updates: measured steps of noise statistics required before the total batch may change or the
-            AdaScale gain leave 1.
-        noise_every_n_steps: measure the noise statistics on one optimizer step in this many; the others cost nothing
-            (DDP's own all-reduce, no Python per bucket). Every measurement weighs as the steps it stands for, so the
-            estimate keeps its expectation. On ``benchmarks/overhead.py`` measuring every step cost about 14% of plain
-            DDP's throughput, one step in four 7% and one in eight 4-7%, about what balancing alone costs there.
+            AdaScale gain leave 1 (the bounds themselves wait for ten effective steps of spread).
+        noise_every_n_steps: the statistics are measured on every optimizer step while their bounds may still prove
+            a move of the total; once the bounds lie inside the band of noise scales for which the total in force is
+            the goodput choice, on one step in this many, until they drift out. Every measurement weighs as the steps
+            it stands for, so the estimate keeps its expectation. A measured step costs a few hundred microseconds of
+            host time (``benchmarks/results/README.md``): a large share of a 3 ms CPU step, under 1% of a 50 ms one.
         noise_exchange_every: measured steps whose statistics share one all-reduce of a few floats, never waited for
             (the same numbers, folded up to twice this many measured steps later).
-        max_noise_error: the total batch and the AdaScale gain follow the noise scale only once the standard errors
-            of both of its parts (``|G|^2`` and ``tr(Sigma)``, from the statistics' own spread) are within this share
-            of their values, over at least ten effective steps: an estimate whose ``|G|^2`` may still be zero or
-            negative (an infinite noise scale) moves nothing. ``None``: on ``min_noise_updates`` alone.
+        noise_bound_sigmas: the total batch and the AdaScale gain act on bounds of the noise scale this many standard
+            errors wide (the statistics' own spread): the total grows to the goodput choice under the lower bound,
+            shrinks to the choice under the upper one, and is kept in between; the gain takes the lower bound (at
+            least the lower edge of the band a grown total was chosen in). The lower bound is finite even while
+            ``|G|^2`` may still be zero, so a larger total that pays is taken early, by no more than the evidence
+            shows. ``0``: act on the point estimate (which may be infinite) from ``min_noise_updates`` on.
         check_every_n_steps: every rank checks its own step times for a clear change of speed (a co-tenant, a
             throttled device) at no cost; every this many steps (at least 0.1 s apart, further on steps under 25 ms)
             the ranks compare the answers in one all-reduce of a single number that nobody waits for (read the next
@@ -87,11 +90,11 @@ class CannikinSettings:
     adapt_every_n_steps: int | None = 1
     accumulate: bool = True
     track_noise_scale: bool | None = None
-    min_noise_updates: int = 20
+    min_noise_updates: int = 10
     noise_every_n_steps: int = 8
-    noise_exchange_every: int = 8
+    noise_exchange_every: int = 4
     progress_bar: bool = False
-    max_noise_error: float | None = 0.25
+    noise_bound_sigmas: float = 2.0
     check_every_n_steps: int | None = 4
 
     def __post_init__(self) -> None:
@@ -105,15 +108,15 @@ class CannikinSettings:
             raise ValueError(f"`min_noise_updates` must be an integer, got {self.min_noise_updates!r}.")
         if not self.half_life > 0:
             raise ValueError(f"`half_life` must be > 0, got {self.half_life}.")
-        if self.max_noise_error is not None and not self.max_noise_error > 0:
-            raise ValueError(f"`max_noise_error` must be > 0 or None, got {self.max_noise_error}.")
+        if not (isinstance(self.noise_bound_sigmas, (int, float)) and 0 <= self.noise_bound_sigmas < float("inf")):
+            raise ValueError(f"`noise_bound_sigmas` must be a finite number >= 0, got {self.noise_bound_sigmas!r}.")
         if not self.adapt_margin >= 0:
             raise ValueError(f"`adapt_margin` must be >= 0, got {self.adapt_margin}.")
 
 
 SETTING_NAMES = frozenset(f.name for f in fields(CannikinSettings))
 # the settings `Cannikin(...)` took as keywords before they moved here (the later ones were never keywords)
-LEGACY_NAMES = SETTING_NAMES - {"progress_bar", "check_every_n_steps", "max_noise_error"}
+LEGACY_NAMES = SETTING_NAMES - {"progress_bar", "check_every_n_steps", "noise_bound_sigmas"}
 
 
 def split_deprecated(settings: CannikinSettings | None, legacy: dict[str, Any], warn: Any) -> CannikinSettings:

@@ -15,7 +15,6 @@ from typing_extensions import override
 from lightning_cannikin.training._lightning_compat import StrategyRegistryType, register_ddp_comm_hook
 from lightning_cannikin.training.comm_hook import weighted_allreduce_hook
 from lightning_cannikin.training.cost_aware_sampler import SampleCosts
-from lightning_cannikin.training.grad_capture import GradientCapture
 from lightning_cannikin.training.grad_ready import GradientReadiness
 from lightning_cannikin.training.launch_checks import check_before_launch, checked_launcher
 from lightning_cannikin.training.step_timer import step_timer_for
@@ -70,7 +69,6 @@ class CannikinStrategy(UnevenBatchesMixin, DDPStrategy):
         self._forward_hook: Any = None
         self._uses_comm_hook: bool | None = None
         self._readiness: GradientReadiness | None = None
-        self._capture: GradientCapture | None = None
 
     @override
     def _configure_launcher(self) -> None:
@@ -96,15 +94,14 @@ class CannikinStrategy(UnevenBatchesMixin, DDPStrategy):
 
     def _comm_hook_needed(self) -> bool:
         """The Python hook is needed where something must see each bucket, where the loss cannot carry the weight
-        (manual optimization) and where a ``ddp_comm_wrapper`` wraps it. Noise statistics of every step see the
-        buckets; measured on one step in k, they capture the local gradient's norm on those steps (``grad_capture``)
-        and leave every step's reduction to DDP's own all-reduce."""
+        (manual optimization) and where a ``ddp_comm_wrapper`` wraps it. With noise statistics (an adaptive total)
+        it is always taken: they see the buckets on measured steps, and the timer times every bucket's reduction on
+        every step, so the all-reduce model is exact at the totals the goodput choice weighs, not a fit of spans.
+        Balancing alone leaves the reduction to DDP's own all-reduce: its total never changes."""
         runtime = self._runtime
-        noise = runtime.noise
-        observers = [o for o in runtime.hook.observers if o is not runtime.timer and o is not noise]
+        observers = [o for o in runtime.hook.observers if o is not runtime.timer and o is not runtime.noise]
         manual = self.lightning_module is not None and not self.lightning_module.automatic_optimization
-        every_step = noise is not None and noise.measure_every == 1
-        return bool(observers) or every_step or manual or self._ddp_comm_wrapper is not None
+        return bool(observers) or runtime.noise is not None or manual or self._ddp_comm_wrapper is not None
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -131,11 +128,6 @@ class CannikinStrategy(UnevenBatchesMixin, DDPStrategy):
             # DDP's own all-reduce, no Python per bucket: the loss carries n * b_i / B (DDP averages), and two
             # parameter hooks time the gradients
             self._readiness = GradientReadiness(self.model.parameters(), lambda: runtime.timer.gradient_ready())
-            if runtime.noise is not None:
-                # a hook per parameter where the buckets are the gradients, and on CPU (grad_capture says why)
-                in_place = bool(getattr(self.model, "gradient_as_bucket_view", False))
-                per_parameter = in_place or self.root_device.type == "cpu"
-                self._capture = GradientCapture(self.model.parameters(), runtime.noise.norms, per_parameter)
         # DDP calls the LightningModule after its pre-forward work (buffer broadcast, a collective that waits for
         # slower ranks): that is where this rank's compute starts
         if self._forward_hook is not None:
@@ -146,13 +138,10 @@ class CannikinStrategy(UnevenBatchesMixin, DDPStrategy):
         warn_about_sync_batchnorm(self.model)
 
     def _remove_parameter_hooks(self) -> None:
-        """Remove the timing and noise-capture hooks (a model wrapped again, or the fit's end)."""
+        """Remove the timing hooks (a model wrapped again, or the fit's end)."""
         if self._readiness is not None:
             self._readiness.remove()
             self._readiness = None
-        if self._capture is not None:
-            self._capture.disarm()
-            self._capture = None
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -167,10 +156,6 @@ class CannikinStrategy(UnevenBatchesMixin, DDPStrategy):
         # an accumulation micro-step runs under DDP's `no_sync`: no all-reduce, whichever path reduces
         reduces = getattr(self.model, "require_backward_grad_sync", True)
         self._runtime.timer.will_reduce(reduces)
-        noise = self._runtime.noise
-        capture = self._capture if reduces and noise is not None and noise.measuring else None
-        if capture is not None:
-            capture.arm(closure_loss)
         try:
             loss = super().backward(closure_loss, optimizer, *args, **kwargs)
         except torch.cuda.OutOfMemoryError as error:
@@ -178,10 +163,6 @@ class CannikinStrategy(UnevenBatchesMixin, DDPStrategy):
         finally:
             if self._readiness is not None:
                 self._readiness.backward_done()
-            if capture is not None:
-                capture.disarm()
-        if capture is not None and (local := capture.local_squared()) is not None:
-            noise.captured(self._runtime.hook, local, capture.parameters)
         return loss
 
     @override

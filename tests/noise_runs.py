@@ -1,0 +1,116 @@
+"""The balancing engine driven step by step on synthetic gradient statistics of a known noise scale (no timing of
+this machine enters a decision): what the tests of the adaptive total replay.
+
+Every call a frontend makes (step start, gradients ready, step end, ``replan_due``, ``replan``) runs over a
+collective of one rank and an uneven sampler drawn one batch at a time, as a loader does; every step's statistics
+(two groups, 5/8 and 3/8 of the total, from Gaussian per-sample gradients) reach the engine's estimator as the
+exchange would; the step time is a known function of the total (``SpeedModel.predict`` is replaced by the caller).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lightning_cannikin import CannikinSettings
+from lightning_cannikin.core.goodput import candidate_batch_sizes, goodput
+from lightning_cannikin.training.engine import BalancingEngine
+from lightning_cannikin.training.runtime import RuntimeState
+from lightning_cannikin.training.sampler import UnevenBatchSampler
+from tests.test_engine import OneRank
+
+
+@dataclass
+class NoiseRun:
+    """What one run did at each step: the total it ran, its LR factor, and the bounds, band (and the total it was
+    decided for) held after it."""
+
+    engine: BalancingEngine
+    totals: list[int] = field(default_factory=list)
+    factors: list[float] = field(default_factory=list)
+    bounds: list[tuple[float, float] | None] = field(default_factory=list)
+    bands: list[tuple[float, float] | None] = field(default_factory=list)
+    band_totals: list[int | None] = field(default_factory=list)
+    precise: list[bool] = field(default_factory=list)  # both averages within 25% (one standard error) of themselves
+
+    def first_growth(self) -> int | None:
+        base = self.totals[0]
+        return next((step for step, total in enumerate(self.totals) if total > base), None)
+
+
+def run_engine(
+    noise_scale: Callable[[int], float],
+    steps: int,
+    seed: int = 0,
+    base: int = 64,
+    cap: int = 1024,
+    dim: int = 64,
+    grad_sqr: Callable[[int], float] | None = None,
+    lr_scaling: str = "adascale",
+    **settings: object,
+) -> NoiseRun:
+    """Drive an even-split ``BalancingEngine`` for ``steps`` steps on statistics whose true noise scale after ``step``
+    steps is ``noise_scale(step)`` (``inf``: no signal) and whose ``|G|^2`` is ``grad_sqr(step)`` (default 1)."""
+    rng = np.random.default_rng(seed)
+    direction = np.ones(dim) / np.sqrt(dim)
+    engine = BalancingEngine(
+        cap, lr_scaling=lr_scaling, base_batch_size=base, balance=False, settings=CannikinSettings(**settings)
+    )
+    runtime = RuntimeState()
+    engine.attach(runtime, OneRank())
+    plan = runtime.first_plan(base, 1)
+    sampler = UnevenBatchSampler(cap * (steps + 2), rank=0, plan=plan, shuffle=False)
+    runtime.use_loader(plan, sampler)
+    engine.start()
+    run, timer, batches = NoiseRun(engine), runtime.timer, iter(sampler)
+    for step in range(steps):
+        next(batches)  # the loader draws the next batch: a plan decided now starts after it
+        position = sampler.yielded - 1
+        sizes = sampler.sizes_at(position)
+        runtime.begin_step(position, sizes, rank=0)
+        engine.step_started()
+        timer.forward_start()
+        timer.will_reduce(True)
+        timer.gradient_ready()
+        engine.backward_done(())
+        total = sum(sizes)
+        groups_b = np.array([total * 5 // 8, total - total * 5 // 8], dtype=float)
+        phi = noise_scale(step)
+        sqr = 1.0 if grad_sqr is None else grad_sqr(step)
+        trace = phi * sqr if np.isfinite(phi) else 1.0
+        mean = direction * np.sqrt(sqr if np.isfinite(phi) else 0.0)
+        groups = mean + rng.standard_normal((2, dim)) * np.sqrt(trace / dim / groups_b)[:, None]
+        reduced = (groups_b[:, None] * groups).sum(axis=0) / total
+        engine.estimator.update((groups**2).sum(axis=1), groups_b, float(reduced @ reduced))
+        engine.step_finished()
+        run.totals.append(total)
+        run.factors.append(runtime.lr_factor)
+        due, adapt = engine.replan_due()
+        if due:
+            engine.replan(mid_epoch=True, adapt_total=adapt)
+        run.bounds.append(engine.noise_bounds())
+        run.bands.append(engine.schedule.noise_band)
+        run.band_totals.append(engine.band_total)
+        run.precise.append(_precise(engine))
+    return run
+
+
+def _precise(engine: BalancingEngine, share: float = 0.25) -> bool:
+    """Whether both averaged parts of the noise scale are known to within ``share`` of themselves (one standard error):
+    the confidence a rule that waited for precision needed before it acted, or kept a gain."""
+    estimator = engine.estimator
+    errors = estimator.standard_errors()
+    if errors is None:
+        return False
+    sqr, var = estimator.grad_sqr, estimator.grad_var
+    return sqr > 0 and var > 0 and errors[0] <= share * sqr and errors[1] <= share * var
+
+
+def true_choice(step_time: Callable[[np.ndarray], np.ndarray], noise_scale: float, base: int, cap: int, margin: float):
+    """``(best total, its goodput, goodput of every candidate as a dict)`` at the true noise scale."""
+    candidates = candidate_batch_sizes(base, cap, 50)
+    values = goodput(candidates, step_time(candidates), noise_scale, base)
+    best = int(np.argmax(values))
+    return int(candidates[best]), float(values[best]), dict(zip(candidates.tolist(), values.tolist(), strict=True))
