@@ -164,7 +164,7 @@ class RecordNoiseInputs(Callback):
 @pytest.mark.parametrize("every", [1, 2])
 def test_adam_noise_statistics_use_the_preconditioned_gradient(tmp_path, every):
     # a measured step's statistics are folded in FOLD_DELAY measured steps later (rank zero's Y travels with the next
-    # exchange, which is read a measured step after it is issued); every=2: steps 0 and 2, captured by parameter hooks
+    # exchange, which is read a measured step after it is issued); every=2: steps 0 and 2
     max_steps = every * (1 + FOLD_DELAY) + 1
     dataset, initial, records, fed = fit_recording_noise(tmp_path, [24, 8], AdamRegressor, every, max_steps=max_steps)
     assert len(fed) == 2
@@ -207,13 +207,12 @@ def test_adam_noise_statistics_use_the_preconditioned_gradient(tmp_path, every):
 
 
 def fit_recording_noise(
-    tmp_path, sizes, model_class=RecordingRegressor, noise_every=1, hooked=None, ddp_kwargs=None, **trainer_kwargs
+    tmp_path, sizes, model_class=RecordingRegressor, noise_every=1, ddp_kwargs=None, **trainer_kwargs
 ):
     """A fixed-split run that records what the noise-scale estimator is fed; returns what a replay needs.
 
-    Statistics of every step go through the comm hook; of one step in ``noise_every > 1``, DDP's own all-reduce
-    reduces and parameter hooks capture the local gradients (the records say which ran; ``hooked`` overrides the
-    expectation, e.g. under manual optimization, which always takes the hook); ``ddp_kwargs`` go to DDP.
+    With noise statistics every bucket goes through the comm hook (the records say it ran), on measured steps and
+    the others alike; the total is fixed, so one step in ``noise_every`` is measured; ``ddp_kwargs`` go to DDP.
     """
     torch.manual_seed(0)
     dataset = IndexedRegression(256)
@@ -230,8 +229,7 @@ def fit_recording_noise(
     )
     trainer.fit(model)
     records = read_records(tmp_path, len(sizes))
-    hooked = noise_every == 1 if hooked is None else hooked
-    assert all((r["hook_calls"] > 0) is hooked for r in records), "the statistics took the path named"
+    assert all(r["hook_calls"] > 0 for r in records), "the statistics took the comm hook"
     return dataset, initial, records, json.loads(out.read_text())
 
 
@@ -254,12 +252,11 @@ def squared_gradient_norm(dataset, parameters, index: list[int]) -> float:
         ([20, 8, 4], 3, {"find_unused_parameters": True}),
         ([20, 8, 4], 3, {"static_graph": True}),
     ],
-    ids=["hook-2", "hook-3", "capture", "capture-bucket-view", "capture-find-unused", "capture-static-graph"],
+    ids=["every-2", "every-3", "one-in-3", "one-in-3-bucket-view", "one-in-3-find-unused", "one-in-3-static-graph"],
 )
 def test_noise_statistics_match_a_single_process_replay(tmp_path, sizes, every, ddp_kwargs):
-    # every bucket through the comm hook, or (every=3) DDP's own all-reduce and the local gradients captured: before
-    # DDP copies the reduced buckets back, or (gradient_as_bucket_view, buckets reduced in place) parameter by
-    # parameter; the static graph's first step reduces in a callback of DDP's own, after the capture's
+    # every bucket through the comm hook, measured on every step or on one in three, with DDP's bucket views, unused
+    # parameters and a static graph (whose first step reduces in a callback of DDP's own)
     dataset, initial, records, fed = fit_recording_noise(
         tmp_path, sizes, noise_every=every, ddp_kwargs=ddp_kwargs, max_steps=1 + FOLD_DELAY * every
     )
@@ -274,7 +271,7 @@ def test_noise_statistics_match_a_single_process_replay(tmp_path, sizes, every, 
 def test_manual_optimization_measures_one_step_in_k_through_the_hook(tmp_path):
     # the loss cannot carry the weight: the hook applies it, and the statistics see each bucket before it does
     dataset, initial, records, fed = fit_recording_noise(
-        tmp_path, [20, 8, 4], ManualRegressor, noise_every=2, hooked=True, max_steps=1 + FOLD_DELAY * 2
+        tmp_path, [20, 8, 4], ManualRegressor, noise_every=2, max_steps=1 + FOLD_DELAY * 2
     )
     ((local, group_sizes, global_sqr, steps),) = fed  # step 0's, folded in at step 2 * FOLD_DELAY
     groups = [r["steps"][0] for r in records]

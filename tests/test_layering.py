@@ -20,7 +20,6 @@ TOOL_EXTERNALS = PURE_EXTERNALS | {"matplotlib", "rich"}
 FRAMEWORKS = {"torch", "lightning", "pytorch_lightning", "lightning_fabric", "typing_extensions"}
 # The floors, lowest first: a module may import its own floor and the floors below it, never one above.
 FLOORS = ("core", "simulation", "tools", "training")
-MAX_LINES = 420  # "about 400": a module longer than this does more than one job
 
 
 def _modules() -> dict[str, Path]:
@@ -144,18 +143,8 @@ print(json.dumps(leaks))
     assert all(not modules for modules in leaks.values()), {name: m[:3] for name, m in leaks.items() if m}
 
 
-def test_no_module_is_over_about_400_lines():
-    long = {
-        str(p.relative_to(PACKAGE)): n
-        for p in PACKAGE.rglob("*.py")
-        if (n := len(p.read_text().splitlines())) > MAX_LINES
-    }
-    assert not long, long
-
-
 # ---- the balancing engine and its frontends -------------------------------------------------------------------
 
-FRONTEND_LINES = 350  # "about 350" for training/ and tools/, where the engine split the long modules
 FRONTENDS = (
     "training/callback.py",
     "training/lightning_hooks.py",
@@ -208,16 +197,6 @@ def test_the_strategy_does_not_import_the_callback_even_indirectly():
             todo.extend(graph[module])
     assert f"{NAME}.training.callback" not in seen
     assert not any(m.startswith(f"{NAME}.tools") for m in graph[f"{NAME}.training.engine"]), "the profile is core's"
-
-
-def test_no_module_of_training_or_tools_is_over_about_350_lines():
-    long = {
-        str(p.relative_to(PACKAGE)): n
-        for floor in ("training", "tools")
-        for p in (PACKAGE / floor).rglob("*.py")
-        if (n := len(p.read_text().splitlines())) > FRONTEND_LINES
-    }
-    assert not long, long
 
 
 def test_private_lightning_and_torch_names_are_reached_through_the_compat_module_only():

@@ -310,7 +310,7 @@ class SummedRegressor(RecordingRegressor):
         return nn.functional.mse_loss(self.layer(x), y, reduction="sum")
 
 
-@pytest.mark.parametrize("every", [1, 3], ids=["hook", "capture"])
+@pytest.mark.parametrize("every", [1, 3], ids=["every-step", "one-in-3"])
 def test_noise_statistics_of_a_declared_sum_are_those_of_its_mean(tmp_path, every):
     # the estimator needs every group's mean gradient and the global mean's: a sum's are its sample count times them
     dataset, initial, records, fed = fit_recording_noise(

@@ -170,10 +170,10 @@ class BalancingEngine:
         return estimator.bounds(self.settings.noise_bound_sigmas)
 
     def noise_every(self) -> int:
-        """Optimizer steps per noise measurement now: every step while the bounds may still prove a move of the total
-        (or the gain still waits for them), one in ``noise_every_n_steps`` once they lie inside the band of the total in
-        force and only a drift of the noise scale could move it (alike on every rank: the same bounds and band)."""
-        if self.schedule.settled(self.noise_bounds()):
+        """Optimizer steps per noise measurement now: every step while the bounds may still prove a move of the total,
+        one in ``noise_every_n_steps`` once they lie inside the band of the total in force and only a drift of the
+        noise scale could move it, or where the total is fixed (alike on every rank: the same bounds and band)."""
+        if self.policy.max_batch_size is None or self.schedule.settled(self.noise_bounds()):
             return self.settings.noise_every_n_steps
         return 1
 
