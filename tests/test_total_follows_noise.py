@@ -14,13 +14,15 @@ import math
 import numpy as np
 import pytest
 
+from lightning_cannikin import CannikinSettings
 from lightning_cannikin.core.goodput import candidate_batch_sizes, goodput
 from lightning_cannikin.core.lr_scaling import lr_factor
 from lightning_cannikin.core.policy import gain_noise_scale
 from lightning_cannikin.core.speed_model import SpeedModel
 from tests.noise_runs import run_engine, true_choice
 
-BASE, CAP, MARGIN, SEEDS = 64, 1024, 0.05, 20
+BASE, CAP, SEEDS = 64, 1024, 20
+MARGIN = CannikinSettings().adapt_margin
 FIXED_S, PER_SAMPLE_S = 0.02, 1e-4  # the known step time: 20 ms + 0.1 ms per sample (a larger batch is cheap)
 
 
