@@ -12,8 +12,8 @@ and, with ``--wide``, a 784-2048-2048-10 one (5.8 M) on random data, in interlea
 Thread CPU time (``time.thread_time``) of the whole step is taken, so a busy machine's other work does not enter it;
 the report gives each variant's median over the blocks, the extra CPU of ``hook`` and ``measured`` over ``ddp`` per
 step in microseconds (the median over the blocks of the difference within each block), and that extra as a share of
-a 50 ms step (a small GPU step). On a GPU the norms' arithmetic runs on the device: its host cost is their launches. Forward and backward are in every
-variant alike; their own cost cancels in the differences.
+a 50 ms step (a small GPU step). On a GPU the norms' arithmetic runs on the device: its host cost is their launches.
+Forward and backward are in every variant alike; their own cost cancels in the differences.
 
     python benchmarks/noise_capture_cost.py [--blocks 15] [--steps 40] [--wide]
 """
