@@ -11,12 +11,12 @@ interleaved in every repeat so that a change in the machine's load hits all of t
   fixed, the split is balanced on measured speed);
 - ``cannikin_noise``: the same plus the gradient-noise statistics (``CannikinSettings(track_noise_scale=True)``), every
   step measured, through the Python comm hook;
-- ``cannikin_noise_every4``: the statistics of one step in four (``noise_every_n_steps=4``): DDP's own all-reduce on
-  every step, the local gradient's norm is captured before DDP copies the result back on the measured ones;
+- ``cannikin_noise_every4``: the statistics of one step in four (``noise_every_n_steps=4``; the total is fixed), the
+  comm hook on every step;
 - ``cannikin_adaptive``: the default adaptive configuration, ``Cannikin(max_batch_size=96)`` and nothing else (the
-  default settings: the statistics of one step in eight, the total reconsidered when the confident noise scale
-  leaves the band of the last choice); the cap is the starting total, so the machinery is measured and not a
-  larger batch's throughput;
+  default settings: the statistics of every step while the noise bounds may still move the total, one in eight
+  once they cannot, the total reconsidered when the bounds prove a move); the cap is the starting total, so the
+  machinery is measured and not a larger batch's throughput;
 - ``cannikin_even``, ``cannikin_noise_even``: the same two with ``balance=False`` (timing, re-plans and statistics
   all run, the split stays even): the cost of the machinery alone, apart from the split the balancer picks;
 - ``fixed``: ``CannikinStrategy(local_batch_sizes=[32, 32, 32])``, no callback: the loss carries ``n * b_i / B`` and

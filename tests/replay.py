@@ -136,9 +136,9 @@ def replay(
         bounds: local batch bounds.
         settings: the speed model's settings.
         policy: the policy settings (default ``PolicySettings()``: the total batch is kept).
-        noise: the confident noise scale after each step (``None`` while it is not confident), as every rank holds
-            it: with ``policy.max_batch_size`` the total is reconsidered whenever it leaves the band of the last
-            choice (``ReplanSchedule.total_due``), and at epoch ends.
+        noise: the known noise scale after each step (``None`` while there is none; both of its bounds), as every
+            rank holds it: with ``policy.max_batch_size`` the total is reconsidered whenever it leaves the band of the
+            last choice (``ReplanSchedule.total_due``), and at epoch ends.
         change_check: each rank's local change check, from the speed model's drift tolerance.
         read_next_step: the ranks' vote (:class:`ChangeVote`) is read the step after it is cast (CPU), else at the
             next check (CUDA).

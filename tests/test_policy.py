@@ -160,7 +160,7 @@ def test_the_simulator_and_the_callback_decide_alike(phi: float, max_batch: int)
     current = simulated.plan("cannikin", base)
 
     # the callback: the same devices measured at two splits, the same noise scale, rank zero's decision
-    # the noise scale is given, as the simulator is given it (no spread to be confident about: the guard is off)
+    # the noise scale is given, as the simulator is given it (no spread to bound it with: sigmas 0)
     callback = Cannikin(max_batch_size=max_batch, settings=CannikinSettings(noise_bound_sigmas=0))
     bounds = BatchBounds(tuple(int(b) for b in simulated.lower), tuple(int(b) for b in simulated.upper))
     seen = [current.local_batch_sizes, simulated.plan("cannikin", base + 40).local_batch_sizes]

@@ -292,7 +292,7 @@ def test_a_small_noise_scale_is_bounded_on_both_sides_early():
 
 
 def test_a_rising_noise_scale_is_followed_without_a_clock():
-    # the noise scale, confident from step 40, grows 4x every 100 steps; each rank holds the same estimate, so the
+    # the noise scale, known from step 40, grows 4x every 100 steps; each rank holds the same estimate, so the
     # total is reconsidered at the step it leaves the band of the last choice. With a 200-step clock the total lagged
     # a whole interval at 0.86-0.92x the best goodput
     def phi_at(step):

@@ -20,7 +20,6 @@ longer epoch would be cut short (samples dropped) and a shorter one would end wi
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -62,7 +61,6 @@ __all__ = [
     "fsdp_predivide_factor",
     "fsdp_sharded_parameters",
     "launcher_for",
-    "queue_backward_callback",
     "register_ddp_comm_hook",
     "scaler_scale",
     "sync_epoch_length",
@@ -164,16 +162,6 @@ class _ShardedLauncher(_MultiProcessingLauncher):
             self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
         extra = self.get_extra_results(trainer)
         return _WorkerOutput(best_model_path, weights_path, trainer.state, results, extra)
-
-
-def queue_backward_callback(callback: Callable[[], None]) -> None:
-    """Run ``callback`` when the autograd engine finishes the backward in progress.
-
-    Relies on ``torch.autograd.Variable._execution_engine.queue_callback`` (what DDP itself uses for its copy-back of
-    the reduced buckets) and on its order: callbacks run in the order they were queued, so one queued from a hook on
-    the loss (before any parameter's gradient, so before DDP queues its own) runs before DDP's copy-back.
-    """
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def scaler_scale(scaler: Any) -> torch.Tensor | float:

@@ -1,10 +1,9 @@
 """Squared gradient norms around the weighted all-reduce, exchanged across the ranks, for the noise-scale estimator.
 
-On a measured step (every step, or one in ``measure_every``) this rank's local squared norm is taken before the
-reduction and the global one (on rank zero) after it (:mod:`~lightning_cannikin.training.grad_norms` computes them,
-fused): through the comm hook, bucket by bucket; with DDP's own all-reduce, from the norms that
-:class:`~lightning_cannikin.training.grad_capture.GradientCapture` took before the reduction and the reduced gradients
-(:meth:`GradientNormObserver.captured`). With gradient accumulation every micro-batch is a group of its own. Each
+On a measured step (every step, or one in ``measure_every``, which the engine sets step by step through
+``cadence``) this rank's local squared norm is taken before the reduction and the global one (on rank zero) after
+it, through the comm hook, bucket by bucket (:mod:`~lightning_cannikin.training.grad_norms` computes them, fused).
+With gradient accumulation every micro-batch is a group of its own. Each
 measured step's groups go in a block of ``world_size x micro-batches + 2`` floats; every ``exchange_every`` measured
 steps the waiting blocks are exchanged with one all-reduce, issued asynchronously at the end of a step. Steps in
 this paragraph and below are measured steps.
@@ -65,7 +64,8 @@ class GradientNormObserver:
             arrive later (between ``exchange_every + 1`` and ``2 x exchange_every`` steps after their step) and the
             collective is paid once per exchange. On gloo a collective of a few floats costs about a millisecond of
             CPU and wall time; on NCCL tens of microseconds.
-        measure_every: measure one optimizer step in this many (:meth:`start_step`); the others cost nothing.
+        measure_every: measure one optimizer step in this many (:meth:`start_step`); on the others the hook only
+            reduces.
             ``cadence``, where set, overrides it step by step.
 
     Attributes:
