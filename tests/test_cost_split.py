@@ -9,7 +9,6 @@ import pytest
 
 from lightning_cannikin.core.cost_split import lower_bound, predicted_times, split_by_cost
 from lightning_cannikin.core.optperf import optimal_split
-from lightning_cannikin.core.token_budget import token_budget_batches
 
 
 def _brute_force(costs, fixed, per_cost, squares=None, per_square=None) -> float:
@@ -113,20 +112,6 @@ def test_bad_input_names_the_parameter():
         split_by_cost([1.0, 2.0], [0.0], [1.0], squares=[1.0, 4.0])
     with pytest.raises(ValueError, match="`costs`"):
         split_by_cost([1.0, np.nan], [0.0], [1.0])
-
-
-def test_token_budget_batches_cover_every_sample_once_within_budget():
-    rng = np.random.default_rng(1)
-    costs = rng.integers(1, 50, size=500)
-    batches = token_budget_batches(costs, budget=400, min_samples=4)
-    assert [i for start, stop in batches for i in range(start, stop)] == list(range(500))
-    for start, stop in batches[:-1]:
-        assert stop - start >= 4
-        assert costs[start:stop].sum() <= 400 or stop - start == 4
-        assert costs[start : stop + 1].sum() > 400  # the next sample would have exceeded the budget
-    assert batches[-1][1] - batches[-1][0] >= 4
-    with pytest.raises(ValueError, match="`budget`"):
-        token_budget_batches(costs, budget=0)
 
 
 def test_local_search_alone_is_near_the_optimum_on_most_small_cases():

@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 
 from lightning_cannikin.training.host_transfer import HostTransfer, PinnedTransfer
-from lightning_cannikin.training.object_exchange import all_gather_objects, broadcast_object
 
 __all__ = ["Collective", "StrategyCollective"]
 
@@ -50,8 +49,8 @@ class Collective(Protocol):
 
 class StrategyCollective:
     """A :class:`Collective` over a Lightning or a Fabric strategy: its rank and device, and the objects of a re-plan
-    in one collective round each (:mod:`~lightning_cannikin.training.object_exchange`); a single process gathers
-    itself."""
+    through torch's object collectives (they pickle on the host and travel on the group's device); a single process
+    gathers itself."""
 
     def __init__(self, strategy: Any) -> None:
         self._strategy = strategy
@@ -73,12 +72,16 @@ class StrategyCollective:
     def all_gather(self, obj: Any) -> list[Any]:
         if not (dist.is_available() and dist.is_initialized()):
             return [obj]
-        return all_gather_objects(obj, torch.device(self._strategy.root_device))
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, obj)
+        return gathered
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not (dist.is_available() and dist.is_initialized()):
             return obj
-        return broadcast_object(obj, src, torch.device(self._strategy.root_device))
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=src)
+        return holder[0]
 
     def max_later(self, value: int) -> Callable[[], int]:
         if not (dist.is_available() and dist.is_initialized()):
