@@ -8,15 +8,15 @@ import warnings
 import pytest
 import torch
 
-from lightning_cannikin import Cannikin, CannikinFabricStrategy, CannikinSettings, Plan
+from lightning_cannikin import Cannikin, CannikinSettings, Plan
 from lightning_cannikin.core.plan import BatchBounds
 from lightning_cannikin.training.engine import BalancingEngine
 from lightning_cannikin.training.lightning_hooks import BalancingCallback
 from lightning_cannikin.training.runtime import RuntimeState
 from lightning_cannikin.training.sampler import UnevenBatchSampler
 
-# the state_dict keys of the Cannikin callback before the engine existed (checkpoints written then must still load)
-OLD_KEYS = {
+# what a checkpoint keeps of the engine
+STATE_KEYS = {
     "balancer",
     "estimator",
     "progress",
@@ -29,6 +29,10 @@ OLD_KEYS = {
     "last_adapt_step",
     "adapted",
     "noise_in_flight",
+    "last_replan_step",
+    "routine_gap",
+    "noise_band",
+    "band_total",
 }
 
 
@@ -44,50 +48,35 @@ class OneRank:
         return obj
 
 
-def test_old_setting_keywords_still_work_with_a_warning_naming_the_new_spelling():
-    with pytest.warns(DeprecationWarning, match=r"CannikinSettings\(warmup_steps=\.\.\.\)"):
-        old = Cannikin(max_batch_size=64, warmup_steps=4, noise_every_n_steps=2)
-    assert old.settings == CannikinSettings(warmup_steps=4, noise_every_n_steps=2)
-    assert old.engine.schedule.warmup_steps == 4 and old.max_batch_size == 64
-    with pytest.warns(DeprecationWarning, match="half_life"):
-        fabric = CannikinFabricStrategy(half_life=10.0)
-    assert fabric.engine.settings.half_life == 10.0
+def test_the_settings_are_given_in_one_object_and_checked():
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the new spelling warns about nothing
-        new = Cannikin(max_batch_size=64, settings=CannikinSettings(warmup_steps=4))
-    assert new.engine.schedule.warmup_steps == 4
-    with pytest.raises(TypeError, match="not_a_setting"):
-        Cannikin(not_a_setting=1)
+        warnings.simplefilter("error")
+        callback = Cannikin(max_batch_size=64, settings=CannikinSettings(warmup_steps=4))
+    assert callback.engine.schedule.warmup_steps == 4 and callback.max_batch_size == 64
+    with pytest.raises(TypeError, match="warmup_steps"):
+        Cannikin(max_batch_size=64, warmup_steps=4)  # a setting is no keyword of the callback
     with pytest.raises(ValueError, match="warmup_steps"):
         CannikinSettings(warmup_steps=0)
 
 
-def test_the_checkpoint_keeps_the_callbacks_key_and_keys_and_an_old_one_loads():
+def test_the_checkpoint_keeps_the_callbacks_key_and_restores_the_schedule_and_band_exactly():
     callback = BalancingCallback()
     assert callback.state_key == Cannikin().state_key == "Cannikin"
     engine = callback.engine
-    runtime = RuntimeState()
-    engine.attach(runtime, OneRank())
-    # the keys the callback wrote before the engine existed, and the routine re-plans' two (absent in older ones)
-    assert set(engine.state_dict()) == OLD_KEYS | {"last_replan_step", "routine_gap", "noise_band", "band_total"}
-    # a checkpoint from before `last_adapt_step`, `adapted` and `noise_in_flight` existed
-    old = {
-        "balancer": None,
-        "estimator": None,
-        "progress": {"progress": 12.5},
-        "lr_factor": 1.0,
-        "gain": 1.0,
-        "plan": Plan((5, 3)).to_dict(),
-        "history": [{"step": 4, "local_batch_sizes": [5, 3]}],
-        "step": 9,
-        "identified": True,
-    }
-    assert engine.load_state_dict(old) == Plan((5, 3)).resized(1)  # resumed on one rank: the global batch kept
-    engine.start()
-    assert engine.progress.value == 12.5 and engine.step == 9 and engine.history.entries[0]["step"] == 4
-    assert engine.schedule.last_adapt_step == 9 and engine.schedule.adapted
-    assert engine.schedule.last_replan_step == 9 and engine.schedule.routine_gap == 0  # its next epoch end re-plans
-    assert not engine.identified, "no speed model saved: nothing is identified on these devices"
+    engine.attach(RuntimeState(), OneRank())
+    engine.runtime.adopt(Plan((5, 3)))
+    engine.step, engine.identified, engine.band_total = 9, True, 8
+    engine.schedule.last_adapt_step, engine.schedule.adapted, engine.schedule.routine_gap = 7, True, 16
+    engine.schedule.noise_band = (120.0, float("inf"))
+    state = engine.state_dict()
+    assert set(state) == STATE_KEYS
+    fresh = BalancingCallback().engine
+    fresh.attach(RuntimeState(), OneRank())
+    assert fresh.load_state_dict(state) == Plan((5, 3)).resized(1)  # resumed on one rank: the global batch kept
+    fresh.start()
+    assert fresh.step == 9 and fresh.band_total == 8 and fresh.schedule.noise_band == (120.0, float("inf"))
+    assert (fresh.schedule.last_adapt_step, fresh.schedule.adapted, fresh.schedule.routine_gap) == (7, True, 16)
+    assert not fresh.identified, "no speed model saved: nothing is identified on these devices"
 
 
 def _stepped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

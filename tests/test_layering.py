@@ -215,3 +215,37 @@ def test_private_lightning_and_torch_names_are_reached_through_the_compat_module
                 if base in ("torch", "dist", "trainer", "loop", "fit_loop", "autograd", "Variable", "scaler"):
                     leaks.append(f"{path.name}: {base}.{node.attr}")
     assert not leaks, leaks
+
+
+def test_private_names_inherited_from_lightning_classes_are_declared_in_the_compat_module():
+    # `self._name` in a subclass of a Lightning or torch class, where the base class defines `_name` (a class attribute
+    # or an attribute its own code sets): a private seam like any other, so it must be listed, with what it relies on
+    import importlib
+    import inspect
+    import re
+
+    from lightning_cannikin.training._lightning_compat import INHERITED_PRIVATE_NAMES
+
+    found: dict[str, set[str]] = {}
+    for path in sorted((PACKAGE / "training").rglob("*.py")):
+        module = importlib.import_module(".".join((NAME, *path.relative_to(PACKAGE).with_suffix("").parts)))
+        for node in ast.walk(ast.parse(path.read_text())):
+            cls = getattr(module, node.name, None) if isinstance(node, ast.ClassDef) else None
+            if not isinstance(cls, type):
+                continue
+            bases = [b for b in cls.__mro__[1:] if b.__module__.split(".")[0] in ("lightning", "torch")]
+            sources = [inspect.getsource(b) for b in bases]
+            for attribute in ast.walk(node):
+                name = attribute.attr if isinstance(attribute, ast.Attribute) else ""
+                owner = getattr(attribute, "value", None)
+                if not (name.startswith("_") and not name.startswith("__") and getattr(owner, "id", "") == "self"):
+                    continue
+                pattern = re.compile(rf"self\.{name}\b")
+                if any(name in vars(b) for b in bases) or any(pattern.search(source) for source in sources):
+                    found.setdefault(name, set()).add(f"{path.name}:{node.name}")
+    assert set(found) <= set(INHERITED_PRIVATE_NAMES), {
+        n: w for n, w in found.items() if n not in INHERITED_PRIVATE_NAMES
+    }
+    assert {"_launcher", "_start_method", "_ddp_comm_wrapper", "_data_parallel_size"} <= set(found), (
+        "the check sees them"
+    )

@@ -46,6 +46,7 @@ from lightning.pytorch.strategies.strategy import _StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
 __all__ = [
+    "INHERITED_PRIVATE_NAMES",
     "MultiProcessingLauncher",
     "StrategyRegistryType",
     "SubprocessScriptLauncher",
@@ -68,6 +69,22 @@ __all__ = [
 ]
 
 StrategyRegistryType = _StrategyRegistry
+
+# Private attributes the package's subclasses of Lightning classes reach through ``self`` (read or set), with what they
+# rely on; ``tests/test_layering.py`` fails on one that is not listed here.
+INHERITED_PRIVATE_NAMES = {
+    # DDPStrategy and ModelParallelStrategy: the launcher `_configure_launcher` builds, replaced by one that checks a
+    # fit's arguments before any rank starts
+    "_launcher": "DDPStrategy, ModelParallelStrategy: the launcher built in `_configure_launcher`",
+    # DDPStrategy: the start method ("popen", "spawn", "fork", "forkserver") its registry variants set
+    "_start_method": "DDPStrategy: the start method of the registered variant",
+    # DDPStrategy: the user's `ddp_comm_wrapper`, which the comm hook must be wrapped in where Cannikin registers it
+    "_ddp_comm_wrapper": "DDPStrategy: the comm-hook wrapper passed by the user",
+    # ModelParallelStrategy: the data-parallel size argument, which must be the world size under cannikin_fsdp
+    "_data_parallel_size": "ModelParallelStrategy: the data_parallel_size argument",
+    # _MultiProcessingLauncher: the strategy it launches (rank zero's results of a sharded fit are gathered whole)
+    "_strategy": "_MultiProcessingLauncher: the strategy it launches",
+}
 MultiProcessingLauncher = _MultiProcessingLauncher
 SubprocessScriptLauncher = _SubprocessScriptLauncher
 register_ddp_comm_hook = _register_ddp_comm_hook

@@ -9,11 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from lightning.pytorch.utilities import rank_zero_deprecation
-
 from lightning_cannikin.training.engine import BalancingEngine
 from lightning_cannikin.training.lightning_hooks import BalancingCallback
-from lightning_cannikin.training.settings import CannikinSettings, split_deprecated
+from lightning_cannikin.training.settings import CannikinSettings
 
 __all__ = ["Cannikin"]
 
@@ -38,8 +36,6 @@ class Cannikin(BalancingCallback):
             ``cannikin plan`` and ``cannikin report``. Nothing is written without a logger.
         settings: the engine's tuning settings (:class:`~lightning_cannikin.CannikinSettings`: warm-up, recency,
             hysteresis, noise measurement cadence, accumulation, mid-epoch adaptation).
-        **deprecated: the settings' names as keyword arguments (``warmup_steps=4``), as before they moved into
-            ``settings``; they still work for this release, with a deprecation warning.
 
     Example::
 
@@ -58,10 +54,7 @@ class Cannikin(BalancingCallback):
         *,
         save_profile: bool = True,
         settings: CannikinSettings | None = None,
-        **deprecated: Any,
     ) -> None:
-        if deprecated:
-            settings = split_deprecated(settings, deprecated, rank_zero_deprecation)
         engine = BalancingEngine(
             max_batch_size,
             local_batch_bounds,

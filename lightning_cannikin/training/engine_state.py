@@ -1,7 +1,4 @@
-"""What a checkpoint keeps of the balancing engine, and how a resume puts it back.
-
-The keys are those of the checkpoints the ``Cannikin`` callback wrote before the engine existed, so those still load.
-"""
+"""What a checkpoint keeps of the balancing engine, and how a resume puts it back."""
 
 from __future__ import annotations
 
@@ -35,23 +32,23 @@ def engine_state(engine: Any) -> dict[str, Any]:
 
 def restore_engine(engine: Any, state: dict[str, Any]) -> None:
     """Put a checkpoint's ``state`` back into ``engine`` (at training start: the estimator needs B0)."""
-    if state.get("balancer") is not None and engine.speed_model is not None:
+    if state["balancer"] is not None and engine.speed_model is not None:
         engine.speed_model.load_state_dict(state["balancer"])
         engine.speed_model.restarted()
-    if state.get("estimator") is not None and engine.estimator is not None:
+    if state["estimator"] is not None and engine.estimator is not None:
         engine.estimator.load_state_dict(state["estimator"])
     engine.progress.load_state_dict(state["progress"])
     engine.history.entries = list(state["history"])
     engine.step = engine.schedule.last_replan_step = state["step"]
-    engine.schedule.last_adapt_step = int(state.get("last_adapt_step", engine.step))
-    engine.schedule.adapted = bool(state.get("adapted", True))
-    engine.schedule.last_replan_step = int(state.get("last_replan_step", engine.step))
-    engine.schedule.routine_gap = int(state.get("routine_gap", 0))  # older checkpoints: the next epoch end re-plans
-    band = state.get("noise_band")
+    engine.schedule.last_adapt_step = int(state["last_adapt_step"])
+    engine.schedule.adapted = bool(state["adapted"])
+    engine.schedule.last_replan_step = int(state["last_replan_step"])
+    engine.schedule.routine_gap = int(state["routine_gap"])
+    band = state["noise_band"]
     engine.schedule.noise_band = None if band is None else (float(band[0]), float(band[1]))
-    engine.band_total = state.get("band_total")
-    if state.get("noise_in_flight") is not None and engine.observer is not None:
+    engine.band_total = state["band_total"]
+    if state["noise_in_flight"] is not None and engine.observer is not None:
         engine.observer.load_state_dict(state["noise_in_flight"])
     world_size = engine.collective.world_size if engine.collective is not None else 1
-    same_devices = state.get("balancer") is not None and state["balancer"]["world_size"] == world_size
-    engine.identified = bool(state.get("identified", False)) and same_devices
+    same_devices = state["balancer"] is not None and state["balancer"]["world_size"] == world_size
+    engine.identified = bool(state["identified"]) and same_devices

@@ -18,7 +18,6 @@ from dataclasses import replace
 from typing import Any
 
 from lightning.fabric.strategies import DDPStrategy
-from lightning.fabric.utilities.rank_zero import rank_zero_deprecation
 from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
@@ -32,7 +31,7 @@ from lightning_cannikin.training.comm_hook import weighted_allreduce_hook
 from lightning_cannikin.training.engine import BalancingEngine
 from lightning_cannikin.training.loader import UnevenDataLoader, loader_batch_size, rebuild_uneven
 from lightning_cannikin.training.runtime import RuntimeState
-from lightning_cannikin.training.settings import LEGACY_NAMES, CannikinSettings, split_deprecated
+from lightning_cannikin.training.settings import CannikinSettings
 from lightning_cannikin.training.step_timer import step_timer_for
 
 __all__ = ["CannikinFabricStrategy"]
@@ -51,8 +50,7 @@ class CannikinFabricStrategy(DDPStrategy):
         max_batch_size, lr_scaling, base_batch_size: the adaptive total batch and its learning rate, as for the
             :class:`~lightning_cannikin.Cannikin` callback (``None``: the total stays the loader's).
         settings: the engine's tuning settings (:class:`~lightning_cannikin.CannikinSettings`; its ``accumulate``
-            does not apply: the loop's accumulation is the user's). ``warmup_steps=`` and the other settings as
-            keywords still work for this release, with a deprecation warning.
+            does not apply: the loop's accumulation is the user's).
         **kwargs: every argument of Fabric's :class:`~lightning.fabric.strategies.DDPStrategy`.
 
     Example::
@@ -83,9 +81,6 @@ class CannikinFabricStrategy(DDPStrategy):
         settings: CannikinSettings | None = None,
         **kwargs: Any,
     ) -> None:
-        legacy = {name: kwargs.pop(name) for name in list(kwargs) if name in LEGACY_NAMES}
-        if legacy:
-            settings = split_deprecated(settings, legacy, rank_zero_deprecation)
         super().__init__(**kwargs)
         if isinstance(accumulate_grad_batches, bool) or accumulate_grad_batches < 1:
             raise ValueError(f"`accumulate_grad_batches` must be a positive integer, got {accumulate_grad_batches}.")

@@ -4,17 +4,13 @@ What users decide (the largest total batch, the bounds, how the learning rate fo
 where to re-plan, whether to save the profile) are arguments of :class:`~lightning_cannikin.Cannikin`; how the engine
 measures and reacts lives here. The defaults are the measured ones (see ``docs/reliability.md`` and
 ``benchmarks/results/overhead.md``).
-
-The keyword arguments ``Cannikin`` took for these settings before they moved here still work for one release, with a
-deprecation warning naming the new spelling (:func:`split_deprecated`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
-from typing import Any
+from dataclasses import dataclass
 
-__all__ = ["CannikinSettings", "split_deprecated"]
+__all__ = ["CannikinSettings"]
 
 
 def _positive(name: str, value: object) -> None:
@@ -115,26 +111,3 @@ class CannikinSettings:
             raise ValueError(f"`noise_bound_sigmas` must be a finite number >= 0, got {self.noise_bound_sigmas!r}.")
         if not self.adapt_margin >= 0:
             raise ValueError(f"`adapt_margin` must be >= 0, got {self.adapt_margin}.")
-
-
-SETTING_NAMES = frozenset(f.name for f in fields(CannikinSettings))
-# the settings `Cannikin(...)` took as keywords before they moved here (the later ones were never keywords)
-LEGACY_NAMES = SETTING_NAMES - {"progress_bar", "check_every_n_steps", "noise_bound_sigmas"}
-
-
-def split_deprecated(settings: CannikinSettings | None, legacy: dict[str, Any], warn: Any) -> CannikinSettings:
-    """``settings`` with the legacy keyword arguments folded in (each one warned about through ``warn``).
-
-    Raises:
-        TypeError: for a keyword that is no setting (as Python would for an unknown argument).
-
-    """
-    unknown = sorted(set(legacy) - LEGACY_NAMES)
-    if unknown:
-        raise TypeError(f"Cannikin() got unexpected keyword argument(s): {', '.join(unknown)}.")
-    for name in legacy:
-        warn(
-            f"`Cannikin({name}=...)` is deprecated and will be removed in the next release: pass"
-            f" `Cannikin(settings=CannikinSettings({name}=...))` instead."
-        )
-    return replace(settings or CannikinSettings(), **legacy)
