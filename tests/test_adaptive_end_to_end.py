@@ -51,10 +51,14 @@ class Totals(Callback):
     """Rank zero writes the total of every step, the noise bounds last held and whether the comm hook reduced."""
 
     def __init__(self, path: Path) -> None:
-        self.path, self.totals = path, []
+        self.path, self.totals, self.busy = path, [], []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.totals.append(self._cannikin(trainer)[0].plan.total_batch_size)
+        engine = self._cannikin(trainer)[0].engine
+        self.totals.append(engine.plan.total_batch_size)
+        latest = engine.runtime.timer.latest  # this step's record: the reductions' own time, every bucket seen
+        if latest is not None:
+            self.busy.append(latest.comm_busy)
 
     @staticmethod
     def _cannikin(trainer):
@@ -64,7 +68,12 @@ class Totals(Callback):
         if trainer.is_global_zero:
             engine = self._cannikin(trainer)[0].engine
             bounds = engine.noise_bounds()
-            record = {"totals": self.totals, "bounds": bounds, "uses_comm_hook": trainer.strategy.uses_comm_hook}
+            record = {
+                "totals": self.totals,
+                "bounds": bounds,
+                "uses_comm_hook": trainer.strategy.uses_comm_hook,
+                "comm_busy": self.busy,
+            }
             self.path.write_text(json.dumps(record))
 
 
@@ -89,7 +98,9 @@ def test_the_total_grows_within_the_first_epoch_where_a_larger_batch_is_nearly_f
     result = fit(tmp_path, per_sample_ms=0.0, fixed_ms=3.0, samples=4096, logger=True)
     totals = result["totals"]
     assert totals[0] == 2 * PER_RANK and max(totals) > 2 * PER_RANK, totals
-    assert result["uses_comm_hook"] is True, "with noise statistics every bucket's reduction is timed"
+    assert result["uses_comm_hook"] is True, "with noise statistics the comm hook reduces"
+    busy = result["comm_busy"]
+    assert busy and all(b is not None and b > 0 for b in busy), "every step's reductions are timed bucket by bucket"
     low = result["bounds"][0]
     assert low > 2 * PER_RANK, result["bounds"]
     # the noise scale and its bounds reach the logger at Lightning's default logging cadence

@@ -286,11 +286,11 @@ def test_a_checkpoint_between_exchanges_changes_nothing_and_the_resume_feeds_the
 
 @pytest.mark.parametrize("name", ["noise_exchange_every", "noise_every_n_steps"])
 def test_noise_intervals_must_be_positive_integers(name):
-    from lightning_cannikin import Cannikin
+    from lightning_cannikin import CannikinSettings
 
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match=name):
-            Cannikin(**{name: bad})
+            CannikinSettings(**{name: bad})
 
 
 @pytest.mark.parametrize("measure_every, exchange_every", [(2, 1), (3, 1), (3, 2)])
@@ -316,3 +316,23 @@ def test_measuring_one_step_in_k_feeds_exactly_those_steps_numbers(monkeypatch, 
     assert set(sampled[0].steps) == {measure_every}, "each update stands for the steps between measurements"
     assert len(sampled[0].fed) >= len(measured) - 2 * exchange_every - 1  # all but the last ones still in flight
     assert len(grad_stats.dist.all_reduce.__self__.calls) == -(-len(measured) // exchange_every)
+
+
+def test_a_measured_step_weighs_as_the_steps_since_the_last_one_when_the_cadence_changes(monkeypatch):
+    # the engine measures every step while the noise bounds may move the total and one in four once they cannot:
+    # each measurement stands for the steps since the one before, so every step is counted once across a change
+    problems = [problem(s) for s in range(24)]
+    observers, clock = ranks(monkeypatch)
+    for observer in observers:
+        observer.cadence = lambda: 1 if clock[0] < 6 or clock[0] >= 14 else 4
+    sampled = [Recorder(), Recorder()]
+    for k in range(24):
+        clock[0] = k
+        for observer in observers:
+            observer.start_step(k)
+            observer.start_step(k)  # a second micro-batch of the same step changes nothing
+        step(observers, sampled, *problems[k])
+    # measured: 0-5 (every step), 8 and 12 (one in four), 14-23 (every step again)
+    weights = [1, 1, 1, 1, 1, 1, 3, 4, 2, *[1] * 9]
+    assert sampled[0].steps == weights[: len(sampled[0].steps)] and sampled[1].steps == sampled[0].steps
+    assert len(sampled[0].steps) >= len(weights) - 3  # all but the last ones still in flight

@@ -95,6 +95,8 @@ class GradientNormObserver:
         self.scaler: Any = None
         self.cadence: Callable[[], int] | None = None
         self._weight = 1  # the steps the step in progress stands for
+        self._started: int | None = None  # the optimizer step started last (micro-batches repeat it)
+        self._last_measured: int | None = None
         self._transfer = transfer
         self._last_global: torch.Tensor | float | None = None  # rank zero's Y of the last step, for the next exchange
         self.pending: tuple[list[float], list[int], float, int] | None = None
@@ -125,9 +127,16 @@ class GradientNormObserver:
 
     def start_step(self, step: int) -> None:
         """Optimizer step ``step`` (counted over the fit, as a resumed fit counts it) is about to start."""
+        if step == self._started:
+            return  # another micro-batch of the same optimizer step
+        self._started = step
         every = self.measure_every if self.cadence is None else self.cadence()
         self.measuring = step % every == 0
-        self._weight = every
+        if self.measuring:
+            # it stands for the steps since the last measured one, so a change of cadence weighs every step once
+            last = self._last_measured
+            self._weight = step - last if last is not None and step > last else every
+            self._last_measured = step
 
     def after_micro_step(self, parameters: Iterable[torch.Tensor], weight: float) -> None:
         """Record a micro-batch that ended without a reduction (accumulation); ``weight`` is its share of the sum."""
