@@ -4,7 +4,9 @@ DDP reduces gradient buckets in order as backward produces them: bucket ``k`` of
 its forward and ``(k + 1) / n`` of its backward, and the reduction of one bucket starts once every rank has it and
 the previous bucket is reduced. The step ends when the last bucket is reduced. A rank's timer sees its compute, the
 span from its first bucket to the end (``allreduce``), the part after its backward (``exposed``) and the time the
-reductions themselves ran (``comm_busy``, and ``last_bucket`` for the last one).
+reductions themselves ran (``comm_busy``, and ``last_bucket`` for the last one). With noise statistics (the default
+adaptive configuration) every step goes through the comm hook, so these are the records the model is fitted on
+(``tests/test_adaptive_end_to_end.py`` checks that every step's reductions are timed there).
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def test_optperf_follows_the_timeline_from_a_quarter_to_four_times_the_total(tim
     for total in (64, 96, 128, 192, 256, 384, 512, 768, 1024):
         predicted = float(model.optperf([total])[0])
         truth = timeline.optimum(total)
-        assert predicted == pytest.approx(truth, rel=0.10), (total, predicted, truth)
+        assert predicted == pytest.approx(truth, rel=0.05), (total, predicted, truth)
 
 
 @pytest.mark.parametrize("timeline", [COMPUTE_BOUND, ALLREDUCE_BOUND], ids=["compute-bound", "allreduce-bound"])
