@@ -35,7 +35,7 @@ variant's samples/s over the fixed split's in the same repeat is reported too: t
     python benchmarks/overhead.py --quick --variants cannikin_adaptive   # a few minutes, for diagnosing
     python benchmarks/overhead.py --quick --variants cannikin_adaptive --profile cannikin_adaptive
     python benchmarks/overhead.py --quick --variants cannikin_adaptive --set noise_every_n_steps=16
-    python benchmarks/overhead.py --pool benchmarks/results/overhead_s14.json benchmarks/results/overhead_s15.json
+    python benchmarks/overhead.py --pool benchmarks/results/overhead.json
 
 ``--quick`` runs 3 repeats of 3 epochs and saves to the temporary folder; ``--profile VARIANT`` first runs that
 variant once more with cProfile in rank 0 over the measured span (left out of the figures) and prints where its
