@@ -154,6 +154,8 @@ class Clock(Callback):
         self.profiler: cProfile.Profile | None = None
         self.starts: list[float] = []
         self.cpu_starts: list[float] = []
+        self.thread_starts: list[float] = []  # this rank's main thread: its hooks and compute, not gloo's threads
+        self.steps: list[int] = []
         self.samples: list[int] = []
         self.splits: list[list[int]] = []
 
@@ -163,28 +165,33 @@ class Clock(Callback):
             self.profiler.enable()
         self.starts.append(time.perf_counter())
         self.cpu_starts.append(time.process_time())
+        self.thread_starts.append(time.thread_time())
+        self.steps.append(0)
         self.samples.append(0)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         runtime = getattr(trainer.strategy, "runtime", None)
         sizes = runtime.step_sizes if runtime is not None else None
         self.samples[-1] += sum(sizes) if sizes else len(args[1][0]) * trainer.world_size
+        self.steps[-1] += 1
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         plan = getattr(trainer.strategy, "plan", None)
         self.splits.append(list(plan.local_batch_sizes) if plan is not None else [])
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        end, cpu_end = time.perf_counter(), time.process_time()
+        end, cpu_end, thread_end = time.perf_counter(), time.process_time(), time.thread_time()
         if self.profiler is not None:
             self.profiler.disable()
             self.profiler.dump_stats(str(self.out / "profile.prof"))
         cpu = [cpu_end - start for start in self.cpu_starts]  # this rank's CPU seconds from each epoch's start on
-        (self.out / f"cpu{trainer.global_rank}.json").write_text(json.dumps(cpu))
+        thread = [thread_end - start for start in self.thread_starts]
+        (self.out / f"cpu{trainer.global_rank}.json").write_text(json.dumps({"process": cpu, "thread": thread}))
         if trainer.is_global_zero:
             engine = next((cb.engine for cb in trainer.callbacks if hasattr(cb, "engine")), None)
             replans = len(engine.history.entries) if engine is not None else 0  # plans adopted (one per step)
             result = {"starts": self.starts, "end": end, "samples": self.samples, "splits": self.splits}
+            result["steps"] = self.steps
             result["replans"] = replans
             (self.out / "clock.json").write_text(json.dumps(result))
 
@@ -221,7 +228,9 @@ def run(
         loader = DataLoader(dataset, batch_size=total_batch // world_size, shuffle=True)
         trainer.fit(MLP(deep=deep), loader)
         result = json.loads((out / "clock.json").read_text())
-        result["cpu"] = [json.loads((out / f"cpu{rank}.json").read_text()) for rank in range(world_size)]
+        per_rank = [json.loads((out / f"cpu{rank}.json").read_text()) for rank in range(world_size)]
+        result["cpu"] = [entry["process"] for entry in per_rank]
+        result["thread_cpu"] = [entry["thread"] for entry in per_rank]
         if (out / "profile.prof").is_file():
             text = io.StringIO()
             stats = pstats.Stats(str(out / "profile.prof"), stream=text)
@@ -239,6 +248,13 @@ def steady_throughput(result: dict[str, Any], skip_epochs: int) -> float:
 def cpu_per_sample(result: dict[str, Any], skip_epochs: int) -> float:
     """CPU seconds of all ranks together per sample, over the same span."""
     return sum(cpu[skip_epochs] for cpu in result["cpu"]) / sum(result["samples"][skip_epochs:])
+
+
+def thread_cpu_per_rank_step(result: dict[str, Any], skip_epochs: int) -> float:
+    """Main-thread CPU seconds per rank and step over the same span: the rank's own Python and compute (the hooks of
+    the strategy and the engine included), without gloo's threads or time spent waiting."""
+    threads = [cpu[skip_epochs] for cpu in result["thread_cpu"]]
+    return sum(threads) / len(threads) / sum(result["steps"][skip_epochs:])
 
 
 def median_interval(
@@ -313,6 +329,17 @@ def markdown(report: dict[str, Any], variants: tuple[str, ...]) -> str:
             f"| {variant} | {r['cpu_per_sample_median']:.3f} | {cpu_repeats} | {wall} | {wall_repeats}"
             f" | {paired} | {statistics.median(report['replans'][variant]):.0f} |"
         )
+    if "engine_thread_cpu_us_per_rank_step" in report:
+        engine = report["engine_thread_cpu_us_per_rank_step"]
+        thread = report["thread_cpu_us_per_rank_step_median"]
+        lines += [
+            "",
+            "The engine's own CPU per rank and step: each variant's main-thread CPU (`time.thread_time`: its hooks"
+            " and compute, not gloo's threads) per rank and step, less the fixed split's in the same repeat, the median"
+            f" over the repeats (the fixed split's own: {thread['fixed']:.0f} us): "
+            + ", ".join(f"`{name}` {value:.0f} us" for name, value in engine.items())
+            + ' (`default` is `strategy="cannikin"` alone).',
+        ]
     lines += [
         "",
         f"Spread of DDP's own repeats (max - min over the median): {100 * report['ddp_spread']:.0f}% in samples/s,"
@@ -323,8 +350,8 @@ def markdown(report: dict[str, Any], variants: tuple[str, ...]) -> str:
         "",
         'Variants: `ddp` Lightning\'s DDPStrategy (the reference); `cannikin` `strategy="cannikin"` alone (balancing, '
         "fixed total); `cannikin_adaptive` `Cannikin(max_batch_size=<the total>)` with the default settings (noise "
-        "statistics on one step in eight, local change checks compared every 4 steps and at least 0.1 s apart, "
-        "further on steps under 25 ms, the total reconsidered when the noise scale leaves its band; capped at the "
+        "statistics on every step while their bounds may move the total, one in eight once they cannot, local change "
+        "checks compared every 4 steps and at least 0.1 s apart, further on steps under 25 ms; capped at the "
         "starting total so the machinery is measured, not a larger "
         "batch); `fixed` a fixed even split through Cannikin's strategy, no callback (a variant over it in the same"
         " repeat, paired: the engine's own cost). Re-plans: plans adopted per run"
@@ -377,6 +404,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     throughput: dict[str, list[float]] = {v: [] for v in variants}
     cpu: dict[str, list[float]] = {v: [] for v in variants}
+    thread: dict[str, list[float]] = {v: [] for v in variants}
     splits: dict[str, list[list[int]]] = {v: [] for v in variants}
     replans: dict[str, list[int]] = {v: [] for v in variants}
     started, load_at_start = time.perf_counter(), _load()
@@ -392,6 +420,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             result = run(variant, dataset, args.total_batch, args.epochs, repeat, deep, overrides, None, args.ranks)
             throughput[variant].append(steady_throughput(result, args.skip_epochs))
             cpu[variant].append(cpu_per_sample(result, args.skip_epochs))
+            thread[variant].append(thread_cpu_per_rank_step(result, args.skip_epochs))
             splits[variant].append(result["splits"][-1])
             replans[variant].append(result["replans"])
             print(
@@ -418,6 +447,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "samples_per_s_median": {v: statistics.median(throughput[v]) for v in variants},
         "samples_per_s": throughput,
         "cpu_us_per_sample_median": {v: 1e6 * statistics.median(cpu[v]) for v in variants},
+        "thread_cpu_us_per_rank_step_median": {v: 1e6 * statistics.median(thread[v]) for v in variants},
+        "thread_cpu_us_per_rank_step": {v: [1e6 * x for x in thread[v]] for v in variants},
         "final_splits": splits,
         "replans": replans,
     }
@@ -438,6 +469,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             report[f"{variant}_vs_ddp"].update(
                 vs_fixed_median=statistics.median(paired), vs_fixed_ci95=median_interval(paired), vs_fixed_ratios=paired
             )
+    if "fixed" in variants:
+        # the engine's own CPU per rank and step: each variant's main-thread CPU over the fixed split's in the same
+        # repeat (the same strategy, model and data without the engine), the median over the repeats; `default` is
+        # `strategy="cannikin"` alone
+        report["engine_thread_cpu_us_per_rank_step"] = {
+            ("default" if v == "cannikin" else v): 1e6
+            * statistics.median(t - f for t, f in zip(thread[v], thread["fixed"], strict=True))
+            for v in variants
+            if v not in ("ddp", "fixed")
+        }
     # how noisy the machine was: the spread of DDP's own repeats
     ddp = throughput["ddp"]
     report["ddp_spread"] = (max(ddp) - min(ddp)) / statistics.median(ddp)
