@@ -1,6 +1,5 @@
-"""On one CUDA device: the event timer against synchronised truth, the weighted hook on NCCL (world size 1), the noise
-capture before DDP replaces the gradients, the full strategy in 32-bit, 16-mixed and bf16-mixed, and the memory model
-against a measured peak and ``mem_get_info``.
+"""On one CUDA device: the event timer against synchronised truth, the weighted hook on NCCL (world size 1), the full
+strategy in 32-bit, 16-mixed and bf16-mixed, and the memory model against a measured peak and ``mem_get_info``.
 
 Run with ``python -m pytest tests/gpu -q``; every test here is skipped where no CUDA device is present.
 """
