@@ -94,8 +94,9 @@ def fit(tmp_path: Path, per_sample_ms: float, fixed_ms: float, samples: int, log
 
 
 def test_the_total_grows_within_the_first_epoch_where_a_larger_batch_is_nearly_free(tmp_path):
-    # fixed 3 ms steps: 128 steps of 32 at the start; the noise scale, about 16x that, pays for a larger total
-    result = fit(tmp_path, per_sample_ms=0.0, fixed_ms=3.0, samples=4096, logger=True)
+    # fixed 3 ms steps: 512 steps of 32 at the start; the noise scale, about 16x that, pays for a larger total (an
+    # epoch long enough to reach Lightning's default logging step, 50, at the grown total)
+    result = fit(tmp_path, per_sample_ms=0.0, fixed_ms=3.0, samples=16384, logger=True)
     totals = result["totals"]
     assert totals[0] == 2 * PER_RANK and max(totals) > 2 * PER_RANK, totals
     assert result["uses_comm_hook"] is True, "with noise statistics the comm hook reduces"

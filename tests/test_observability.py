@@ -57,7 +57,8 @@ def test_metrics_reach_a_csv_logger_and_the_profile_round_trips(tmp_path, capsys
     decisions = [row for row in rows if row.get("cannikin/decision/split_gain")]
     assert decisions and all(float(row["cannikin/decision/split_margin"]) == 0.02 for row in decisions)
     totals = [row for row in rows if row.get("cannikin/decision/total_gain")]
-    assert totals and all(float(row["cannikin/decision/adapt_margin"]) == 0.05 for row in totals)
+    margin = CannikinSettings().adapt_margin
+    assert totals and all(float(row["cannikin/decision/adapt_margin"]) == margin for row in totals)
     assert all(float(row["cannikin/decision/best_total_batch_size"]) >= 32 for row in totals)
     explained = [line for line in said.read_text().splitlines() if line.startswith("Cannikin: step")]
     assert any("split margin" in line for line in explained) and any("adapt margin" in line for line in explained)
