@@ -205,6 +205,10 @@ def _ddp_rank(rank: int, world: int, store: str, out: str, groups, units) -> Non
         loss = _group_loss("count_mean", _token_losses(model, tokens, targets, groups[rank]))
         (weight * loss).backward()
         torch.save([p.grad for p in model.parameters()], f"{out}/rank{rank}.pt")
+        # every rank done with its collectives, and the DDP reducer gone, before the group is torn down: a rank that
+        # destroyed it while the other's reducer still held it aborted once in a CI run (SIGABRT in teardown)
+        dist.barrier()
+        del model
     finally:
         dist.destroy_process_group()
 
