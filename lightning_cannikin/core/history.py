@@ -5,7 +5,6 @@ Pure Python and numpy: imports neither torch nor Lightning.
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -32,11 +31,6 @@ def median_step_time(records: Iterable[StepRecord], local_batch_sizes: Sequence[
     return float(np.median(times)) if times else None
 
 
-def _finite_or_none(value: float | None) -> float | None:
-    """Strict JSON has no infinity: an unbounded value is stored as ``None``."""
-    return None if value is None or not math.isfinite(value) else float(value)
-
-
 class NoiseTrail:
     """The noise-scale estimate and its bounds over a fit, for the run profile's trajectory plot.
 
@@ -55,8 +49,8 @@ class NoiseTrail:
         self._seen = 0
 
     def add(self, step: int, noise_scale: float | None, bounds: tuple[float, float] | None) -> None:
-        """The estimate after ``step`` steps and its bounds (``None``: no spread yet); infinite values stored as
-        ``None``."""
+        """The estimate after ``step`` steps and its bounds (``None``: no spread yet), as they are: the run profile
+        writes an infinite one as ``null`` (``build_profile``)."""
         self._seen += 1
         if noise_scale is None or (self._seen - 1) % self._every:
             return
@@ -64,9 +58,9 @@ class NoiseTrail:
         self.points.append(
             {
                 "step": int(step),
-                "noise_scale": _finite_or_none(noise_scale),
-                "noise_low": _finite_or_none(low),
-                "noise_high": _finite_or_none(high),
+                "noise_scale": noise_scale,
+                "noise_low": low,
+                "noise_high": high,
             }
         )
         if len(self.points) > self.max_points:
