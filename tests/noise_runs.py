@@ -92,7 +92,7 @@ def run_engine(
             engine.replan(mid_epoch=True, adapt_total=adapt)
         run.bounds.append(engine.noise_bounds())
         run.bands.append(engine.schedule.noise_band)
-        run.band_totals.append(engine.band_total)
+        run.band_totals.append(engine.schedule.band_total)
         run.precise.append(_precise(engine))
     return run
 

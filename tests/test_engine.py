@@ -65,7 +65,7 @@ def test_the_checkpoint_keeps_the_callbacks_key_and_restores_the_schedule_and_ba
     engine = callback.engine
     engine.attach(RuntimeState(), OneRank())
     engine.runtime.adopt(Plan((5, 3)))
-    engine.step, engine.identified, engine.band_total = 9, True, 8
+    engine.step, engine.identified, engine.schedule.band_total = 9, True, 8
     engine.schedule.last_adapt_step, engine.schedule.adapted, engine.schedule.routine_gap = 7, True, 16
     engine.schedule.noise_band = (120.0, float("inf"))
     state = engine.state_dict()
@@ -74,7 +74,7 @@ def test_the_checkpoint_keeps_the_callbacks_key_and_restores_the_schedule_and_ba
     fresh.attach(RuntimeState(), OneRank())
     assert fresh.load_state_dict(state) == Plan((5, 3)).resized(1)  # resumed on one rank: the global batch kept
     fresh.start()
-    assert fresh.step == 9 and fresh.band_total == 8 and fresh.schedule.noise_band == (120.0, float("inf"))
+    assert fresh.step == 9 and fresh.schedule.band_total == 8 and fresh.schedule.noise_band == (120.0, float("inf"))
     assert (fresh.schedule.last_adapt_step, fresh.schedule.adapted, fresh.schedule.routine_gap) == (7, True, 16)
     assert fresh.identified, "the same devices: their speeds were measured"
 

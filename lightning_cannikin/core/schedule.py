@@ -55,6 +55,7 @@ class ReplanSchedule:
     settle_at: int | None = None  # a re-plan due once a new total batch has been timed at its new sizes
     check_every_n_steps: int | None = 4
     noise_band: tuple[float, float] | None = None  # the noise scales the total in force was chosen for
+    band_total: int | None = None  # that total (the band says nothing of another one)
     # steps an epoch end waits after the last re-plan when nothing asks for one: doubled by every re-plan that keeps
     # the plan in force (up to ROUTINE_GAP_CAP), none after one that changes it
     routine_gap: int = 0
@@ -115,13 +116,20 @@ class ReplanSchedule:
         band = self.noise_band
         return bounds is not None and band is not None and band[0] <= bounds[0] and bounds[1] <= band[1]
 
-    def adapted_at(self, step: int, ready: bool, noise_band: tuple[float, float] | None = None) -> None:
+    def adapted_at(
+        self, step: int, ready: bool, noise_band: tuple[float, float] | None = None, total: int | None = None
+    ) -> None:
         """The total batch was reconsidered after ``step`` steps (at an epoch end too); ``noise_band``: the
-        decision's :attr:`~lightning_cannikin.core.policy.Decision.noise_band`, for :meth:`total_due`."""
+        decision's :attr:`~lightning_cannikin.core.policy.Decision.noise_band`, for :meth:`total_due`, and ``total``
+        the total it was decided for (:meth:`band_of`)."""
         self.last_adapt_step = step
         self.adapted = self.adapted or ready
         if noise_band is not None:
-            self.noise_band = noise_band
+            self.noise_band, self.band_total = noise_band, total
+
+    def band_of(self, total: int) -> tuple[float, float] | None:
+        """The band held, where it was decided for ``total`` (a step already drawn may still run the previous total)."""
+        return self.noise_band if total == self.band_total else None
 
     def due(self, step: int, identified: bool, balance: bool, changed: bool = False) -> bool:
         """Whether the ranks re-plan after ``step`` steps (the same answer on every rank); ``changed``: some rank's

@@ -93,7 +93,6 @@ class BalancingEngine:
         self._family: str | None = None
         self._on_adopt: AdoptHook | None = None
         self._restored: dict[str, Any] | None = None
-        self.band_total: int | None = None  # the total the schedule's noise band was decided for
         self.noise_trail = NoiseTrail()  # the estimate and its bounds over the fit, for the run profile
 
     def attach(self, runtime: RuntimeState, collective: Collective, on_adopt: AdoptHook | None = None) -> None:
@@ -185,8 +184,7 @@ class BalancingEngine:
         if self.estimator is None:
             return 1.0, 1.0
         base = self.estimator.base_batch_size
-        band = self.schedule.noise_band if total_batch_size == self.band_total else None
-        phi = gain_noise_scale(self.noise_bounds(), total_batch_size, base, band)
+        phi = gain_noise_scale(self.noise_bounds(), total_batch_size, base, self.schedule.band_of(total_batch_size))
         return learning_rate_scale(self.policy.lr_scaling, total_batch_size, base, phi, self.adam)
 
     @property
@@ -302,9 +300,7 @@ class BalancingEngine:
             return None
         plan = decision.plan
         if adapt_total:
-            self.schedule.adapted_at(self.step, self.adapt_ready, decision.noise_band)
-            if decision.noise_band is not None:
-                self.band_total = plan.total_batch_size
+            self.schedule.adapted_at(self.step, self.adapt_ready, decision.noise_band, plan.total_batch_size)
         total_changed = plan.total_batch_size != current.total_batch_size
         # a new total, a walk to a device's knee, a split moved by a rescale that may be a passing stall, or a change of
         # speed the model followed: re-split once timed (a check fired by what the model does not see settles nothing)

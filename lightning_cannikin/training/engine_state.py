@@ -25,7 +25,7 @@ def engine_state(engine: Any) -> dict[str, Any]:
         "last_replan_step": engine.schedule.last_replan_step,
         "routine_gap": engine.schedule.routine_gap,
         "noise_band": engine.schedule.noise_band,
-        "band_total": engine.band_total,
+        "band_total": engine.schedule.band_total,
         "noise_in_flight": engine.observer.state_dict() if engine.observer is not None else None,
     }
 
@@ -46,7 +46,7 @@ def restore_engine(engine: Any, state: dict[str, Any]) -> None:
     engine.schedule.routine_gap = int(state["routine_gap"])
     band = state["noise_band"]
     engine.schedule.noise_band = None if band is None else (float(band[0]), float(band[1]))
-    engine.band_total = state["band_total"]
+    engine.schedule.band_total = state["band_total"]
     if state["noise_in_flight"] is not None and engine.observer is not None:
         engine.observer.load_state_dict(state["noise_in_flight"])
     world_size = engine.collective.world_size if engine.collective is not None else 1
