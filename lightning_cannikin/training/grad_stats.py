@@ -64,13 +64,12 @@ class GradientNormObserver:
             arrive later (between ``exchange_every + 1`` and ``2 x exchange_every`` steps after their step) and the
             collective is paid once per exchange. On gloo a collective of a few floats costs about a millisecond of
             CPU and wall time; on NCCL tens of microseconds.
-        measure_every: measure one optimizer step in this many (:meth:`start_step`); on the others the hook only
-            reduces.
-            ``cadence``, where set, overrides it step by step.
+        measure_every: measure one optimizer step in this many (:meth:`start_step`; ``cadence``, where set, overrides
+            it step by step); on the others the hook only reduces.
 
     Attributes:
         measuring: whether the step in progress is measured (set before its first backward; a step not measured
-            costs nothing and leaves no block).
+            computes no norm and leaves no block).
         scaler: the ``GradScaler`` of ``16-mixed`` training (``None`` without one).
         cadence: a callable giving ``measure_every`` at the start of each optimizer step (``None``: the fixed value),
             the same on every rank; a measured step weighs as the steps it stands for.
