@@ -170,8 +170,7 @@ class Clock(Callback):
         self.samples.append(0)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        runtime = getattr(trainer.strategy, "runtime", None)
-        sizes = runtime.step_sizes if runtime is not None else None
+        sizes = getattr(trainer.strategy, "step_sizes", None)
         self.samples[-1] += sum(sizes) if sizes else len(args[1][0]) * trainer.world_size
         self.steps[-1] += 1
 

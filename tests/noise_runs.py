@@ -1,8 +1,8 @@
 """The balancing engine driven step by step on synthetic gradient statistics of a known noise scale (no timing of
 this machine enters a decision): what the tests of the adaptive total replay.
 
-Every call a frontend makes (step start, gradients ready, step end, ``replan_due``, ``replan``) runs over a
-collective of one rank and an uneven sampler drawn one batch at a time, as a loader does; every step's statistics
+Every call a frontend makes (the step API: ``begin_step``, ``backward``, ``optimizer_step``, ``end_step``) runs over
+a collective of one rank and an uneven sampler drawn one batch at a time, as a loader does; every step's statistics
 (two groups, 5/8 and 3/8 of the total, from Gaussian per-sample gradients) reach the engine's estimator as the
 exchange would; the step time is a known function of the total (``SpeedModel.predict`` is replaced by the caller).
 """
@@ -17,7 +17,6 @@ import numpy as np
 from lightning_cannikin import CannikinSettings
 from lightning_cannikin.core.goodput import candidate_batch_sizes, goodput
 from lightning_cannikin.training.engine import BalancingEngine
-from lightning_cannikin.training.runtime import RuntimeState
 from lightning_cannikin.training.sampler import UnevenBatchSampler
 from tests.test_engine import OneRank
 
@@ -58,23 +57,20 @@ def run_engine(
     engine = BalancingEngine(
         cap, lr_scaling=lr_scaling, base_batch_size=base, balance=False, settings=CannikinSettings(**settings)
     )
-    runtime = RuntimeState()
-    engine.attach(runtime, OneRank())
-    plan = runtime.first_plan(base, 1)
+    engine.bind(OneRank())
+    plan = engine.first_plan(base, 1)
     sampler = UnevenBatchSampler(cap * (steps + 2), rank=0, plan=plan, shuffle=False)
-    runtime.use_loader(plan, sampler)
+    engine.use_loader(plan, sampler)
     engine.start()
-    run, timer, batches = NoiseRun(engine), runtime.timer, iter(sampler)
+    run, batches = NoiseRun(engine), iter(sampler)
     for step in range(steps):
         next(batches)  # the loader draws the next batch: a plan decided now starts after it
         position = sampler.yielded - 1
         sizes = sampler.sizes_at(position)
-        runtime.begin_step(position, sizes, rank=0)
-        engine.step_started()
-        timer.forward_start()
-        timer.will_reduce(True)
-        timer.gradient_ready()
-        engine.backward_done(())
+        engine.begin_step(position, sizes, optimizer_step=step)
+        engine.forward_started()
+        with engine.backward(reduces=True, parameters=tuple):
+            engine.gradient_ready()
         total = sum(sizes)
         groups_b = np.array([total * 5 // 8, total - total * 5 // 8], dtype=float)
         phi = noise_scale(step)
@@ -84,12 +80,9 @@ def run_engine(
         groups = mean + rng.standard_normal((2, dim)) * np.sqrt(trace / dim / groups_b)[:, None]
         reduced = (groups_b[:, None] * groups).sum(axis=0) / total
         engine.estimator.update((groups**2).sum(axis=1), groups_b, float(reduced @ reduced))
-        engine.step_finished()
         run.totals.append(total)
-        run.factors.append(runtime.lr_factor)
-        due, adapt = engine.replan_due()
-        if due:
-            engine.replan(mid_epoch=True, adapt_total=adapt)
+        run.factors.append(engine.lr_factor)
+        engine.end_step()
         run.bounds.append(engine.noise_bounds())
         run.bands.append(engine.schedule.noise_band)
         run.band_totals.append(engine.schedule.band_total)

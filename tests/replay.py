@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lightning_cannikin.core.change import LocalChangeCheck
+from lightning_cannikin.core.change_vote import ChangeVote
 from lightning_cannikin.core.optperf import optimal_split
 from lightning_cannikin.core.plan import BatchBounds, Plan, even_split
 from lightning_cannikin.core.policy import Decision, PolicySettings, decide, noise_bounds
 from lightning_cannikin.core.schedule import ReplanSchedule
 from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings, StepRecord
 from lightning_cannikin.simulation.emulated_devices import EmulatedDevices
-from lightning_cannikin.training.change_vote import ChangeVote
 
 TAIL_S = 0.002  # what a step costs beyond the slowest rank's compute (all-reduce tail, optimizer)
 

@@ -57,7 +57,7 @@ class Totals(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         engine = self._cannikin(trainer)[0].engine
         self.totals.append(engine.plan.total_batch_size)
-        latest = engine.runtime.timer.latest  # this step's record: the reductions' own time, every bucket seen
+        latest = engine.latest_record  # this step's record: the reductions' own time, every bucket seen
         if latest is not None:
             self.busy.append(latest.comm_busy)
 

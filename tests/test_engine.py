@@ -12,7 +12,6 @@ from lightning_cannikin import Cannikin, CannikinSettings, Plan
 from lightning_cannikin.core.plan import BatchBounds
 from lightning_cannikin.training.engine import BalancingEngine
 from lightning_cannikin.training.lightning_hooks import BalancingCallback
-from lightning_cannikin.training.runtime import RuntimeState
 from lightning_cannikin.training.sampler import UnevenBatchSampler
 
 # what a checkpoint keeps of the engine
@@ -48,6 +47,15 @@ class OneRank:
         return obj
 
 
+class TwoRanksSecond(OneRank):
+    """The second of two ranks, for what a step computes locally (no collective is called)."""
+
+    rank, world_size, host_runs_ahead = 1, 2, False
+
+    def max_later(self, value):
+        return lambda: value
+
+
 def test_the_settings_are_given_in_one_object_and_checked():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -63,15 +71,15 @@ def test_the_checkpoint_keeps_the_callbacks_key_and_restores_the_schedule_and_ba
     callback = BalancingCallback()
     assert callback.state_key == Cannikin().state_key == "Cannikin"
     engine = callback.engine
-    engine.attach(RuntimeState(), OneRank())
-    engine.runtime.adopt(Plan((5, 3)))
+    engine.bind(OneRank())
+    engine.set_plan(Plan((5, 3)))
     engine.step, engine.identified, engine.schedule.band_total = 9, True, 8
     engine.schedule.last_adapt_step, engine.schedule.adapted, engine.schedule.routine_gap = 7, True, 16
     engine.schedule.noise_band = (120.0, float("inf"))
     state = engine.state_dict()
     assert set(state) == STATE_KEYS
     fresh = BalancingCallback().engine
-    fresh.attach(RuntimeState(), OneRank())
+    fresh.bind(OneRank())
     assert fresh.load_state_dict(state) == Plan((5, 3)).resized(1)  # resumed on one rank: the global batch kept
     fresh.start()
     assert fresh.step == 9 and fresh.schedule.band_total == 8 and fresh.schedule.noise_band == (120.0, float("inf"))
@@ -136,44 +144,53 @@ def _sampler(plan: Plan) -> UnevenBatchSampler:
 
 def test_each_step_runs_at_the_lr_factor_of_the_plan_it_runs_not_the_newest_one():
     # a plan decided now starts at a later batch (the loader prefetched the ones before): its factor starts with it
-    runtime = RuntimeState()
-    runtime.attach(BatchBounds((1, 1)), None, lambda total: (total / 8, 2.0 * total))
+    engine = BalancingEngine()
+    engine.scale = lambda total: (total / 8, 2.0 * total)  # the learning-rate rule, known
     first, second = Plan((6, 2)), Plan((18, 6))
-    runtime.use_loader(first, _sampler(first))
-    runtime.adopt(second, from_batch=3)
+    sampler = _sampler(first)
+    engine.use_loader(first, sampler)
+    engine.set_plan(second, from_batch=3)
     factors = []
     for position in range(5):
-        runtime.begin_step(position, runtime.sampler.sizes_at(position), rank=0)
-        factors.append((runtime.lr_factor, runtime.gain))
-    assert runtime.plan == second, "the newest plan is in force for what comes next"
+        engine.begin_step(position, sampler.sizes_at(position), optimizer_step=position)
+        factors.append((engine.lr_factor, engine.gain))
+    assert engine.plan == second, "the newest plan is in force for what comes next"
     assert factors == [(1.0, 16.0)] * 3 + [(3.0, 48.0)] * 2
 
 
 def test_the_step_weight_covers_the_accumulation_window_and_its_partial_end():
     # 3 micro-batches of (6, 2) per step over 20 samples: windows of 24 samples, then the epoch's 4 left over
     plan = Plan((6, 2), accumulation_steps=3)
-    runtime = RuntimeState()
-    runtime.use_loader(plan, UnevenBatchSampler(28, rank=1, plan=plan, shuffle=False))
-    runtime.begin_step(1, (6, 2), rank=1, accumulation=3)
-    assert runtime.hook.weight == pytest.approx(6 / 24) and runtime.hook.micro_weight == pytest.approx(1 / 3)
-    assert runtime.loss_factor == pytest.approx(3 * (1 / 3))  # undoes Lightning's 1/3, then the micro share
-    last = runtime.sampler.sizes_at(3)
-    runtime.begin_step(3, last, rank=1, accumulation=3)
-    assert runtime.accumulation_window == (last,) and sum(last) == 4
-    assert runtime.hook.weight == pytest.approx(last[1] / 4) and runtime.hook.micro_weight == 1.0
+    sampler = UnevenBatchSampler(28, rank=1, plan=plan, shuffle=False)
+    engine = BalancingEngine()
+    engine.bind(TwoRanksSecond())
+    engine.use_loader(plan, sampler)
+    engine.begin_step(1, (6, 2), optimizer_step=0, accumulation=3)
+    hook, _ = engine.comm_hook()
+    assert hook.weight == pytest.approx(6 / 24) and hook.micro_weight == pytest.approx(1 / 3)
+    # the loss carries the micro share and undoes Lightning's 1/3 (the hook sums: the rank weight is on its buckets)
+    assert engine.weigh(torch.tensor(1.0)).item() == pytest.approx(3 * (1 / 3))
+    last = sampler.sizes_at(3)
+    engine.begin_step(3, last, optimizer_step=1, accumulation=3)
+    assert engine._window == (last,) and sum(last) == 4, "the noise groups: the window's one partial micro-batch"
+    assert hook.weight == pytest.approx(last[1] / 4) and hook.micro_weight == 1.0
+    engine.reduce_with(loss_carries_weight=True, averaged_over=2)  # DDP's own all-reduce: n * b_i / B on the loss
+    engine.begin_step(3, last, optimizer_step=1, accumulation=3)
+    assert engine.weigh(torch.tensor(1.0)).item() == pytest.approx(3 * 1.0 * 2 * last[1] / 4)
 
 
 def test_the_first_plan_respects_the_bounds_for_every_frontend():
-    runtime = RuntimeState()
-    runtime.attach(BatchBounds.parse((None, [4, 40]), 2), None, None)
-    assert runtime.first_plan(24, 2).local_batch_sizes == (4, 20)
+    engine = BalancingEngine(local_batch_bounds=(None, [4, 40]))
+    engine.bind(TwoRanksSecond())
+    assert engine.bounds == BatchBounds.parse((None, [4, 40]), 2)
+    assert engine.first_plan(24, 2).local_batch_sizes == (4, 20)
     with pytest.raises(ValueError, match="local_batch_bounds"):
-        runtime.first_plan(50, 2)
+        engine.first_plan(50, 2)
 
 
 def test_a_suspected_change_makes_every_rank_vote_at_every_step_until_it_counts_or_ends():
     from lightning_cannikin.core.change import CHANGED, SUSPECTED, LocalChangeCheck
-    from lightning_cannikin.training.change_vote import ChangeVote
+    from lightning_cannikin.core.change_vote import ChangeVote
 
     class Ranks:  # every rank's answers in one maximum: here another rank's verdicts, played in order
         rank, world_size = 0, 2
@@ -209,7 +226,7 @@ def test_a_suspected_change_makes_every_rank_vote_at_every_step_until_it_counts_
 
 def test_the_change_vote_is_read_one_step_later_and_not_again_after_the_replan_it_caused():
     from lightning_cannikin.core.change import LocalChangeCheck
-    from lightning_cannikin.training.change_vote import ChangeVote
+    from lightning_cannikin.core.change_vote import ChangeVote
 
     class OneRank:  # a collective whose vote is read later, as the real one's is (one rank: its own answer)
         rank, world_size = 0, 1
@@ -242,7 +259,7 @@ def test_the_change_vote_is_read_one_step_later_and_not_again_after_the_replan_i
 
 def test_a_scheduled_answer_goes_out_as_the_next_backward_starts_and_is_read_at_the_same_step():
     from lightning_cannikin.core.change import CHANGED, SUSPECTED, LocalChangeCheck
-    from lightning_cannikin.training.change_vote import ChangeVote
+    from lightning_cannikin.core.change_vote import ChangeVote
 
     class Ranks:  # every rank's answers in one maximum: here another rank's verdicts, played in order
         def __init__(self, others):
@@ -315,7 +332,7 @@ def test_an_epochs_last_batch_leaves_its_replan_to_the_epoch_end():
     from types import SimpleNamespace
 
     engine = BalancingEngine()
-    engine.runtime = SimpleNamespace(timer=SimpleNamespace(reduced=True), fixed_split=False)
+    engine._timer = SimpleNamespace(reduced=True)  # a step whose gradients were reduced
     engine.step = engine.schedule.warmup_steps
     assert engine.replan_due() == (True, False)
     assert engine.replan_due(epoch_ends=True) == (False, False)

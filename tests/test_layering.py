@@ -173,6 +173,57 @@ def test_no_frontend_gathers_broadcasts_or_decides_on_its_own():
     assert {"all_gather", "broadcast", "decide"} <= _calls(PACKAGE / "training/engine.py")
 
 
+# the engine's private parts, and the all-reduce state's fields: a frontend that names one reaches behind the step API
+BEHIND_THE_ENGINE = {
+    "runtime",
+    "timer",
+    "noise",
+    "observers",
+    "hook_state",
+    "weight_in_loss",
+    "mean_over",
+    "micro_weight",
+    "unit_scale",
+    "global_scale",
+    "local_scale",
+    "will_reduce",
+    "start_step",
+    "after_micro_step",
+}
+
+
+def _behind_the_engine(source: str, public: set[str]) -> set[str]:
+    """What ``source`` reaches behind the engine's step API: an attribute it reads on an engine (``engine.x``,
+    ``self.engine.x``, ``self._engine.x``) that is private or not the engine's, or a name of the engine's parts."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+        if name.lstrip("_") in BEHIND_THE_ENGINE:
+            found.add(name)
+        if isinstance(node, ast.Attribute):
+            owner = node.value
+            on_engine = (owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", "")) in (
+                "engine",
+                "_engine",
+            )
+            if on_engine and (name.startswith("_") or name not in public):
+                found.add(f"engine.{name}")
+    return found
+
+
+def test_the_frontends_drive_the_engine_through_its_public_step_api_only():
+    from lightning_cannikin.training.engine import BalancingEngine
+
+    public = {name for name in dir(BalancingEngine) if not name.startswith("_")}
+    public |= {name for name in vars(BalancingEngine()) if not name.startswith("_")}  # plan, step_sizes, ...
+    for frontend in FRONTENDS:
+        found = _behind_the_engine((PACKAGE / frontend).read_text(), public)
+        assert not found, f"{frontend} reaches behind the engine's step API: {sorted(found)}"
+    # the check can fail: what the strategies of the last release did
+    old = "runtime.timer.will_reduce(True)\nruntime.hook.weight_in_loss = True\nself._engine._timer.start()"
+    assert _behind_the_engine(old, public) >= {"timer", "weight_in_loss", "will_reduce", "engine._timer"}
+
+
 def test_the_lightning_callback_and_the_fabric_strategy_drive_the_same_engine_class():
     from lightning_cannikin import Cannikin, CannikinFabricStrategy
     from lightning_cannikin.training.engine import BalancingEngine

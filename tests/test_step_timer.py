@@ -8,7 +8,6 @@ import torch
 
 from lightning_cannikin.training import step_timer
 from lightning_cannikin.training.device_memory import DeviceMemory
-from lightning_cannikin.training.runtime import RuntimeState
 from lightning_cannikin.training.step_timer import CudaEventClock, HostClock, StepTimer, step_timer_for
 
 
@@ -207,13 +206,17 @@ def test_cpu_memory_reads_nothing():
 
 
 def test_the_clock_follows_the_device_and_replaces_the_hook_observer():
+    from lightning_cannikin.training.engine import BalancingEngine
+
     assert isinstance(step_timer_for(torch.device("cpu")).clock, HostClock)
     cuda = step_timer_for(torch.device("cuda", 0))  # builds no event and touches no device yet
     assert isinstance(cuda.clock, CudaEventClock) and cuda.memory.available
-    runtime = RuntimeState()
-    old = runtime.timer
-    runtime.use_timer(cuda)
-    assert runtime.timer is cuda and cuda in runtime.hook.observers and old not in runtime.hook.observers
+    engine = BalancingEngine()
+    old = engine._timer
+    engine.use_device(torch.device("cuda", 0))
+    hook, _ = engine.comm_hook()
+    assert isinstance(engine._timer.clock, CudaEventClock) and not engine.host_clock
+    assert engine._timer in hook.observers and old not in hook.observers
 
 
 def test_buckets_outside_a_timed_step_are_not_marked():
@@ -290,24 +293,25 @@ def test_the_comm_hook_fills_the_reductions_time_on_gloo(tmp_path):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from lightning_cannikin.training.comm_hook import weighted_allreduce_hook
+    from lightning_cannikin.training.comm_hook import WeightedAllReduceState, weighted_allreduce_hook
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         model = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(4)))
         ddp = DistributedDataParallel(model, bucket_cap_mb=0.1)  # about a bucket per parameter
         buckets = []
-        runtime = RuntimeState()
-        ddp.register_comm_hook(runtime.hook, weighted_allreduce_hook)
+        state, timer = WeightedAllReduceState(), StepTimer()
+        state.observers.append(timer)
+        ddp.register_comm_hook(state, weighted_allreduce_hook)
         for step in range(3):
-            before = runtime.hook.calls
-            runtime.timer.start()
-            runtime.timer.forward_start()
+            before = state.calls
+            timer.start()
+            timer.forward_start()
             ddp(torch.randn(8, 256)).sum().backward()
-            runtime.timer.backward_done()
-            runtime.timer.finish(step, 0, 8)
-            buckets.append(runtime.hook.calls - before)
-        records = runtime.timer.records(wait=True)
+            timer.backward_done()
+            timer.finish(step, 0, 8)
+            buckets.append(state.calls - before)
+        records = timer.records(wait=True)
     finally:
         dist.destroy_process_group()
     assert min(buckets[1:]) >= 3, f"several buckets per step (after DDP's first, which builds them): {buckets}"

@@ -111,15 +111,16 @@ def test_the_example_loop_gives_the_exact_mean_gradient_over_every_sample_once(t
 
 def test_a_probe_interleaved_with_the_split_it_left_alternates_then_stays():
     from lightning_cannikin.core.plan import Plan
-    from lightning_cannikin.training.runtime import RuntimeState
+    from lightning_cannikin.training.engine import BalancingEngine
     from lightning_cannikin.training.sampler import UnevenBatchSampler
 
     base, probe = Plan((16, 16)), Plan((24, 8))
-    runtime = RuntimeState(plan=base, sampler=UnevenBatchSampler(640, 0, base))
-    runtime.adopt(probe, from_batch=3, interleave=(base, 4))
-    sizes = [runtime.sampler.sizes_at(q) for q in range(10)]
+    engine, sampler = BalancingEngine(), UnevenBatchSampler(640, 0, base)
+    engine.use_loader(base, sampler)
+    engine.set_plan(probe, from_batch=3, interleave=(base, 4))
+    sizes = [sampler.sizes_at(q) for q in range(10)]
     assert sizes == [(16, 16)] * 3 + [(24, 8), (16, 16)] * 2 + [(24, 8)] * 3
-    assert runtime.plan == probe and len(runtime.sampler) == 20, "the same global batch: the epoch keeps its length"
+    assert engine.plan == probe and len(sampler) == 20, "the same global batch: the epoch keeps its length"
     # a plan of another total is never interleaved (the epoch's length would change under the loader)
-    runtime.adopt(Plan((40, 8)), from_batch=12, interleave=(probe, 4))
-    assert [runtime.sampler.sizes_at(q) for q in range(11, 14)] == [(24, 8), (40, 8), (40, 8)]
+    engine.set_plan(Plan((40, 8)), from_batch=12, interleave=(probe, 4))
+    assert [sampler.sizes_at(q) for q in range(11, 14)] == [(24, 8), (40, 8), (40, 8)]

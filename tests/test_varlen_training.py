@@ -27,11 +27,11 @@ from lightning_cannikin.training.cost_aware_sampler import (
     resolve_costs,
     with_time_models,
 )
+from lightning_cannikin.training.engine import BalancingEngine
 from lightning_cannikin.training.grad_stats import FOLD_DELAY
 from lightning_cannikin.training.lightning_hooks import BalancingCallback
 from lightning_cannikin.training.loader import rebuild_uneven
 from lightning_cannikin.training.loss_weights import step_weights
-from lightning_cannikin.training.runtime import RuntimeState
 from tests.models import RecordingRegressor, accumulation_windows, quiet_trainer
 from tests.test_adaptive import fit_recording_noise, squared_gradient_norm
 
@@ -87,13 +87,13 @@ class VarLenRegressor(RecordingRegressor):
         super().on_train_end()
         path = Path(self.record_dir, f"rank{self.global_rank}.json")
         record = json.loads(path.read_text())
-        runtime = self.trainer.strategy.runtime
+        engine = self.trainer.strategy.engine
         balancing = [cb for cb in self.trainer.callbacks if isinstance(cb, BalancingCallback)]
-        plan = runtime.plan
+        plan = engine.plan
         record.update(
-            warned=runtime.losses.warned,
+            warned=engine._losses.warned,
             time_models=None if plan is None or plan.time_models is None else list(plan.time_models),
-            mean_cost=getattr(runtime.sampler, "mean_cost", None),
+            mean_cost=getattr(engine._sampler, "mean_cost", None),
             slopes=[m.slope for m in balancing[0].speed_model.models()] if balancing and self.global_rank == 0 else [],
         )
         path.write_text(json.dumps(record))
@@ -278,18 +278,27 @@ def test_cost_time_fit_recovers_a_line_over_exact_costs_despite_a_hiccup():
 
 
 def test_weights_and_bad_input():
-    runtime = RuntimeState(normalisation="sample_sum")
-    runtime.begin_step(0, (6, 2), rank=1)
-    assert runtime.hook.weight == 1.0 and runtime.hook.unit_scale == 2.0 and runtime.hook.global_scale == 8.0
-    runtime = RuntimeState()
-    runtime.begin_step(0, (6, 2), rank=1)
-    assert runtime.hook.weight == pytest.approx(0.25) and runtime.hook.unit_scale == 1.0
+    from tests.test_engine import TwoRanksSecond
+
+    def engine(normalisation: str = "sample_mean") -> BalancingEngine:
+        engine = BalancingEngine()
+        engine.bind(TwoRanksSecond(), normalisation=normalisation)
+        return engine
+
+    summed = engine("sample_sum")
+    summed.begin_step(0, (6, 2), optimizer_step=0)
+    hook, _ = summed.comm_hook()
+    assert hook.weight == 1.0 and hook.unit_scale == 2.0 and hook.global_scale == 8.0
+    mean = engine()
+    mean.begin_step(0, (6, 2), optimizer_step=0)
+    hook, _ = mean.comm_hook()
+    assert hook.weight == pytest.approx(0.25) and hook.unit_scale == 1.0
     with pytest.raises(ValueError, match="loss_normalisation"):
         CannikinStrategy(loss_normalisation="token_mean")
     with pytest.raises(ValueError, match="sample_costs"):
         CannikinStrategy(loss_normalisation="count_mean")
     with pytest.raises(ValueError, match="needs every micro-batch's count"):
-        RuntimeState(normalisation="count_mean").begin_step(0, (6, 2), rank=0)
+        engine("count_mean").begin_step(0, (6, 2), optimizer_step=0)
     dataset = VarLenRegression(10)
     assert resolve_costs(lambda i: dataset.lengths[i], dataset).tolist() == dataset.lengths
     with pytest.raises(ValueError, match="10 samples"):

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_cannikin.core.optperf import most_even_split
+
 __all__ = ["BatchBounds", "Plan", "even_split", "proportional_sizes"]
 
 
@@ -186,6 +188,26 @@ class BatchBounds:
         """
         lower, upper = cls._halves(value)
         return cls(_per_rank(lower, world_size, 1, "lower"), _per_rank(upper, world_size, None, "upper"))
+
+    def first_plan(self, global_batch_size: int, accumulation: int = 1) -> Plan:
+        """The plan a fit starts from: ``global_batch_size`` (the loader's ``batch_size`` on every rank) as even as
+        these bounds allow, the same total; a clear error where no split of it fits them."""
+        world_size, lowest, upper = self.world_size, sum(self.lower), self.upper
+        source = f"the initial global batch of {global_batch_size} (the DataLoader's batch_size x {world_size} ranks)"
+        if lowest > global_batch_size:
+            raise ValueError(
+                f"`local_batch_bounds` lower bounds {list(self.lower)} need at least {lowest} samples per step, more"
+                f" than {source}. Raise the DataLoader `batch_size` to at least {-(-lowest // world_size)}, or lower"
+                " the lower bounds."
+            )
+        if upper is not None and sum(upper) < global_batch_size:
+            raise ValueError(
+                f"`local_batch_bounds` upper bounds {list(upper)} hold at most {sum(upper)} samples per step, fewer"
+                f" than {source}. Lower the DataLoader `batch_size` to at most {max(1, sum(upper) // world_size)}, or"
+                " raise the upper bounds."
+            )
+        split = most_even_split(global_batch_size, world_size, self.lower, upper)
+        return Plan(split.local_batch_sizes, accumulation)
 
     @staticmethod
     def _halves(value: Any) -> tuple[Any, Any]:

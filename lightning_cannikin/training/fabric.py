@@ -27,12 +27,9 @@ from typing_extensions import override
 
 from lightning_cannikin.core.plan import Plan
 from lightning_cannikin.training.collective import StrategyCollective
-from lightning_cannikin.training.comm_hook import weighted_allreduce_hook
 from lightning_cannikin.training.engine import BalancingEngine
 from lightning_cannikin.training.loader import UnevenDataLoader, loader_batch_size, rebuild_uneven
-from lightning_cannikin.training.runtime import RuntimeState
 from lightning_cannikin.training.settings import CannikinSettings
-from lightning_cannikin.training.step_timer import step_timer_for
 
 __all__ = ["CannikinFabricStrategy"]
 
@@ -97,7 +94,6 @@ class CannikinFabricStrategy(DDPStrategy):
             save_profile=False,
             settings=settings,
         )
-        self.runtime = RuntimeState(fixed_split=self._fixed is not None)
         self._loader: UnevenDataLoader | None = None
         self._ddp: DistributedDataParallel | None = None
         self._optimizer: Any = None
@@ -106,7 +102,7 @@ class CannikinFabricStrategy(DDPStrategy):
     @property
     def plan(self) -> Plan | None:
         """The split in force (``None`` before :meth:`uneven_dataloader`)."""
-        return self.runtime.plan
+        return self.engine.plan
 
     @property
     def speed_model(self) -> Any:
@@ -117,11 +113,11 @@ class CannikinFabricStrategy(DDPStrategy):
     def setup_module(self, module: Module) -> DistributedDataParallel:
         ddp = super().setup_module(module)
         # Fabric's DDP takes no comm hook; the weighted all-reduce is what makes uneven batches exact
-        ddp.register_comm_hook(self.runtime.hook, weighted_allreduce_hook)
+        ddp.register_comm_hook(*self.engine.comm_hook())
         # CUDA events on a GPU, the host clock elsewhere; the compute starts when DDP hands the batch to the module
-        self.runtime.use_timer(step_timer_for(self.root_device))
-        runtime = self.runtime
-        ddp.module.register_forward_pre_hook(lambda module, args: runtime.timer.inner_forward_start())
+        engine = self.engine
+        engine.use_device(self.root_device)
+        ddp.module.register_forward_pre_hook(lambda module, args: engine.forward_started(inner=True))
         self._ddp = ddp
         return ddp
 
@@ -132,9 +128,8 @@ class CannikinFabricStrategy(DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        self.engine.before_optimizer_step()  # the step counts at its gain
         self._optimizer_steps += 1
-        with self.runtime.learning_rate_scaled(optimizer):
+        with self.engine.optimizer_step(optimizer):  # the step counts at its gain, at its learning-rate factor
             return super().optimizer_step(optimizer, **kwargs)
 
     def uneven_dataloader(self, dataloader: DataLoader) -> UnevenDataLoader:
@@ -147,14 +142,14 @@ class CannikinFabricStrategy(DDPStrategy):
             raise ValueError(
                 f"`local_batch_sizes` has {self._fixed.world_size} entries but the world size is {self.world_size}."
             )
-        if self.engine.runtime is None:
-            self.engine.attach(self.runtime, StrategyCollective(self))
-        plan = self._fixed or self.runtime.plan
+        if self.engine.collective is None:
+            self.engine.bind(StrategyCollective(self), fixed_split=self._fixed is not None)
+        plan = self._fixed or self.engine.plan
         if plan is None:  # the loader's batch size on every rank, inside the bounds
             total = loader_batch_size(dataloader) * self.world_size
-            plan = self.runtime.first_plan(total, self.world_size, self._accumulation)
+            plan = self.engine.first_plan(total, self.world_size, self._accumulation)
         loader = rebuild_uneven(dataloader, plan, self.global_rank)
-        self.runtime.use_loader(plan, loader.uneven_sampler)
+        self.engine.use_loader(plan, loader.uneven_sampler)
         self._loader = loader
         if self.engine.estimator is None:
             self.engine.start(self._optimizer, accumulation_allowed=False)
@@ -174,30 +169,22 @@ class CannikinFabricStrategy(DDPStrategy):
         if loader is None or not loader.pending_steps:
             raise RuntimeError("`step()` needs a batch drawn from the loader that `uneven_dataloader` returned.")
         position, sizes = loader.pending_steps.popleft()
-        if self.runtime.noise is not None:  # before the step's backward: is this optimizer step measured?
-            self.runtime.noise.start_step(self._optimizer_steps)
-        self.runtime.begin_step(position, sizes, self.global_rank, self._accumulation)
-        self.engine.step_started()
-        self.runtime.timer.forward_start()
+        self.engine.begin_step(position, sizes, self._optimizer_steps, self._accumulation)
+        self.engine.forward_started()
         yield sizes
-        self.engine.backward_done(self._ddp.parameters() if self._ddp is not None else ())
-        self.engine.step_finished()
-        if self._fixed is None:
-            epoch_end = position == len(loader.uneven_sampler) - 1
-            due, adapt = self.engine.replan_due(epoch_ends=epoch_end)
-            if due or (epoch_end and self.engine.epoch_end_due()):
-                self.replan(adapt_total=epoch_end or adapt)
+        epoch_end = position == len(loader.uneven_sampler) - 1
+        self.engine.end_step(epoch_ends=epoch_end)
+        if epoch_end:  # the loop's loader runs on: the next epoch's plan starts at its next global batch
+            self.engine.end_epoch(rebuilds_loader=False)
 
     @override
     def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
-        factor = self.runtime.loss_factor
-        if factor != 1.0:
-            tensor = tensor * factor
+        tensor = self.engine.weigh(tensor)
         # an accumulation micro-step runs under `no_backward_sync`: no all-reduce, its compute ends at backward
         reduces = getattr(self._ddp, "require_backward_grad_sync", True) if self._ddp is not None else True
-        self.runtime.timer.will_reduce(reduces)
-        self.engine.backward_started()
-        super().backward(tensor, module, *args, **kwargs)
+        parameters = self._ddp.parameters if self._ddp is not None else tuple
+        with self.engine.backward(reduces, parameters):
+            super().backward(tensor, module, *args, **kwargs)
 
     def replan(self, adapt_total: bool = False) -> Plan | None:
         """Gather every rank's timing, let rank zero decide (a new total too where ``adapt_total`` and

@@ -5,7 +5,7 @@ timing and re-plans (through the same :class:`~lightning_cannikin.training.engin
 ``configure_model`` applies ``fully_shard`` over ``self.device_mesh["data_parallel"]`` as Lightning documents.
 
 FSDP2's reduce-scatter averages the ranks' gradients, so each rank's loss carries ``n`` times its weight under the
-declared ``loss_normalisation`` (computed in :meth:`~lightning_cannikin.training.runtime.RuntimeState.begin_step`):
+declared ``loss_normalisation`` (computed in :meth:`~lightning_cannikin.training.engine.BalancingEngine.begin_step`):
 ``n * b_i / B`` for a mean over samples, ``n`` for a sum over them, ``n * c_i / C`` for a mean over a per-sample count
 such as tokens. The shards then hold the exact gradient of the global loss. Under gradient accumulation FSDP2
 reduce-scatters every micro-batch (as Lightning's own strategy does) and adds the shards; each micro-batch's share of
@@ -13,9 +13,9 @@ its window is on its loss too, so the sum is the window's exact gradient.
 
 Timing: FSDP's per-layer all-gathers and reduce-scatters make a fast rank wait for a slow one inside forward and
 backward. The collectives go through FSDP2's public custom-comm seam (``set_custom_all_gather``,
-``set_custom_reduce_scatter``), which tells the step timer where gradients are ready and, on CPU, how long the host
+``set_custom_reduce_scatter``), which tell the engine where gradients are ready and, on CPU, how long the host
 waited in them, so each rank's own compute is what the speed model fits. The same reduce-scatters give the noise
-statistics their inputs (:mod:`~lightning_cannikin.training.sharded_grad_stats`).
+statistics their inputs (:meth:`~lightning_cannikin.training.engine.BalancingEngine.reduce_scatter_for`).
 """
 
 from __future__ import annotations
@@ -34,9 +34,8 @@ from typing_extensions import override
 
 from lightning_cannikin.training._lightning_compat import StrategyRegistryType
 from lightning_cannikin.training.cost_aware_sampler import SampleCosts
+from lightning_cannikin.training.engine import BalancingEngine
 from lightning_cannikin.training.launch_checks import check_before_launch, checked_launcher
-from lightning_cannikin.training.sharded_grad_stats import NoiseReduceScatter, ShardedGradientNormObserver
-from lightning_cannikin.training.step_timer import HostClock, StepTimer, step_timer_for
 from lightning_cannikin.training.uneven_strategy import UnevenBatchesMixin
 
 __all__ = ["CannikinModelParallelStrategy", "TimedCollectives"]
@@ -55,29 +54,29 @@ NOT_SHARDED_ERROR = (
 
 
 class TimedCollectives:
-    """FSDP2's all-gather and reduce-scatter, told to the step timer (an object FSDP2's custom-comm seam accepts).
+    """FSDP2's all-gather and reduce-scatter, told to the engine (an object FSDP2's custom-comm seam accepts).
 
     Before each reduce-scatter of a reducing backward, a gradient bucket is ready (the latest one marks the end of
     the compute); after it, the reduction is done. On the host clock the time the host spent inside a collective is
-    waiting for the other ranks (and the transfer), not this device's compute: the timer takes it out.
+    waiting for the other ranks (and the transfer), not this device's compute: the engine takes it out.
     """
 
-    def __init__(self, timer: StepTimer, reducing: Any, gather: bool) -> None:
-        self._timer = timer
+    def __init__(self, engine: BalancingEngine, reducing: Any, gather: bool) -> None:
+        self._engine = engine
         self._reducing = reducing  # () -> whether this backward is the window's reducing one
         self._gather = gather
-        self._host = isinstance(timer.clock, HostClock)
+        self._host = engine.host_clock
         self.calls = 0  # collectives issued (the strategy resets it around each backward)
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: Any, *args: Any, **kwargs: Any) -> Any:
-        timer = self._timer
+        engine = self._engine
         self.calls += 1
         reducing = not self._gather and self._reducing()
         if reducing:
-            timer.gradient_ready()
+            engine.gradient_ready()
         start = time.perf_counter()
         if self._gather:
             work = dist.all_gather_single(output_tensor, input_tensor, group=group, **kwargs)
@@ -85,9 +84,9 @@ class TimedCollectives:
             op = args[0] if args else kwargs.pop("op")
             work = dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, **kwargs)
         if self._host and work is None:  # a synchronous collective: the host waited in it
-            timer.blocked(time.perf_counter() - start)
+            engine.host_waited(time.perf_counter() - start)
         if reducing:
-            timer.after_reduce(None, None, output_tensor)  # type: ignore[arg-type]
+            engine.reduction_done(output_tensor)
         return work
 
 
@@ -127,7 +126,6 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
             raise ValueError(f"`start_method` must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}.")
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=1, **kwargs)
         self._init_uneven(local_batch_sizes, loss_normalisation, sample_costs, batch_units)
-        self._runtime.noise_observer_type = ShardedGradientNormObserver  # read at FSDP2's reduce-scatters
         self._start_method = start_method
         self._accumulating = False
         self._reduce: TimedCollectives | None = None
@@ -150,13 +148,12 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        self._add_balancing_callback()
+        self._take_engine()
         self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
-        self._runtime.use_timer(step_timer_for(self.root_device))
+        self._bind_engine(sharded=True)  # the noise statistics read FSDP2's reduce-scatters
         # FSDP2's reduce-scatter averages over the ranks: n * b_i / B on the loss makes its mean the weighted mean
-        self._runtime.hook.weight_in_loss = True
-        self._runtime.hook.mean_over = self.world_size
+        self._engine.reduce_with(loss_carries_weight=True, averaged_over=self.world_size)
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -166,15 +163,12 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
         sharded = [module for module in self.model.modules() if isinstance(module, FSDPModule)]
         if not sharded and self.world_size > 1:
             raise ValueError(NOT_SHARDED_ERROR)
-        timer = self._runtime.timer
-        gather = TimedCollectives(timer, lambda: not self._accumulating, gather=True)
-        reduce = self._reduce = TimedCollectives(timer, lambda: not self._accumulating, gather=False)
-        noise = self._noise()
-        if noise is not None:  # Adam's preconditioner is all-gathered on measured steps: a wait, not compute
-            noise.blocked = timer.blocked if isinstance(timer.clock, HostClock) else None
+        engine = self._engine
+        gather = TimedCollectives(engine, lambda: not self._accumulating, gather=True)
+        reduce = self._reduce = TimedCollectives(engine, lambda: not self._accumulating, gather=False)
         for module in sharded:
             module.set_custom_all_gather(gather)
-            module.set_custom_reduce_scatter(reduce if noise is None else NoiseReduceScatter(reduce, noise, module))
+            module.set_custom_reduce_scatter(engine.reduce_scatter_for(module, reduce))
 
     @contextmanager
     @override
@@ -188,34 +182,19 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
             self._accumulating = False
 
     @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        if (noise := self._noise()) is not None:  # before the step's first backward: is this step measured?
-            noise.start_step(self.lightning_module.trainer.global_step)
-        self._begin_step(batch)
-
-    @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        closure_loss = self._weighted_loss(closure_loss)
-        timer = self._runtime.timer
-        timer.will_reduce(not self._accumulating)
+        closure_loss = self._engine.weigh(closure_loss)
         if self._reduce is not None:
             self._reduce.calls = 0
         try:
-            loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+            # a reducing backward's shards are the window's reduced gradient: the engine's noise statistics read them
+            with self._engine.backward(not self._accumulating, self.model.parameters):
+                loss = super().backward(closure_loss, optimizer, *args, **kwargs)
         except torch.cuda.OutOfMemoryError as error:
             self._out_of_memory(error)
         if self._reduce is not None and self._reduce.calls == 0 and not self._accumulating:
-            timer.gradient_ready()  # one rank: FSDP2 copies its gradients without a reduce-scatter
-        noise = self._noise()
-        if noise is not None and not self._accumulating:  # the window's shards are reduced: its statistics
-            noise.reduced(self._runtime.hook, self.model.parameters())
+            self._engine.gradient_ready()  # one rank: FSDP2 copies its gradients without a reduce-scatter
         return loss
-
-    def _noise(self) -> ShardedGradientNormObserver | None:
-        """The noise statistics' observer, where the engine measures them (it builds it as this strategy asks)."""
-        noise = self._runtime.noise
-        return noise if isinstance(noise, ShardedGradientNormObserver) else None
 
     @override
     def teardown(self) -> None:

@@ -30,7 +30,6 @@ from lightning_cannikin.training._lightning_compat import (
 )
 from lightning_cannikin.training.lightning_hooks import BalancingCallback
 from lightning_cannikin.training.loader import check_trainable, loader_batch_size
-from lightning_cannikin.training.runtime import RuntimeState
 from lightning_cannikin.training.strategy_checks import NO_DISTRIBUTED_SAMPLER_ERROR
 
 __all__ = [
@@ -83,8 +82,8 @@ def check_before_launch(
     if fixed_sizes is not None:
         plan = Plan(fixed_sizes, accumulation)
     else:
-        runtime = RuntimeState(bounds=BatchBounds.parse(engine.local_batch_bounds, world_size))
-        plan = runtime.first_plan(global_batch, world_size, accumulation)  # the bounds can hold it
+        bounds = BatchBounds.parse(engine.local_batch_bounds, world_size)
+        plan = bounds.first_plan(global_batch, accumulation)  # the bounds can hold it
     engine.policy.check_initial(plan)  # `max_batch_size` is not below it
 
 

@@ -1,8 +1,9 @@
 """``BalancingCallback``: Lightning's hooks wired to a :class:`~lightning_cannikin.training.engine.BalancingEngine`.
 
-Hook wiring only: where a step starts and ends, when an epoch ends, what the checkpoint holds, and what adopting a
-plan means on Lightning's side (the accumulation set on the Trainer at epoch ends, the loader rebuilt for a new total,
-the running epoch's length). The protocol and its state are the engine's. :class:`~lightning_cannikin.Cannikin` is
+Hook wiring only: where a step ends, when an epoch ends, what the checkpoint holds, what is logged, and what adopting
+a plan means on Lightning's side (the accumulation set on the Trainer at epoch ends, the loader rebuilt for a new total,
+the running epoch's length). The strategy drives the step's other pieces (its start, loss, backward and optimizer
+step); the protocol and its state are the engine's. :class:`~lightning_cannikin.Cannikin` is
 this callback with the user's arguments; ``strategy="cannikin"`` without one adds this callback with the defaults.
 """
 
@@ -12,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
@@ -22,7 +22,6 @@ from lightning_cannikin.core.policy import Decision
 from lightning_cannikin.core.profile import PROFILE_FILENAME
 from lightning_cannikin.core.speed_model import SpeedModel
 from lightning_cannikin.training._lightning_compat import epoch_resizable, sync_epoch_length
-from lightning_cannikin.training.collective import StrategyCollective
 from lightning_cannikin.training.engine import BalancingEngine
 from lightning_cannikin.training.explain import decision_values
 from lightning_cannikin.training.log_dir import log_artifact, run_log_dir
@@ -33,7 +32,6 @@ from lightning_cannikin.training.metrics import (
     log_step,
     metrics_are_seen,
 )
-from lightning_cannikin.training.runtime import RuntimeState
 
 __all__ = ["BalancingCallback"]
 
@@ -81,8 +79,7 @@ class BalancingCallback(Callback):
     @property
     def lr_factor(self) -> float:
         """The learning-rate factor of the step in progress (or the last one)."""
-        runtime = self.engine.runtime
-        return runtime.lr_factor if runtime is not None else 1.0
+        return self.engine.lr_factor
 
     @property
     def state_key(self) -> str:
@@ -90,8 +87,8 @@ class BalancingCallback(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        runtime = getattr(trainer.strategy, "runtime", None)
-        if not isinstance(runtime, RuntimeState):
+        # the strategy took this callback's engine and bound it at its `setup_environment`
+        if getattr(trainer.strategy, "engine", None) is not self.engine:
             raise ValueError(
                 f"The Cannikin callback needs `strategy='cannikin'` (a CannikinStrategy), got"
                 f" {type(trainer.strategy).__name__}."
@@ -99,20 +96,20 @@ class BalancingCallback(Callback):
         self._trainer = trainer
         if self._user_accumulation is None:  # before any change of ours (a resume restores ours afterwards)
             self._user_accumulation = trainer.accumulate_grad_batches
-        self.engine.attach(runtime, StrategyCollective(trainer.strategy), self._adopted)
+        self.engine.on_adopt = self._adopted
 
     def _adopted(self, plan: Plan, previous: Plan | None, mid_epoch: bool) -> None:
         """Lightning's side of a plan every rank adopted."""
-        trainer, runtime = self._trainer, self.engine.runtime
-        assert trainer is not None and runtime is not None
+        trainer, length = self._trainer, self.engine.epoch_length
+        assert trainer is not None
         total_changed = previous is not None and plan.total_batch_size != previous.total_batch_size
         if total_changed:
             # the next epoch's length changes with the total batch: Lightning must rebuild the loader to see it
             trainer.reload_dataloaders_every_n_epochs = max(trainer.reload_dataloaders_every_n_epochs, 1)
         if not mid_epoch:
             trainer.accumulate_grad_batches = plan.accumulation_steps
-        elif total_changed and runtime.sampler is not None:
-            sync_epoch_length(trainer, len(runtime.sampler))
+        elif total_changed and length is not None:
+            sync_epoch_length(trainer, length)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -141,57 +138,36 @@ class BalancingCallback(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        runtime = self.engine.runtime
-        assert runtime is not None
-        if runtime.sampler is not None and self._length_checked != trainer.current_epoch:
+        length = self.engine.epoch_length
+        if length is not None and self._length_checked != trainer.current_epoch:
             self._length_checked = trainer.current_epoch  # a resumed epoch's layout is restored at its first batch
-            sync_epoch_length(trainer, len(runtime.sampler))
-        self.engine.step_started()
-
-    @override
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        self.engine.backward_started()
-
-    @override
-    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.engine.backward_done(pl_module.parameters())
-
-    @override
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
-    ) -> None:
-        self.engine.before_optimizer_step()
+            sync_epoch_length(trainer, length)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         engine = self.engine
-        engine.step_finished()
-        runtime = engine.runtime
-        assert runtime is not None
+        # the epoch's last batch: its end re-plans next (a mid-epoch re-plan too would decide twice in a row)
+        last = batch_idx + 1 >= trainer.num_training_batches
+        decision = engine.end_step(epoch_resizable(trainer), last, trainer.current_epoch)
         if self._logging and engine.step % trainer.log_every_n_steps == 0:
-            if (record := runtime.timer.latest) is not None:
+            if (record := engine.latest_record) is not None:
                 bar = self.engine.settings.progress_bar
-                log_step(pl_module, record, self.plan, runtime.lr_factor, runtime.step_sizes, bar)
+                log_step(pl_module, record, engine.step_plan, engine.lr_factor, engine.step_sizes, bar)
                 if trainer.is_global_zero and (error := engine.history.prediction_error) is not None:
                     log_prediction_error(pl_module, error)
             phi, estimator = engine.noise_scale, engine.estimator
             if phi is not None and estimator is not None:  # the latest estimate at every logging step
                 base = estimator.base_batch_size
-                total = self.plan.total_batch_size if self.plan is not None else base
+                plan = engine.step_plan
+                total = plan.total_batch_size if plan is not None else base
                 log_noise_scale(pl_module, phi, engine.noise_bounds(), total, base)
-        # the epoch's last batch: its end re-plans next (a mid-epoch re-plan too would decide twice in a row)
-        replan, adapt = engine.replan_due(epoch_resizable(trainer), batch_idx + 1 >= trainer.num_training_batches)
-        if replan:
-            self._log(trainer, engine.replan(mid_epoch=True, adapt_total=adapt, epoch=trainer.current_epoch))
+        self._log(trainer, decision)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        runtime = self.engine.runtime
-        assert runtime is not None
-        if not runtime.fixed_split and self.engine.epoch_end_due():
-            self._log(trainer, self.engine.replan(mid_epoch=False, adapt_total=True, epoch=trainer.current_epoch))
+        self._log(trainer, self.engine.end_epoch(trainer.current_epoch))
 
     def _log(self, trainer: pl.Trainer, decision: Decision | None) -> None:
         """Rank zero: what a re-plan decided, and why, to the loggers."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -22,7 +22,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from lightning_cannikin.core.loss_normalisation import NORMALISATIONS, loss_weights, normalisation_mismatch
 
-__all__ = ["LossScaleCheck", "StepWeights", "check_normalisation", "every_ranks_units", "step_weights"]
+__all__ = ["LossScaleCheck", "StepWeights", "WindowWeights", "check_normalisation", "every_ranks_units", "step_weights"]
 
 
 def check_normalisation(normalisation: str) -> str:
@@ -48,6 +48,7 @@ class StepWeights:
             statistics divide it out.
         noise_sizes: every group's size in samples, rank-major (a count mean's units in samples' worth, so the noise
             scale stays in samples).
+        global_scale: the reduced gradient over the global mean gradient (the window's samples for a sum, else 1).
 
     """
 
@@ -55,6 +56,72 @@ class StepWeights:
     micro: float
     unit_scale: float
     noise_sizes: tuple[tuple[float, ...], ...]
+    global_scale: float = 1.0
+
+
+class WindowWeights:
+    """Each step's weights for the exact mean over the accumulation window it belongs to: computed here and nowhere
+    else, and kept while the steps repeat the last one's sizes (most do).
+
+    The rank's weight is its share of the window's samples (or of the declared normalisation's units). When
+    micro-batches within the window differ in size (the epoch's last, partial batch), each micro-batch's loss is
+    rescaled so that the rank's accumulated gradient is still the mean over its own samples.
+    """
+
+    def __init__(self, normalisation: str = "sample_mean") -> None:
+        self.normalisation = check_normalisation(normalisation)
+        self._key: tuple | None = None
+        self._weights: StepWeights | None = None
+
+    def of_step(
+        self,
+        sampler: Any,
+        position: int,
+        sizes: tuple[int, ...],
+        rank: int,
+        accumulation: int = 1,
+        end: int = -1,
+        units: tuple[float, ...] | None = None,
+    ) -> StepWeights:
+        """The weights of global batch ``position`` (every rank's ``sizes``) on ``rank``; ``sampler``: the uneven
+        sampler that laid out the epoch (the window's other micro-batches); ``end``: where the window is closed early
+        (``-1``: the epoch's end); ``units``: every rank's count this step, for a count mean the sampler cannot
+        give."""
+        indices = [position]
+        if accumulation > 1 and sampler is not None:
+            first = (position // accumulation) * accumulation
+            last = len(sampler) if end < 0 else min(end, len(sampler))
+            last = min(first + accumulation, last)
+            # an epoch resumed on another world size has placeholders (no sizes) for the batches it did not run
+            indices = [q for q in range(first, max(last, position + 1)) if q == position or sampler.sizes_at(q)]
+        window = [sizes if q == position else sampler.sizes_at(q) for q in indices]
+        window_units, micro = self._window_units(sampler, indices, units), indices.index(position)
+        key = (tuple(window), rank, micro) if window_units is None else None
+        if key is not None and key == self._key and self._weights is not None:
+            return self._weights
+        weights = step_weights(self.normalisation, window, window_units, rank, micro)
+        if self.normalisation == "sample_sum":
+            weights = replace(weights, global_scale=float(sum(map(sum, window))))
+        self._key, self._weights = key, weights
+        return weights
+
+    def _window_units(
+        self, sampler: Any, indices: list[int], units: tuple[float, ...] | None
+    ) -> list[tuple[float, ...]] | None:
+        """Every rank's units in each micro-batch of the window, for a count mean: from the sampler when it knows every
+        sample's count (no collective), else this step's all-gathered ``units`` (one micro-batch per step only)."""
+        if self.normalisation != "count_mean":
+            return None
+        units_at = getattr(sampler, "units_at", None)
+        if units_at is not None:
+            return [units_at(q) for q in indices]
+        if units is None or len(indices) > 1:
+            raise ValueError(
+                "`loss_normalisation='count_mean'` needs every micro-batch's count: give the strategy `sample_costs`"
+                " (the sampler then knows every sample's count, with gradient accumulation too) or `batch_units` (a"
+                " function of the local batch, all-gathered each step; without gradient accumulation)."
+            )
+        return [units]
 
 
 def step_weights(

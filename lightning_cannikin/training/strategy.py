@@ -13,11 +13,9 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_cannikin.training._lightning_compat import StrategyRegistryType, register_ddp_comm_hook
-from lightning_cannikin.training.comm_hook import weighted_allreduce_hook
 from lightning_cannikin.training.cost_aware_sampler import SampleCosts
 from lightning_cannikin.training.grad_ready import GradientReadiness
 from lightning_cannikin.training.launch_checks import check_before_launch, checked_launcher
-from lightning_cannikin.training.step_timer import step_timer_for
 from lightning_cannikin.training.strategy_checks import warn_about_sync_batchnorm
 from lightning_cannikin.training.uneven_strategy import UnevenBatchesMixin
 
@@ -81,10 +79,9 @@ class CannikinStrategy(UnevenBatchesMixin, DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        self._add_balancing_callback()  # `strategy="cannikin"` alone still balances the cluster
+        self._take_engine()  # `strategy="cannikin"` alone still balances the cluster
         super().setup_environment()
-        # the device is known now: CUDA events on a GPU, the host clock elsewhere
-        self._runtime.use_timer(step_timer_for(self.root_device))
+        self._bind_engine()  # the process group and the device are known now
 
     @property
     def uses_comm_hook(self) -> bool | None:
@@ -98,42 +95,37 @@ class CannikinStrategy(UnevenBatchesMixin, DDPStrategy):
         it is always taken: they see the buckets on measured steps, and the timer times every bucket's reduction on
         every step, so the all-reduce model is exact at the totals the goodput choice weighs, not a fit of spans.
         Balancing alone leaves the reduction to DDP's own all-reduce: its total never changes."""
-        runtime = self._runtime
-        observers = [o for o in runtime.hook.observers if o is not runtime.timer and o is not runtime.noise]
         manual = self.lightning_module is not None and not self.lightning_module.automatic_optimization
-        return bool(observers) or runtime.noise is not None or manual or self._ddp_comm_wrapper is not None
+        return self._engine.measures_noise or manual or self._ddp_comm_wrapper is not None
 
     @override
     def _register_ddp_hooks(self) -> None:
         assert isinstance(self.model, DistributedDataParallel)
         self._remove_parameter_hooks()
-        runtime = self._runtime
+        engine = self._engine
         self._uses_comm_hook = self._comm_hook_needed()
         # under automatic optimization the one backward of the step passes `self.backward`, so the weight rides on
         # the loss (one scalar product) instead of on every bucket; under manual optimization the hook applies it.
         # DDP's own all-reduce averages over the ranks: n * b_i / B on the loss makes its mean the weighted mean.
         assert self.lightning_module is not None
-        runtime.hook.weight_in_loss = self.lightning_module.automatic_optimization
-        runtime.hook.mean_over = 1 if self._uses_comm_hook else self.world_size
+        engine.reduce_with(self.lightning_module.automatic_optimization, 1 if self._uses_comm_hook else self.world_size)
         if self._uses_comm_hook:
             # DDPStrategy registers comm hooks on CUDA only; on CPU (gloo) a hook would be silently ignored, and the
             # weighted all-reduce is what makes uneven batches correct, so register it on every device type.
+            state, hook = engine.comm_hook()
             register_ddp_comm_hook(
-                model=self.model,
-                ddp_comm_state=runtime.hook,
-                ddp_comm_hook=weighted_allreduce_hook,
-                ddp_comm_wrapper=self._ddp_comm_wrapper,
+                model=self.model, ddp_comm_state=state, ddp_comm_hook=hook, ddp_comm_wrapper=self._ddp_comm_wrapper
             )
         else:
             # DDP's own all-reduce, no Python per bucket: the loss carries n * b_i / B (DDP averages), and two
             # parameter hooks time the gradients
-            self._readiness = GradientReadiness(self.model.parameters(), lambda: runtime.timer.gradient_ready())
+            self._readiness = GradientReadiness(self.model.parameters(), engine.gradient_ready)
         # DDP calls the LightningModule after its pre-forward work (buffer broadcast, a collective that waits for
         # slower ranks): that is where this rank's compute starts
         if self._forward_hook is not None:
             self._forward_hook.remove()
         self._forward_hook = self.model.module.register_forward_pre_hook(
-            lambda module, args: runtime.timer.inner_forward_start()
+            lambda module, args: engine.forward_started(inner=True)
         )
         warn_about_sync_batchnorm(self.model)
 
@@ -144,20 +136,13 @@ class CannikinStrategy(UnevenBatchesMixin, DDPStrategy):
             self._readiness = None
 
     @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        if self._runtime.noise is not None:  # before the step's first backward: is this step measured?
-            self._runtime.noise.start_step(self.lightning_module.trainer.global_step)
-        self._begin_step(batch)
-
-    @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        closure_loss = self._weighted_loss(closure_loss)
+        closure_loss = self._engine.weigh(closure_loss)
         # an accumulation micro-step runs under DDP's `no_sync`: no all-reduce, whichever path reduces
         reduces = getattr(self.model, "require_backward_grad_sync", True)
-        self._runtime.timer.will_reduce(reduces)
         try:
-            loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+            with self._engine.backward(reduces, self.lightning_module.parameters):
+                loss = super().backward(closure_loss, optimizer, *args, **kwargs)
         except torch.cuda.OutOfMemoryError as error:
             self._out_of_memory(error)
         finally:

@@ -1,9 +1,11 @@
-"""What every Cannikin Lightning strategy does the same way, whatever wraps the model (DDP, FSDP2): the uneven training
-loader, each step's sizes and weights, the plan in force, and the out-of-memory error that names the rank.
+"""What every Cannikin Lightning strategy does the same way, whatever wraps the model (DDP, FSDP2): the balancing
+engine it drives, the uneven training loader, where each step begins and its loss, and the out-of-memory error that
+names the rank.
 
 A mixin placed before the Lightning strategy class (``class X(UnevenBatchesMixin, ModelParallelStrategy)``); the
-strategy calls :meth:`UnevenBatchesMixin._init_uneven` in its ``__init__``. The step weight itself is computed in
-:meth:`~lightning_cannikin.training.runtime.RuntimeState.begin_step` and nowhere else.
+strategy calls :meth:`UnevenBatchesMixin._init_uneven` in its ``__init__``. Everything about a step (its weights, its
+timing, its learning rate) is the :class:`~lightning_cannikin.training.engine.BalancingEngine`'s: the strategy calls
+its step API and nothing behind it.
 """
 
 from __future__ import annotations
@@ -18,13 +20,13 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 
 from lightning_cannikin.core.plan import Plan
 from lightning_cannikin.training._lightning_compat import uses_distributed_sampler
-from lightning_cannikin.training.comm_hook import WeightedAllReduceState
+from lightning_cannikin.training.collective import StrategyCollective
 from lightning_cannikin.training.cost_aware_sampler import SampleCosts
 from lightning_cannikin.training.device_memory import LocalBatchOutOfMemoryError, out_of_memory_error
+from lightning_cannikin.training.engine import BalancingEngine
 from lightning_cannikin.training.lightning_hooks import BalancingCallback
 from lightning_cannikin.training.loader import UnevenDataLoader, loader_batch_size, rebuild_uneven
 from lightning_cannikin.training.loss_weights import check_normalisation, every_ranks_units
-from lightning_cannikin.training.runtime import RuntimeState
 from lightning_cannikin.training.strategy_checks import (
     MULTIPLE_LOADERS_ERROR,
     NO_DISTRIBUTED_SAMPLER_ERROR,
@@ -68,38 +70,35 @@ class UnevenBatchesMixin:
                 " function of the index, or 'lengths') or `batch_units` (a function of the local batch)."
             )
         self._sample_costs, self._batch_units = sample_costs, batch_units
-        self._runtime = RuntimeState(fixed_split=self._fixed_sizes is not None, normalisation=loss_normalisation)
+        self._normalisation = loss_normalisation
+        # the engine of the user's Cannikin callback replaces this one at setup; this one serves without a callback
+        self._engine = BalancingEngine()
         self._train_loader: UnevenDataLoader | None = None
 
     @property
-    def runtime(self) -> RuntimeState:
-        """The state this strategy shares with the balancing engine (driven by the Cannikin callback)."""
-        return self._runtime
-
-    @property
-    def hook_state(self) -> WeightedAllReduceState:
-        """The weighted reduction's state (weights, observers)."""
-        return self._runtime.hook
+    def engine(self) -> BalancingEngine:
+        """The balancing engine this strategy drives (the Cannikin callback's, once the fit is set up)."""
+        return self._engine
 
     @property
     def plan(self) -> Plan | None:
         """The split in force (``None`` before the training DataLoader is set up)."""
-        return self._runtime.plan
+        return self._engine.plan
 
     @property
     def step_sizes(self) -> tuple[int, ...] | None:
         """Every rank's sample count in the training step in progress (``None`` outside training steps)."""
-        return self._runtime.step_sizes
+        return self._engine.step_sizes
 
     @property
     def lr_factor(self) -> float:
-        """The multiplier applied to the learning rate for each optimizer step (set by the Cannikin callback)."""
-        return self._runtime.lr_factor
+        """The multiplier applied to the learning rate in the optimizer step in progress."""
+        return self._engine.lr_factor
 
     @property
     def fixed_split(self) -> bool:
         """Whether the user fixed the split with ``local_batch_sizes`` (the planner must leave it alone)."""
-        return self._runtime.fixed_split
+        return self._fixed_sizes is not None
 
     @property
     def train_loader(self) -> UnevenDataLoader | None:
@@ -113,7 +112,7 @@ class UnevenBatchesMixin:
             raise ValueError(
                 f"The plan splits across {plan.world_size} ranks, but the world size is {self.world_size}."
             )
-        self._runtime.adopt(plan, from_batch)
+        self._engine.set_plan(plan, from_batch)
 
     def _check_split_length(self, world_size: int, num_nodes: int, num_processes: int) -> None:
         """Before any process is launched: one fixed size per rank."""
@@ -123,41 +122,50 @@ class UnevenBatchesMixin:
                 f" ({num_nodes} node(s) x {num_processes} device(s)). Give one size per rank."
             )
 
-    def _add_balancing_callback(self) -> Any:
-        """``strategy="cannikin..."`` alone still balances: a balancing callback with the default engine unless the
-        user passed one or fixed the split. Raised on every rank alike, before the process group exists. Returns the
-        trainer (``None`` outside a Trainer)."""
+    def _take_engine(self) -> None:
+        """The engine this fit drives: the user's Cannikin callback's, else this strategy's own, which a balancing
+        callback drives unless the split is fixed (``strategy="cannikin..."`` alone still balances). Raised on every
+        rank alike, before the process group exists."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         if fitting and not uses_distributed_sampler(trainer):
             raise ValueError(NO_DISTRIBUTED_SAMPLER_ERROR)  # the launcher checked it; here for entry points without one
-        wanted = trainer is not None and not self.fixed_split
-        if wanted and not any(isinstance(cb, BalancingCallback) for cb in trainer.callbacks):
-            trainer.callbacks.append(BalancingCallback())
-        return trainer
+        if trainer is None:
+            return
+        callback = next((cb for cb in trainer.callbacks if isinstance(cb, BalancingCallback)), None)
+        if callback is None and not self.fixed_split:
+            trainer.callbacks.append(BalancingCallback(self._engine))
+        elif callback is not None and callback.engine is not self._engine:
+            if callback.engine.plan is None and self._engine.plan is not None:
+                callback.engine.set_plan(self._engine.plan)  # a plan set on this strategy before the fit
+            self._engine = callback.engine
+
+    def _bind_engine(self, sharded: bool = False) -> None:
+        """The engine learns this strategy's facts (after the process group exists, before the callbacks' setup)."""
+        collective = StrategyCollective(self)
+        self._engine.bind(collective, self.fixed_split, self._normalisation, sharded)
+        self._engine.use_device(self.root_device)
 
     def _out_of_memory(self, error: torch.cuda.OutOfMemoryError) -> NoReturn:
         """Raise an out-of-memory error that names this rank, its local batch and the bounds."""
         if isinstance(error, LocalBatchOutOfMemoryError):
             raise error
-        sizes = self._runtime.step_sizes
+        sizes = self._engine.step_sizes
         batch_size = sizes[self.global_rank] if sizes else None
-        raise out_of_memory_error(
-            self.global_rank, batch_size, sizes, self._runtime.bounds, self.root_device
-        ) from error
+        raise out_of_memory_error(self.global_rank, batch_size, sizes, self._engine.bounds, self.root_device) from error
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         # every training step passes here, whatever the LightningModule calls inside it
-        self._runtime.timer.forward_start()
+        self._engine.forward_started()
         try:
             return super().training_step(*args, **kwargs)  # type: ignore[misc]
         except torch.cuda.OutOfMemoryError as error:
             self._out_of_memory(error)
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """The step's learning-rate factor applied for this step only (:meth:`RuntimeState.learning_rate_scaled`)."""
+        """The step's learning-rate factor applied for this step only (:meth:`BalancingEngine.optimizer_step`)."""
         try:
-            with self._runtime.learning_rate_scaled(optimizer):
+            with self._engine.optimizer_step(optimizer):
                 return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
         except torch.cuda.OutOfMemoryError as error:
             self._out_of_memory(error)  # the optimizer's state, or the closure's forward and backward
@@ -182,40 +190,35 @@ class UnevenBatchesMixin:
             plan = replace(self.plan, accumulation_steps=accumulation)
         else:
             # the user's batch size on every rank, moved inside the bounds (same total) if it violates them
-            plan = self._runtime.first_plan(
-                loader_batch_size(dataloader) * self.world_size, self.world_size, accumulation
-            )
+            total = loader_batch_size(dataloader) * self.world_size
+            plan = self._engine.first_plan(total, self.world_size, accumulation)
         loader = rebuild_uneven(dataloader, plan, self.global_rank, sample_costs=self._sample_costs)
-        self._runtime.use_loader(plan, loader.uneven_sampler)
+        self._engine.use_loader(plan, loader.uneven_sampler)
         self._train_loader = loader
         return loader
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+        self._begin_step(batch)
+
     def _begin_step(self, batch: Any = None) -> None:
-        """The training step's sizes and weights, from the batch the loader handed out for it (a count mean's units
-        of ``batch`` all-gathered where the sampler does not know them)."""
-        loader = self._train_loader
-        runtime = self._runtime
-        if runtime.normalisation == "count_mean" and self._sample_costs is None and self._batch_units is not None:
-            runtime.step_units = every_ranks_units(float(self._batch_units(batch)), self.root_device)
+        """The training step begins, with the sizes the loader handed out for ``batch`` (a count mean's units of
+        ``batch`` all-gathered where the sampler does not know them)."""
+        loader, trainer = self._train_loader, self.lightning_module.trainer
+        units = None
+        if self._normalisation == "count_mean" and self._sample_costs is None and self._batch_units is not None:
+            units = every_ranks_units(float(self._batch_units(batch)), self.root_device)
         if loader is None or not loader.pending_steps:
-            self._runtime.begin_step(None, None, self.global_rank)
+            self._engine.begin_step(None, None, trainer.global_step)
             return
         position, sizes = loader.pending_steps.popleft()
-        trainer = self.lightning_module.trainer
         # Lightning closes an accumulation window early at the epoch's last batch (or `limit_train_batches`)
         end = trainer.num_training_batches
         end = int(end) if math.isfinite(end) else -1
-        self._runtime.begin_step(position, sizes, self.global_rank, trainer.accumulate_grad_batches, end)
-
-    def _weighted_loss(self, closure_loss: torch.Tensor) -> torch.Tensor:
-        """The loss about to be backpropagated, recorded for the check against the declared normalisation and times
-        the step's factor (the rank's weight where the loss carries it, and the micro-batch's share of its window)."""
-        runtime = self._runtime
-        runtime.losses.record(runtime.step_sizes, closure_loss)
-        factor = runtime.loss_factor
-        return closure_loss * factor if factor != 1.0 else closure_loss
+        accumulation = trainer.accumulate_grad_batches
+        self._engine.begin_step(position, sizes, trainer.global_step, accumulation, end, units)
 
     def _release_loader(self) -> None:
         """The fit ends: the loader goes, the plan stays (a later fit starts from it)."""
         self._train_loader = None
-        self._runtime.use_loader(self._runtime.plan, None)
+        self._engine.use_loader(None, None)

@@ -3,29 +3,36 @@
 Each rank feeds its :class:`~lightning_cannikin.core.change.LocalChangeCheck` its own compute times as the step timer
 reads them: a few floats, no collective. On the steps the schedule names
 (:meth:`~lightning_cannikin.core.schedule.ReplanSchedule.check_due`, the same on every rank) the ranks share the
-answers, one integer each, in a maximum that nobody waits for (:meth:`Collective.max_later`), read by every rank at the
-same later step: on CPU at the next step (every rank issued the vote before that step's gradient all-reduce on the
-same process group, which runs collectives in order, so the vote is done when the step is), on CUDA at the next check
-(the host may run a step or more ahead of the device: reading its pinned copy a step later could wait for the device).
-Where the frontend says when a backward starts, a scheduled answer is cast there (:meth:`ChangeVote.cast`), not at the
-end of the step that decided it: its rounds run beside the backward, ahead of the gradient all-reduce queued behind
-it (measured in alternate blocks of one run on ranks sharing cores: 0.5% faster, within the spread). The answer is
-the same, read at the same step.
-No step waits for the vote, and a change is acted on by every rank at the same step. When the maximum says some
-rank *suspects* a change (its latest times far beyond its reference, not yet for long enough to count), every rank
-votes again at every step, and reads that vote at once, until the answer is a change or nothing: what every rank read
-is the same, so every rank votes at the same steps, and a large change is acted on at the step its window fills
-instead of up to a check interval later. Off those spells the cadence is the schedule's and nobody waits.
+answers, one integer each, in a maximum that nobody waits for (a :class:`Ballot`: the training side's
+``Collective.max_later``), read by every rank at the same later step: on CPU at the next step (every rank issued the
+vote before that step's gradient all-reduce on the same process group, which runs collectives in order, so the vote is
+done when the step is), on CUDA at the next check (the host may run a step or more ahead of the device: reading its
+pinned copy a step later could wait for the device). Where the frontend says when a backward starts, a scheduled answer
+is cast there (:meth:`ChangeVote.cast`), not at the end of the step that decided it: its rounds run beside the backward,
+ahead of the gradient all-reduce queued behind it (measured in alternate blocks of one run on ranks sharing cores: 0.5%
+faster, within the spread). The answer is the same, read at the same step. No step waits for the vote, and a change is
+acted on by every rank at the same step. When the maximum says some rank *suspects* a change (its latest times far
+beyond its reference, not yet for long enough to count), every rank votes again at every step, and reads that vote at
+once, until the answer is a change or nothing: what every rank read is the same, so every rank votes at the same steps,
+and a large change is acted on at the step its window fills instead of up to a check interval later. Off those spells
+the cadence is the schedule's and nobody waits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 from lightning_cannikin.core.change import CHANGED, SUSPECTED, LocalChangeCheck
-from lightning_cannikin.training.collective import Collective
 
-__all__ = ["ChangeVote"]
+__all__ = ["Ballot", "ChangeVote"]
+
+
+class Ballot(Protocol):
+    """Where the ranks' answers meet: every rank's integer in one maximum, read later (the training side's
+    :meth:`~lightning_cannikin.training.collective.Collective.max_later`)."""
+
+    def max_later(self, value: int) -> Callable[[], int]: ...
 
 
 class ChangeVote:
@@ -43,7 +50,7 @@ class ChangeVote:
     def __init__(
         self,
         check: LocalChangeCheck,
-        collective: Collective,
+        collective: Ballot,
         read_next_step: bool = True,
         cast_before_backward: bool = False,
     ) -> None:
