@@ -2,14 +2,15 @@
 
 Each step every rank's compute is what the emulated devices cost (jitter and warm-up included); the records reach
 the speed model at each re-plan, on the cadence the callback uses (``ReplanSchedule``), and ``decide`` picks the next
-plan. It is the same sequence of calls as ``Cannikin._replan`` / ``_decide``, so the balancing behaviour under noise,
-warm-up and plan changes can be tested in milliseconds.
+plan. What is due after a step and what a re-plan leaves for the next ones are the schedule's own calls, as the
+engine makes them (``ReplanSchedule.after_step``, ``followed``), and every rank's vote is the engine's ``ChangeVote``:
+the balancing behaviour under noise, warm-up and plan changes is tested in milliseconds on the real decisions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -177,12 +178,12 @@ def replay(
         changed = any([vote.poll(schedule.check_due(done, seconds)) for vote in votes])
         phi = noise(done) if noise is not None else None
         adapt_ready = policy is not None and policy.max_batch_size is not None and identified
-        adapt = adapt_ready and schedule.total_due(noise_bounds(phi), done)
+        due, adapt = schedule.after_step(done, identified, True, changed, noise_bounds(phi), adapt_ready)
         # an epoch end re-plans as the engine's does (a forced total is goodput's choice: always due)
         noise_due = noise_bounds(phi) if adapt_ready else None
         due_end = done in (totals or {}) or schedule.epoch_end_due(done, identified, changed, noise_due)
         epoch_end = epoch_end and due_end
-        if not (epoch_end or adapt or schedule.due(done, identified, True, changed)):
+        if not (epoch_end or due):
             continue
         if changed:
             out.changes.append(done)
@@ -197,14 +198,10 @@ def replay(
         if forced is not None:
             current = Plan(even_split(forced, world_size))  # the total goodput chose; decide splits it
         decision = decide(model, current, policy or PolicySettings(), phi, total, adapt_total=epoch_end or adapt)
-        if epoch_end or adapt:
-            schedule.adapted_at(done, phi is not None, decision.noise_band)
+        # what the engine's decision carries of the speed model (its `decide`)
+        decision = replace(decision, changing=model.changing, unconfirmed=model.watch.unconfirmed)
         out.decisions.append((done, decision))
-        total_changed = decision.plan.global_batch_size != plan.global_batch_size
-        kept = decision.plan.local_batch_sizes == plan.local_batch_sizes and not total_changed
-        timing = total_changed or decision.untimed
-        unconfirmed = model.watch.unconfirmed
-        schedule.replanned(done, timing, True, changed and model.changing, kept, unconfirmed, decision.at_optimum)
+        schedule.followed(done, plan, decision, True, changed, epoch_end or adapt, phi is not None)
         plan, identified = decision.plan, decision.identified
     out.votes = ballot.rounds
     return out

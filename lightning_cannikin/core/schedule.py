@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["CHECK_PERIOD_MAX_S", "CHECK_PERIOD_S", "PACED_BELOW_S", "ROUTINE_GAP_CAP", "ReplanSchedule"]
 
@@ -130,6 +131,46 @@ class ReplanSchedule:
     def band_of(self, total: int) -> tuple[float, float] | None:
         """The band held, where it was decided for ``total`` (a step already drawn may still run the previous total)."""
         return self.noise_band if total == self.band_total else None
+
+    def after_step(
+        self,
+        step: int,
+        identified: bool,
+        balance: bool,
+        changed: bool,
+        bounds: tuple[float, float] | None,
+        may_adapt: bool,
+    ) -> tuple[bool, bool]:
+        """``(re-plan now, reconsider the total too)`` after ``step`` steps (every rank alike): the total where
+        ``may_adapt`` (an adaptive total, the epoch may change length, the speeds are measured) and :meth:`total_due`
+        at ``bounds``; else as :meth:`due` says."""
+        adapt = may_adapt and self.total_due(bounds, step)
+        return adapt or self.due(step, identified, balance, changed), adapt
+
+    def followed(
+        self,
+        step: int,
+        previous: Any,
+        decision: Any,
+        balance: bool,
+        changed: bool = False,
+        adapted: bool = False,
+        adapt_ready: bool = False,
+    ) -> None:
+        """A re-plan after ``step`` steps adopted ``decision`` (a :class:`~lightning_cannikin.core.policy.Decision`)
+        in place of the plan ``previous``; ``changed``: a change check asked for it; ``adapted``: the total was
+        reconsidered (``adapt_ready``: with noise bounds and measured speeds). Keeps the band the total holds in
+        (:meth:`adapted_at`) and what the next re-plans wait for (:meth:`replanned`)."""
+        plan = decision.plan
+        if adapted:
+            self.adapted_at(step, adapt_ready, decision.noise_band, plan.total_batch_size)
+        total_changed = plan.total_batch_size != previous.total_batch_size
+        # a new total, a walk to a device's knee, a split moved by a rescale that may be a passing stall, or a change of
+        # speed the model followed: re-split once timed (a check fired by what the model does not see settles nothing)
+        kept = plan.local_batch_sizes == previous.local_batch_sizes and not total_changed
+        timing = total_changed or decision.untimed
+        changed = changed and decision.changing
+        self.replanned(step, timing, balance, changed, kept, decision.unconfirmed, decision.at_optimum)
 
     def due(self, step: int, identified: bool, balance: bool, changed: bool = False) -> bool:
         """Whether the ranks re-plan after ``step`` steps (the same answer on every rank); ``changed``: some rank's

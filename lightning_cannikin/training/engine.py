@@ -522,8 +522,8 @@ class BalancingEngine:
             return False, False
         # the total moves where the noise bounds prove it out of the band rank zero broadcast: alike on every rank
         ready = self.policy.max_batch_size is not None and resizable and (self.identified or not self.policy.balance)
-        adapt = ready and self.schedule.total_due(self.noise_bounds(), self.step)
-        return adapt or self.schedule.due(self.step, self.identified, self.policy.balance, self._changed), adapt
+        balance, bounds = self.policy.balance, self.noise_bounds()
+        return self.schedule.after_step(self.step, self.identified, balance, self._changed, bounds, ready)
 
     def epoch_end_due(self) -> bool:
         """Whether the epoch's end re-plans (:meth:`ReplanSchedule.epoch_end_due`; every rank alike)."""
@@ -573,17 +573,8 @@ class BalancingEngine:
         if decision is None or current is None:
             self.schedule.replanned(self.step, total_changed=False, balance=self.policy.balance)
             return None
-        plan = decision.plan
-        if adapt_total:
-            self.schedule.adapted_at(self.step, self.adapt_ready, decision.noise_band, plan.total_batch_size)
-        total_changed = plan.total_batch_size != current.total_batch_size
-        # a new total, a walk to a device's knee, a split moved by a rescale that may be a passing stall, or a change of
-        # speed the model followed: re-split once timed (a check fired by what the model does not see settles nothing)
-        changed = self._changed and decision.changing
-        kept = plan.local_batch_sizes == current.local_batch_sizes and not total_changed
-        timing = total_changed or decision.untimed
-        unconfirmed, at_optimum = decision.unconfirmed, decision.at_optimum
-        self.schedule.replanned(self.step, timing, self.policy.balance, changed, kept, unconfirmed, at_optimum)
+        plan, balance = decision.plan, self.policy.balance
+        self.schedule.followed(self.step, current, decision, balance, self._changed, adapt_total, self.adapt_ready)
         if self._changed and self._vote is not None:
             self._vote.reset()
         self._changed = False
