@@ -75,10 +75,6 @@ class Plan:
         """Samples that contribute to one optimizer step across all ranks and micro-batches."""
         return self.global_batch_size * self.accumulation_steps
 
-    def with_sizes(self, local_batch_sizes: Sequence[int], predicted_step_time: float | None = None) -> Plan:
-        """A copy with another split (same accumulation)."""
-        return Plan(tuple(local_batch_sizes), self.accumulation_steps, predicted_step_time)
-
     def resized(self, world_size: int) -> Plan:
         """The plan for another number of ranks (an elastic restart): the same global batch where ``world_size``
         ranks can hold it (one sample each at least), split evenly until the new devices are timed."""

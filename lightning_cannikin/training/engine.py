@@ -1,27 +1,14 @@
 """``BalancingEngine``: the one object that owns a balancing run's training steps, behind every frontend.
 
-A frontend (Lightning's DDP and FSDP2 strategies with their callback, Fabric's strategy) tells it where a step's
-pieces happen and nothing else, through a small step API:
-
-- :meth:`~BalancingEngine.bind` (the frontend's facts: its collective, the loss normalisation, a fixed split, sharded
-  gradients) and :meth:`~BalancingEngine.use_device`, once; :meth:`~BalancingEngine.start` when training starts;
-- :meth:`~BalancingEngine.use_loader` for the training loader it built with :meth:`~BalancingEngine.first_plan`;
-- per step: :meth:`~BalancingEngine.begin_step`, :meth:`~BalancingEngine.forward_started`,
-  :meth:`~BalancingEngine.weigh` (the loss), :meth:`~BalancingEngine.backward` (a context),
-  :meth:`~BalancingEngine.optimizer_step` (a context), :meth:`~BalancingEngine.end_step` (which re-plans when due);
-  :meth:`~BalancingEngine.end_epoch`;
-- the framework's seams: :meth:`~BalancingEngine.comm_hook` (DDP's weighted all-reduce),
-  :meth:`~BalancingEngine.reduce_with`, :meth:`~BalancingEngine.gradient_ready`,
-  :meth:`~BalancingEngine.host_waited`, :meth:`~BalancingEngine.reduction_done`,
-  :meth:`~BalancingEngine.reduce_scatter_for` (FSDP2's custom reduce-scatter).
-
-Its private parts are the step timer, the all-reduce's state, the noise observer, the loader's sampler and the
-speed-change vote; no frontend reaches them (``tests/test_layering.py`` checks it). It owns what a run learns (the
-speed model, the noise estimator, the plan history, the progress) and the one re-plan protocol
-(:meth:`BalancingEngine.replan`): gather every rank's step records, rank zero fits them and decides
-(:func:`~lightning_cannikin.core.policy.decide`), broadcast, adopt everywhere. When a re-plan is due is
-:class:`~lightning_cannikin.core.schedule.ReplanSchedule`'s call, pure, as the vote's
-(:class:`~lightning_cannikin.core.change_vote.ChangeVote`) is.
+A frontend (Lightning's DDP and FSDP2 strategies with their callback, Fabric's strategy) says where a step's pieces
+happen through the step API (:meth:`~BalancingEngine.bind`, :meth:`~BalancingEngine.begin_step`,
+:meth:`~BalancingEngine.weigh`, :meth:`~BalancingEngine.backward`, :meth:`~BalancingEngine.optimizer_step`,
+:meth:`~BalancingEngine.end_step`, :meth:`~BalancingEngine.end_epoch` and the reductions' seams; the table is in
+``docs/architecture.md``). The step timer, the all-reduce's state, the noise observer, the loader's sampler and the
+speed-change vote are its private parts (``tests/test_layering.py`` checks that no frontend reaches them). It owns
+what a run learns and the one re-plan protocol (:meth:`BalancingEngine.replan`: gather, rank zero decides with
+:func:`~lightning_cannikin.core.policy.decide`, broadcast, set the plan); when one is due is
+:class:`~lightning_cannikin.core.schedule.ReplanSchedule`'s call.
 """
 
 from __future__ import annotations
@@ -128,7 +115,6 @@ class BalancingEngine:
         self._window: tuple[tuple[float, ...], ...] = ()  # the noise statistics' group sizes of the step's window
         self._loss_factor = 1.0
         self._position: int | None = None
-        self._units: tuple[float, ...] | None = None  # every rank's count this step (a count mean, all-gathered)
         self._vote: ChangeVote | None = None  # this rank's speed-change check and the ranks' vote on it
         self._changed = False  # the vote of this step: some rank's speed changed clearly
         self._optimizer: Any = None
@@ -313,7 +299,7 @@ class BalancingEngine:
         self._timer.start()
         if self._observer is not None:  # before the step's first backward: is this optimizer step measured?
             self._observer.start_step(optimizer_step)
-        self.step_sizes, self._position, self._units = sizes, position, units
+        self.step_sizes, self._position = sizes, position
         if position is None or sizes is None:
             return
         weights = self._weights.of_step(self._sampler, position, sizes, self._rank, accumulation, end, units)

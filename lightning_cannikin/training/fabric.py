@@ -185,13 +185,3 @@ class CannikinFabricStrategy(DDPStrategy):
         parameters = self._ddp.parameters if self._ddp is not None else tuple
         with self.engine.backward(reduces, parameters):
             super().backward(tensor, module, *args, **kwargs)
-
-    def replan(self, adapt_total: bool = False) -> Plan | None:
-        """Gather every rank's timing, let rank zero decide (a new total too where ``adapt_total`` and
-        ``max_batch_size`` allow), adopt it on every rank.
-
-        Every rank must call it at the same step (:meth:`step` does). The plan applies from the next global batch
-        that no rank has drawn yet. Returns the plan adopted, or ``None`` while some rank has no timing yet.
-        """
-        decision = self.engine.replan(mid_epoch=True, adapt_total=adapt_total)
-        return decision.plan if decision is not None else None

@@ -100,11 +100,6 @@ class UnevenBatchesMixin:
         """Whether the user fixed the split with ``local_batch_sizes`` (the planner must leave it alone)."""
         return self._fixed_sizes is not None
 
-    @property
-    def train_loader(self) -> UnevenDataLoader | None:
-        """The uneven training loader built by :meth:`process_dataloader`."""
-        return self._train_loader
-
     def set_plan(self, plan: Plan, from_batch: int | None = None) -> None:
         """Put ``plan`` in force (``from_batch``: in the running epoch from this global batch on; ``None``: from the
         next time the training DataLoader is built)."""
