@@ -22,6 +22,7 @@ from lightning_cannikin.core.plan import BatchBounds, Plan
 from lightning_cannikin.core.probe import probe_split
 from lightning_cannikin.core.step_record import StepRecord
 from lightning_cannikin.core.timing import (
+    HALF_LIFE,
     CommModel,
     CommTimeFitter,
     ComputeTimeFitter,
@@ -48,7 +49,7 @@ class SpeedModelSettings:
 
     """
 
-    half_life: float = 50.0
+    half_life: float = HALF_LIFE
     tail_window: int = 64
     drift_tolerance: float = 0.25
     max_samples: int = 512

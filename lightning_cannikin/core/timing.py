@@ -21,12 +21,16 @@ from numpy.typing import ArrayLike
 from lightning_cannikin.core.sample_window import BatchSizeWindow, SampleWindow
 
 __all__ = [
+    "HALF_LIFE",
     "CommModel",
     "CommTimeFitter",
     "ComputeTimeFitter",
     "LinearTimeModel",
     "step_time_pieces",
 ]
+
+# The timing fits' recency: a sample's weight halves every this many steps (each default below is this one).
+HALF_LIFE = 50.0
 
 # Up to this many distinct batch sizes, fit a line through the per-size weighted medians instead of a Huber regression.
 _MEDIAN_FIT_MAX_SIZES = 8
@@ -152,7 +156,7 @@ class ComputeTimeFitter(_WindowedFitter):
 
     """
 
-    def __init__(self, half_life: float = 50.0, max_samples: int = 512) -> None:
+    def __init__(self, half_life: float = HALF_LIFE, max_samples: int = 512) -> None:
         super().__init__(BatchSizeWindow(max_samples, half_life))
 
     def add(self, batch_size: int, seconds: float) -> None:
@@ -315,7 +319,7 @@ class CommTimeFitter(_WindowedFitter):
 
     """
 
-    def __init__(self, half_life: float = 50.0, max_samples: int = 512) -> None:
+    def __init__(self, half_life: float = HALF_LIFE, max_samples: int = 512) -> None:
         super().__init__(SampleWindow(max_samples, half_life))
 
     def add(self, allreduce_seconds: float, exposed_seconds: float) -> None:

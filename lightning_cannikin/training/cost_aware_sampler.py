@@ -26,6 +26,7 @@ from lightning_cannikin.core.cost_split import split_by_cost
 from lightning_cannikin.core.layout import GlobalBatch
 from lightning_cannikin.core.plan import Plan
 from lightning_cannikin.core.policy import Decision
+from lightning_cannikin.core.timing import HALF_LIFE
 from lightning_cannikin.training.sampler import UnevenBatchSampler
 
 __all__ = ["CostAwareBatchSampler", "CostTimeFit", "SampleCosts", "resolve_costs", "with_time_models"]
@@ -161,7 +162,7 @@ class CostTimeFit:
 
     """
 
-    def __init__(self, keep: int = 256, half_life: float = 50.0) -> None:
+    def __init__(self, keep: int = 256, half_life: float = HALF_LIFE) -> None:
         self._pairs: deque[tuple[float, float]] = deque(maxlen=keep)
         self._loads: dict[int, float] = {}
         self.half_life = half_life

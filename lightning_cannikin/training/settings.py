@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_cannikin.core.schedule import ReplanSchedule
+from lightning_cannikin.core.timing import HALF_LIFE
+
 __all__ = ["CannikinSettings"]
 
 
@@ -83,8 +86,9 @@ class CannikinSettings:
 
     """
 
-    warmup_steps: int = 8
-    half_life: float = 50.0
+    # the core's defaults, defined once there
+    warmup_steps: int = ReplanSchedule.warmup_steps
+    half_life: float = HALF_LIFE
     adapt_margin: float = 0.02
     adapt_every_n_steps: int | None = 1
     accumulate: bool = True
@@ -94,7 +98,7 @@ class CannikinSettings:
     noise_exchange_every: int = 4
     progress_bar: bool = False
     noise_bound_sigmas: float = 2.0
-    check_every_n_steps: int | None = 4
+    check_every_n_steps: int | None = ReplanSchedule.check_every_n_steps
 
     def __post_init__(self) -> None:
         _positive("warmup_steps", self.warmup_steps)
