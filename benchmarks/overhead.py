@@ -73,6 +73,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.engine_cost import engine_alone
 from lightning_cannikin import Cannikin, CannikinSettings, CannikinStrategy
 
 WORLD_SIZE = 3  # the default: three ranks share this machine's two cores (``--ranks 2``: a core each)
@@ -339,6 +340,16 @@ def markdown(report: dict[str, Any], variants: tuple[str, ...]) -> str:
             + ", ".join(f"`{name}` {value:.0f} us" for name, value in engine.items())
             + ' (`default` is `strategy="cannikin"` alone).',
         ]
+    if "engine_alone_thread_cpu_us_per_step" in report:
+        alone = report["engine_alone_thread_cpu_us_per_step"]
+        lines += [
+            "",
+            "The default engine alone on its thread (`benchmarks/engine_cost.py`: its step API over "
+            f"{alone['steps_per_block']} steps of a {alone['ranks']}-rank emulated cluster, re-plans included, less the"
+            f" fixed split's, interleaved blocks): {alone['default_over_fixed_us_median']:.1f} us per step (blocks "
+            + ", ".join(f"{x:.0f}" for x in alone["default_over_fixed_us"])
+            + ").",
+        ]
     lines += [
         "",
         f"Spread of DDP's own repeats (max - min over the median): {100 * report['ddp_spread']:.0f}% in samples/s,"
@@ -478,6 +489,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for v in variants
             if v not in ("ddp", "fixed")
         }
+    # the same engine alone on its thread, where a few microseconds are resolved (the runs above resolve hundreds)
+    report["engine_alone_thread_cpu_us_per_step"] = engine_alone()
     # how noisy the machine was: the spread of DDP's own repeats
     ddp = throughput["ddp"]
     report["ddp_spread"] = (max(ddp) - min(ddp)) / statistics.median(ddp)
