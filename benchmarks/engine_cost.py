@@ -103,6 +103,7 @@ def run_block(steps: int, fixed: bool, total: int = 96) -> float:
 def engine_alone(steps: int = 1500, blocks: int = 5) -> dict[str, Any]:
     """The default engine's thread CPU per step over the fixed split's, in microseconds, interleaved blocks."""
     default, fixed = [], []
+    logging.getLogger("lightning.fabric.utilities.rank_zero").setLevel(logging.WARNING)  # no line per re-plan
     for _ in range(blocks):
         default.append(1e6 * run_block(steps, fixed=False))
         fixed.append(1e6 * run_block(steps, fixed=True))
@@ -122,7 +123,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--blocks", type=int, default=5)
     args = parser.parse_args(argv)
-    logging.getLogger("lightning.fabric.utilities.rank_zero").setLevel(logging.WARNING)  # no line per re-plan
     result = engine_alone(args.steps, args.blocks)
     paired = ", ".join(f"{x:.0f}" for x in result["default_over_fixed_us"])
     print(
