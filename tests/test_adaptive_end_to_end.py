@@ -105,11 +105,13 @@ def test_the_total_grows_within_the_first_epoch_where_a_larger_batch_is_nearly_f
     assert busy and all(b is not None and b > 0 for b in busy), "every step's reductions are timed bucket by bucket"
     low = result["bounds"][0]
     assert low > 2 * PER_RANK, result["bounds"]
-    # the noise scale and its bounds reach the logger at Lightning's default logging cadence
+    # the noise bounds, which the decisions read, reach the logger at Lightning's default logging cadence; the point
+    # estimate may be infinite at the epoch's one logging step (|G|^2's estimate dips below zero at a total of 1,024)
+    # and is then left out, so its column is checked where every step logs (tests/models.py's CANNIKIN_METRICS)
     (metrics,) = tmp_path.glob("csv/*/metrics.csv")
     with metrics.open() as handle:
         columns = set(next(csv.reader(handle)))
-    assert {"cannikin/noise_scale", "cannikin/noise_scale_low"} <= columns, sorted(columns)
+    assert "cannikin/noise_scale_low" in columns, sorted(columns)
 
 
 def test_the_total_stays_where_steps_cost_per_sample(tmp_path):
