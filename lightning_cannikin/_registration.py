@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-__all__ = ["FSDP_REGISTRY_NAMES", "REGISTRY_NAMES", "register_when_lightning_is_imported"]
+__all__ = ["FSDP_REGISTRY_NAMES", "RAY_REGISTRY_NAME", "REGISTRY_NAMES", "register_when_lightning_is_imported"]
 
 # registry name -> launcher start method
 REGISTRY_NAMES: dict[str, str] = {
@@ -40,6 +40,10 @@ FSDP_REGISTRY_NAMES: dict[str, str] = {
     "cannikin_fsdp_fork": "fork",
     "cannikin_fsdp_notebook": "fork",
 }
+
+# the Ray Train strategy's name: Ray starts the workers, so there is no launcher variant. Registering it imports
+# nothing of Ray; building it without Ray installed raises an error that says how to install the extra.
+RAY_REGISTRY_NAME = "cannikin_ray"
 
 _LIGHTNING = "lightning.pytorch"
 
@@ -58,6 +62,13 @@ def build_cannikin_fsdp_strategy(**init_params: Any) -> Any:
     return CannikinModelParallelStrategy(**init_params)
 
 
+def build_cannikin_ray_strategy(**init_params: Any) -> Any:
+    """What the registry calls to build a ``CannikinRayStrategy`` from its name (imports Ray, the ``ray`` extra)."""
+    from lightning_cannikin.training.ray_train import CannikinRayStrategy
+
+    return CannikinRayStrategy(**init_params)
+
+
 def register(registry: Any) -> None:
     """Add the names to ``registry`` (a second call, or a name registered otherwise, is left alone)."""
     families = (
@@ -74,6 +85,9 @@ def register(registry: Any) -> None:
                 description=f"Cannikin heterogeneity-aware {kind} with `start_method` '{start_method}'",
                 start_method=start_method,
             )
+    if RAY_REGISTRY_NAME not in registry:
+        description = "Cannikin heterogeneity-aware DDP inside Ray Train workers (the `ray` extra)"
+        registry.register(RAY_REGISTRY_NAME, build_cannikin_ray_strategy, description=description)
 
 
 def _register_in_lightning() -> None:
