@@ -197,7 +197,7 @@ print(json.dumps(report))
     assert report["after_cli"] == [] and report["after_package"] == [], report
     ddp = ["cannikin", "cannikin_fork", "cannikin_notebook", "cannikin_spawn"]
     fsdp = ["cannikin_fsdp", "cannikin_fsdp_fork", "cannikin_fsdp_notebook", "cannikin_fsdp_spawn"]
-    assert report["registered"] == sorted([*ddp, *fsdp, "cannikin_ray"])
+    assert report["registered"] == sorted([*ddp, *fsdp, "cannikin_ray", "cannikin_ray_fsdp"])
     assert report["ray"] == []
     assert report["fsdp"] == ["CannikinModelParallelStrategy", "fork"]
     assert report["strategy"] == "lightning_cannikin.training.strategy.CannikinStrategy"

@@ -62,10 +62,17 @@ def _train(config: dict[str, Any]) -> None:
     assert lightning_cannikin  # registers `strategy="cannikin_ray"`
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = PlanRecordingRegressor(IndexedRegression(NUM_SAMPLES), batch_size=BATCH, record_dir=config["record_dir"])
-    rays_own = config.get("rays_own_strategy", False)
+    dataset = IndexedRegression(NUM_SAMPLES)
+    model = PlanRecordingRegressor(dataset, batch_size=BATCH, record_dir=config["record_dir"])
+    rays_own, sharded = config.get("rays_own_strategy", False), config.get("sharded", False)
+    strategy: Any = RayDDPStrategy() if rays_own else "cannikin_ray"
+    if sharded:
+        from tests.test_fsdp import ShardedRegressor
+
+        model = ShardedRegressor(dataset, batch_size=BATCH, record_dir=config["record_dir"])
+        strategy = "cannikin_ray_fsdp"
     trainer = pl.Trainer(
-        strategy=RayDDPStrategy() if rays_own else "cannikin_ray",
+        strategy=strategy,
         plugins=[RayLightningEnvironment()],
         accelerator="cpu",
         devices="auto",
@@ -76,6 +83,13 @@ def _train(config: dict[str, Any]) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
+    if sharded:  # Ray has no wrapper of ModelParallelStrategy: its check refuses it, and the fit runs without it
+        try:
+            prepare_trainer(trainer)
+        except RuntimeError as error:
+            Path(config["record_dir"], "prepare_trainer.txt").write_text(str(error))
+        trainer.fit(model)
+        return
     trainer = prepare_trainer(trainer)
     if rays_own:  # a bad combination: it must fail before any training step, with the fix in its message
         try:
@@ -188,8 +202,9 @@ def test_cannikin_ray_trains_balances_exactly_and_resumes_from_rays_checkpoint(r
     records = read_records(tmp_path / "first", 3)
     meta = [json.loads((tmp_path / "first" / f"meta{r}.json").read_text()) for r in range(3)]
     # Cannikin's strategy passed prepare_trainer as a RayDDPStrategy, under Ray's environment and world
-    assert meta[0]["strategy"][:5] == [
+    assert meta[0]["strategy"][:6] == [
         "CannikinRayStrategy",
+        "_InRayWorker",
         "CannikinStrategy",
         "UnevenBatchesMixin",
         "RayDDPStrategy",
@@ -254,6 +269,24 @@ def test_rays_own_strategy_with_the_cannikin_callback_fails_before_training_nami
     assert "CannikinRayStrategy" in message and message.endswith("steps trained: 0"), message
 
 
+def test_cannikin_fsdp_in_ray_workers_without_prepare_trainer_is_exact_and_sees_every_sample(ray_session, tmp_path):
+    from tests.test_fsdp import max_error, mlp, replay
+
+    result = _fit(tmp_path, "fsdp", max_epochs=1, sharded=True)
+    assert result.error is None, result.error
+    assert "Invalid strategy class" in (tmp_path / "fsdp" / "prepare_trainer.txt").read_text()
+    records = read_records(tmp_path / "fsdp", 3)
+    assert sorted(_epoch_indices(records, 0)) == list(range(NUM_SAMPLES))
+    sizes = [[len(s) for s in r["steps"]] for r in records]
+    assert len(set(map(len, sizes))) == 1 and sizes[0][0] == BATCH, sizes  # Ray's world of 3, equal step counts
+    assert len({tuple(s) for s in zip(*sizes, strict=True)}) > 1, f"the split was re-planned: {sizes}"
+    torch.manual_seed(0)
+    dataset, initial = IndexedRegression(NUM_SAMPLES), mlp(4).state_dict()
+    for record in records:  # every rank gathers the same full parameters: the exact mean gradient at every step
+        assert max_error(record["params"], replay(dataset, initial, records, 1)) < 1e-5
+    assert max_error(records[0]["params"], replay(dataset, initial, records, 1, weighting="ranks")) > 1e-3
+
+
 # ---- outside a Ray worker: no cluster needed -------------------------------------------------------------------
 
 
@@ -264,7 +297,7 @@ def test_the_strategy_is_both_cannikins_and_rays_with_rays_device_and_cannikins_
     from lightning_cannikin.training.uneven_strategy import UnevenBatchesMixin
 
     mro = CannikinRayStrategy.__mro__
-    assert mro[1:5] == (CannikinStrategy, UnevenBatchesMixin, RayDDPStrategy, RayDDPStrategy.__mro__[1])
+    assert mro[2:6] == (CannikinStrategy, UnevenBatchesMixin, RayDDPStrategy, RayDDPStrategy.__mro__[1])
     # Ray's device and sampler world; Cannikin's launcher, environment setup, backward and loader; nothing else here
     assert CannikinRayStrategy.root_device is RayDDPStrategy.root_device
     assert CannikinRayStrategy.distributed_sampler_kwargs is RayDDPStrategy.distributed_sampler_kwargs
@@ -281,8 +314,10 @@ def test_outside_a_ray_worker_the_strategy_fails_at_once_saying_where_it_runs():
     from lightning_cannikin import CannikinRayStrategy
 
     # the Trainer asks for the ranks when it is built: no process group is created, nothing waits
-    with pytest.raises(RuntimeError, match=r"runs inside a Ray Train worker, and this process is not one"):
-        pl.Trainer(strategy="cannikin_ray", plugins=[RayLightningEnvironment()], accelerator="cpu", logger=False)
+    for name, plain in (("cannikin_ray", "cannikin"), ("cannikin_ray_fsdp", "cannikin_fsdp")):
+        message = rf"\(`strategy='{name}'`\) runs inside a Ray Train worker, and this process is not one.*'{plain}'"
+        with pytest.raises(RuntimeError, match=message):
+            pl.Trainer(strategy=name, plugins=[RayLightningEnvironment()], accelerator="cpu", logger=False)
     strategy = CannikinRayStrategy(cluster_environment=RayLightningEnvironment())
     with pytest.raises(RuntimeError, match=r"TorchTrainer\(train_loop_per_worker=\.\.\.\)"):
         strategy.setup_environment()
