@@ -139,6 +139,8 @@ def ray_session():
     import ray as ray_core
 
     before = _ray_pids()
+    patch = pytest.MonkeyPatch()
+    patch.setenv("RAY_USAGE_STATS_ENABLED", "0")  # a test run reports nothing to Ray's usage statistics
     ray_core.init(
         num_cpus=3,
         include_dashboard=False,
@@ -154,6 +156,7 @@ def ray_session():
         # every Ray process of the session: the cluster's, and the workers it started meanwhile
         session = (_ray_pids() - before) | started
         ray_core.shutdown()
+        patch.undo()
         deadline = time.monotonic() + 30
         while any(_alive(pid) for pid in session) and time.monotonic() < deadline:
             time.sleep(0.2)
