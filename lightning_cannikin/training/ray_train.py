@@ -37,7 +37,9 @@ try:
     from ray.train.lightning import RayDDPStrategy, RayLightningEnvironment
 except ModuleNotFoundError as error:  # the extra is not installed
     raise ModuleNotFoundError(
-        f"`strategy='cannikin_ray'` (CannikinRayStrategy) needs Ray Train: {RAY_INSTALL}. ({error})", name=error.name
+        f"Cannikin's Ray strategies (`strategy='cannikin_ray'`, `'cannikin_ray_fsdp'`) need Ray Train: {RAY_INSTALL}."
+        f" ({error})",
+        name=error.name,
     ) from error
 
 __all__ = [
