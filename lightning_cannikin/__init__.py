@@ -1,10 +1,11 @@
 """lightning-cannikin: heterogeneity-aware data-parallel training for PyTorch Lightning.
 
 Importing the package registers ``strategy="cannikin"`` (and ``cannikin_spawn``, ``cannikin_fork``,
-``cannikin_notebook``) and the sharded ``strategy="cannikin_fsdp"`` (and its ``_spawn``, ``_fork``, ``_notebook``) in
-Lightning's strategy registry. The package itself is lazy: its public names are imported on
-first use, and the registration waits until Lightning is imported, so the maths, the simulator and the ``cannikin``
-command (``lightning_cannikin.tools.cli``) never pay for importing torch or Lightning. See :mod:`._registration`.
+``cannikin_notebook``), the sharded ``strategy="cannikin_fsdp"`` (and its ``_spawn``, ``_fork``, ``_notebook``), and
+``strategy="cannikin_ray"`` and ``"cannikin_ray_fsdp"`` (in Ray Train workers; the ``ray`` extra) in Lightning's
+strategy registry. The package itself is lazy: its public names are imported on first use, and the registration waits
+until Lightning is imported, so the maths, the simulator and the ``cannikin`` command (``lightning_cannikin.tools.cli``)
+never pay for importing torch or Lightning (nor Ray). See :mod:`._registration`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ if TYPE_CHECKING:  # the names below, for type checkers and IDEs; at run time `_
     from lightning_cannikin.training.emulator import EmulatedCluster
     from lightning_cannikin.training.fabric import CannikinFabricStrategy
     from lightning_cannikin.training.fsdp import CannikinModelParallelStrategy
+    from lightning_cannikin.training.ray_train import CannikinRayFSDPStrategy as CannikinRayFSDPStrategy
+    from lightning_cannikin.training.ray_train import CannikinRayStrategy as CannikinRayStrategy  # not in __all__
     from lightning_cannikin.training.sampler import UnevenDistributedSampler
     from lightning_cannikin.training.schedules import progress_lr_lambda
     from lightning_cannikin.training.settings import CannikinSettings
@@ -34,6 +37,9 @@ _LAZY = {
     "CannikinStrategy": "lightning_cannikin.training.strategy",
     "CannikinFabricStrategy": "lightning_cannikin.training.fabric",
     "CannikinModelParallelStrategy": "lightning_cannikin.training.fsdp",
+    # these need the `ray` extra: importable by name but left out of `__all__` (a star import must not need Ray)
+    "CannikinRayStrategy": "lightning_cannikin.training.ray_train",
+    "CannikinRayFSDPStrategy": "lightning_cannikin.training.ray_train",
     "EmulatedCluster": "lightning_cannikin.training.emulator",
     "UnevenDistributedSampler": "lightning_cannikin.training.sampler",
     "progress_lr_lambda": "lightning_cannikin.training.schedules",

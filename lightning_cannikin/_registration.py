@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-__all__ = ["FSDP_REGISTRY_NAMES", "REGISTRY_NAMES", "register_when_lightning_is_imported"]
+__all__ = ["FSDP_REGISTRY_NAMES", "RAY_REGISTRY_NAMES", "REGISTRY_NAMES", "register_when_lightning_is_imported"]
 
 # registry name -> launcher start method
 REGISTRY_NAMES: dict[str, str] = {
@@ -39,6 +39,13 @@ FSDP_REGISTRY_NAMES: dict[str, str] = {
     "cannikin_fsdp_spawn": "spawn",
     "cannikin_fsdp_fork": "fork",
     "cannikin_fsdp_notebook": "fork",
+}
+
+# the Ray Train strategies' names -> what they are. Ray starts the workers, so there is no launcher variant.
+# Registering them imports nothing of Ray; building one without Ray raises an error that says how to install it.
+RAY_REGISTRY_NAMES: dict[str, str] = {
+    "cannikin_ray": "DDP inside Ray Train workers (the `ray` extra)",
+    "cannikin_ray_fsdp": "FSDP2 inside Ray Train workers (the `ray` extra)",
 }
 
 _LIGHTNING = "lightning.pytorch"
@@ -58,6 +65,20 @@ def build_cannikin_fsdp_strategy(**init_params: Any) -> Any:
     return CannikinModelParallelStrategy(**init_params)
 
 
+def build_cannikin_ray_strategy(**init_params: Any) -> Any:
+    """What the registry calls to build a ``CannikinRayStrategy`` from its name (imports Ray, the ``ray`` extra)."""
+    from lightning_cannikin.training.ray_train import CannikinRayStrategy
+
+    return CannikinRayStrategy(**init_params)
+
+
+def build_cannikin_ray_fsdp_strategy(**init_params: Any) -> Any:
+    """What the registry calls to build a ``CannikinRayFSDPStrategy`` from its name (imports Ray)."""
+    from lightning_cannikin.training.ray_train import CannikinRayFSDPStrategy
+
+    return CannikinRayFSDPStrategy(**init_params)
+
+
 def register(registry: Any) -> None:
     """Add the names to ``registry`` (a second call, or a name registered otherwise, is left alone)."""
     families = (
@@ -74,6 +95,10 @@ def register(registry: Any) -> None:
                 description=f"Cannikin heterogeneity-aware {kind} with `start_method` '{start_method}'",
                 start_method=start_method,
             )
+    ray_factories = {"cannikin_ray": build_cannikin_ray_strategy, "cannikin_ray_fsdp": build_cannikin_ray_fsdp_strategy}
+    for name, kind in RAY_REGISTRY_NAMES.items():
+        if name not in registry:
+            registry.register(name, ray_factories[name], description=f"Cannikin heterogeneity-aware {kind}")
 
 
 def _register_in_lightning() -> None:

@@ -1,4 +1,4 @@
-"""Without the optional extras: no rich (the ``cli`` extra) and no matplotlib (the ``plots`` extra).
+"""Without the optional extras: no rich (the ``cli`` extra), no matplotlib (the ``plots`` extra), no Ray (``ray``).
 
 Each check runs in a child interpreter that sees neither the module nor the metadata of the hidden distribution
 (:func:`tests.without.run_without`), as where it was never installed.
@@ -23,6 +23,41 @@ def test_rich_is_an_extra_not_a_dependency():
     project = _pyproject()["project"]
     assert "rich" not in _requirement_names(project["dependencies"])
     assert "rich" in _requirement_names(project["optional-dependencies"]["cli"])
+
+
+def test_ray_is_an_extra_not_a_dependency():
+    project = _pyproject()["project"]
+    assert "ray" not in _requirement_names(project["dependencies"])
+    assert "ray" in _requirement_names(project["optional-dependencies"]["ray"])
+
+
+def test_without_ray_the_package_imports_and_naming_the_ray_strategy_says_how_to_install_it(tmp_path):
+    code = """
+import json, sys
+import lightning.pytorch as pl
+import lightning_cannikin
+from lightning.pytorch.strategies import StrategyRegistry
+ray_modules = sorted(m for m in sys.modules if m.split(".")[0] == "ray")
+report = {"registered": "cannikin_ray" in StrategyRegistry, "ray": ray_modules}
+for attempt in ("registry", "name"):
+    try:
+        if attempt == "registry":
+            pl.Trainer(strategy="cannikin_ray", accelerator="cpu", logger=False)
+        else:
+            from lightning_cannikin import CannikinRayStrategy
+    except ModuleNotFoundError as error:
+        report[attempt] = [error.name, str(error)]
+trainer = pl.Trainer(strategy="cannikin_fork", devices=2, accelerator="cpu", logger=False)  # the rest works
+report["cannikin"] = type(trainer.strategy).__name__
+print(json.dumps(report))
+"""
+    done = run_without({"ray"}, ["-c", code], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["registered"] and report["ray"] == [] and report["cannikin"] == "CannikinStrategy", report
+    for attempt in ("registry", "name"):
+        name, message = report[attempt]
+        assert name == "ray" and 'pip install "lightning-cannikin[ray]"' in message, report
 
 
 def test_plan_prints_plain_aligned_tables_without_rich(tmp_path, capsys):

@@ -60,7 +60,9 @@ def _declared(project: dict) -> set[str]:
     """Every distribution the package declares: its dependencies and its user-facing extras (`test` and `dev` are
     for working on the package, not for using it)."""
     extras = project["optional-dependencies"]
-    return _requirement_names(project["dependencies"]).union(*(_requirement_names(extras[x]) for x in ("plots", "cli")))
+    return _requirement_names(project["dependencies"]).union(
+        *(_requirement_names(extras[x]) for x in ("plots", "cli", "ray"))
+    )
 
 
 def _distribution(module: str, declared: set[str]) -> str:
@@ -71,15 +73,39 @@ def _distribution(module: str, declared: set[str]) -> str:
     return dists[0].lower().replace("_", "-")
 
 
+# an extra's own module, which imports it at module level: nothing imports the module before the user asks for it
+EXTRA_MODULES = {"ray": PACKAGE / "training" / "ray_train.py"}
+
+
+def _eager_imports_of(module: str, paths: list[Path]) -> list[str]:
+    """The files that import ``module`` (a module of this package) at module level."""
+    found = []
+    for path in paths:
+        tree = ast.parse(path.read_text())
+        lazy = {id(c) for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.If)) for c in ast.walk(n)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == module and id(node) not in lazy:
+                found.append(path.name)
+    return found
+
+
 def test_every_import_of_the_package_is_declared():
     project = _pyproject()["project"]
     required, declared = _requirement_names(project["dependencies"]), _declared(project)
-    imports = _imports(sorted(PACKAGE.rglob("*.py")))
+    files = sorted(PACKAGE.rglob("*.py"))
+    imports = _imports([path for path in files if path not in EXTRA_MODULES.values()])
     undeclared = {m: _distribution(m, declared) for m in imports if _distribution(m, declared) not in declared}
     assert not undeclared, f"imported but not declared in pyproject.toml: {undeclared}"
     # an optional dependency may only be imported lazily, so that the package works without it
     eager_optional = [m for m, eager in imports.items() if eager and _distribution(m, declared) in declared - required]
     assert not eager_optional, f"optional dependencies imported at module level: {eager_optional}"
+    # except by its extra's own module, which the rest of the package imports only lazily
+    for extra, path in EXTRA_MODULES.items():
+        assert extra in _requirement_names(project["optional-dependencies"][extra]), extra
+        extra_imports = set(_imports([path])) - set(imports)
+        assert extra_imports <= {extra}, f"{path.name} imports undeclared {extra_imports - {extra}}"
+        module = ".".join(("lightning_cannikin", *path.relative_to(PACKAGE).with_suffix("").parts))
+        assert not _eager_imports_of(module, files), f"{module} is imported at module level"
 
 
 def test_every_declared_dependency_is_used():
@@ -155,6 +181,7 @@ report["strategy"] = type(trainer.strategy).__module__ + "." + type(trainer.stra
 report["start_method"] = trainer.strategy._start_method
 sharded = pl.Trainer(strategy="cannikin_fsdp_fork", devices=2, accelerator="cpu", logger=False).strategy
 report["fsdp"] = [type(sharded).__qualname__, sharded._start_method]
+report["ray"] = sorted(m for m in sys.modules if m.split(".")[0] == "ray")  # `cannikin_ray` registered, Ray not
 report["loader_restored"] = type(pl.__spec__.loader).__module__
 # and with Lightning imported first: registered at import
 import importlib
@@ -170,7 +197,8 @@ print(json.dumps(report))
     assert report["after_cli"] == [] and report["after_package"] == [], report
     ddp = ["cannikin", "cannikin_fork", "cannikin_notebook", "cannikin_spawn"]
     fsdp = ["cannikin_fsdp", "cannikin_fsdp_fork", "cannikin_fsdp_notebook", "cannikin_fsdp_spawn"]
-    assert report["registered"] == sorted(ddp + fsdp)
+    assert report["registered"] == sorted([*ddp, *fsdp, "cannikin_ray", "cannikin_ray_fsdp"])
+    assert report["ray"] == []
     assert report["fsdp"] == ["CannikinModelParallelStrategy", "fork"]
     assert report["strategy"] == "lightning_cannikin.training.strategy.CannikinStrategy"
     assert report["start_method"] == "fork"

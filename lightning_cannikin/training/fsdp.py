@@ -134,7 +134,7 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
     def _configure_launcher(self) -> None:
         # the earliest point where the world size is known and no process has been launched yet
         assert self.cluster_environment is not None
-        world_size = self.num_nodes * self.num_processes
+        world_size = self._launch_world_size()
         self._check_split_length(world_size, self.num_nodes, self.num_processes)
         if self._data_parallel_size not in ("auto", world_size):
             raise ValueError(
@@ -149,7 +149,7 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         self._take_engine()
-        self._data_parallel_size = self.num_nodes * self.num_processes
+        self._data_parallel_size = self._launch_world_size()  # all ranks (Ray Train's workers under Ray)
         super().setup_environment()
         self._bind_engine(sharded=True)  # the noise statistics read FSDP2's reduce-scatters
         # FSDP2's reduce-scatter averages over the ranks: n * b_i / B on the loss makes its mean the weighted mean

@@ -33,7 +33,20 @@ from lightning_cannikin.training.metrics import (
     metrics_are_seen,
 )
 
-__all__ = ["BalancingCallback"]
+__all__ = ["BalancingCallback", "wrong_strategy_error"]
+
+
+def wrong_strategy_error(strategy: object) -> str:
+    """What the callback says to a fit whose strategy is not a Cannikin one (Ray's own strategies get Ray's fix)."""
+    name = type(strategy).__name__
+    # recognised by its module, so that this package never imports Ray for it (Ray is an optional extra)
+    if any(cls.__module__.split(".")[0] == "ray" for cls in type(strategy).__mro__):
+        return (
+            f"The Cannikin callback cannot balance Ray's {name}: its batches and all-reduce are plain DDP's. Use"
+            " `strategy=CannikinRayStrategy()` (from lightning_cannikin) or `strategy='cannikin_ray'` with"
+            " `plugins=[RayLightningEnvironment()]`; it passes `ray.train.lightning.prepare_trainer` too."
+        )
+    return f"The Cannikin callback needs `strategy='cannikin'` (a CannikinStrategy), got {name}."
 
 
 class BalancingCallback(Callback):
@@ -89,10 +102,7 @@ class BalancingCallback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # the strategy took this callback's engine and bound it at its `setup_environment`
         if getattr(trainer.strategy, "engine", None) is not self.engine:
-            raise ValueError(
-                f"The Cannikin callback needs `strategy='cannikin'` (a CannikinStrategy), got"
-                f" {type(trainer.strategy).__name__}."
-            )
+            raise ValueError(wrong_strategy_error(trainer.strategy))
         self._trainer = trainer
         if self._user_accumulation is None:  # before any change of ours (a resume restores ours afterwards)
             self._user_accumulation = trainer.accumulate_grad_batches

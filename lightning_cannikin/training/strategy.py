@@ -71,7 +71,7 @@ class CannikinStrategy(UnevenBatchesMixin, DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         # the earliest point where the world size is known and no process has been launched yet
-        world_size = self.num_nodes * self.num_processes
+        world_size = self._launch_world_size()
         self._check_split_length(world_size, self.num_nodes, self.num_processes)
         # Lightning's launchers, checking what the fit's arguments already show before they spawn any process
         check = partial(check_before_launch, world_size=world_size, fixed_sizes=self._fixed_sizes)

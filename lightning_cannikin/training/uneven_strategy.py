@@ -109,12 +109,24 @@ class UnevenBatchesMixin:
             )
         self._engine.set_plan(plan, from_batch)
 
+    def _launch_world_size(self) -> int:
+        """The world size before the process group exists: nodes x devices, or Ray Train's world under its cluster
+        environment (Ray starts one worker per device, so the Trainer's ``devices`` counts only this worker's)."""
+        environment = getattr(self, "cluster_environment", None)
+        # recognised by its module, so that this package never imports Ray for it (Ray is an optional extra)
+        if environment is not None and type(environment).__module__.split(".")[0] == "ray":
+            return int(environment.world_size())
+        return self.num_nodes * self.num_processes  # type: ignore[attr-defined]
+
     def _check_split_length(self, world_size: int, num_nodes: int, num_processes: int) -> None:
         """Before any process is launched: one fixed size per rank."""
         if self._fixed_sizes is not None and len(self._fixed_sizes) != world_size:
+            layout = f"{num_nodes} node(s) x {num_processes} device(s)"
+            if world_size != num_nodes * num_processes:
+                layout = "Ray Train's workers"  # the only world `_launch_world_size` takes from elsewhere
             raise ValueError(
                 f"`local_batch_sizes` has {len(self._fixed_sizes)} entries but the world size is {world_size}"
-                f" ({num_nodes} node(s) x {num_processes} device(s)). Give one size per rank."
+                f" ({layout}). Give one size per rank."
             )
 
     def _take_engine(self) -> None:
