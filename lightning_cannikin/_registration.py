@@ -16,6 +16,7 @@ from its name. (A registry entry only has to be callable with its stored init pa
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.machinery
 import sys
@@ -41,49 +42,38 @@ FSDP_REGISTRY_NAMES: dict[str, str] = {
     "cannikin_fsdp_notebook": "fork",
 }
 
-# the Ray Train strategies' names -> what they are. Ray starts the workers, so there is no launcher variant.
+# the Ray Train strategies' names -> their class in `training.ray_train` and what they are. Ray starts the workers,
+# so there is no launcher variant.
 # Registering them imports nothing of Ray; building one without Ray raises an error that says how to install it.
-RAY_REGISTRY_NAMES: dict[str, str] = {
-    "cannikin_ray": "DDP inside Ray Train workers (the `ray` extra)",
-    "cannikin_ray_fsdp": "FSDP2 inside Ray Train workers (the `ray` extra)",
+RAY_REGISTRY_NAMES: dict[str, tuple[str, str]] = {
+    "cannikin_ray": ("CannikinRayStrategy", "DDP inside Ray Train workers (the `ray` extra)"),
+    "cannikin_ray_fsdp": ("CannikinRayFSDPStrategy", "FSDP2 inside Ray Train workers (the `ray` extra)"),
 }
 
 _LIGHTNING = "lightning.pytorch"
 
 
-def build_cannikin_strategy(**init_params: Any) -> Any:
-    """What the registry calls to build a :class:`~lightning_cannikin.CannikinStrategy` from its name."""
-    from lightning_cannikin.training.strategy import CannikinStrategy
+def _builder(module: str, name: str) -> Callable[..., Any]:
+    """What the registry calls to build the strategy class ``name`` of ``module`` from its registry name: the class is
+    imported then, not when the name is registered (the Ray strategies' module imports Ray, the ``ray`` extra)."""
 
-    return CannikinStrategy(**init_params)
+    def build(**init_params: Any) -> Any:
+        return getattr(importlib.import_module(module), name)(**init_params)
 
-
-def build_cannikin_fsdp_strategy(**init_params: Any) -> Any:
-    """What the registry calls to build a :class:`~lightning_cannikin.CannikinModelParallelStrategy` from its name."""
-    from lightning_cannikin.training.fsdp import CannikinModelParallelStrategy
-
-    return CannikinModelParallelStrategy(**init_params)
-
-
-def build_cannikin_ray_strategy(**init_params: Any) -> Any:
-    """What the registry calls to build a ``CannikinRayStrategy`` from its name (imports Ray, the ``ray`` extra)."""
-    from lightning_cannikin.training.ray_train import CannikinRayStrategy
-
-    return CannikinRayStrategy(**init_params)
-
-
-def build_cannikin_ray_fsdp_strategy(**init_params: Any) -> Any:
-    """What the registry calls to build a ``CannikinRayFSDPStrategy`` from its name (imports Ray)."""
-    from lightning_cannikin.training.ray_train import CannikinRayFSDPStrategy
-
-    return CannikinRayFSDPStrategy(**init_params)
+    build.__qualname__ = f"build_{name}"
+    return build
 
 
 def register(registry: Any) -> None:
     """Add the names to ``registry`` (a second call, or a name registered otherwise, is left alone)."""
+    training = "lightning_cannikin.training"
     families = (
-        (REGISTRY_NAMES, build_cannikin_strategy, "DDP"),
-        (FSDP_REGISTRY_NAMES, build_cannikin_fsdp_strategy, "FSDP2 (sharded data parallel)"),
+        (REGISTRY_NAMES, _builder(f"{training}.strategy", "CannikinStrategy"), "DDP"),
+        (
+            FSDP_REGISTRY_NAMES,
+            _builder(f"{training}.fsdp", "CannikinModelParallelStrategy"),
+            "FSDP2 (sharded data parallel)",
+        ),
     )
     for names, factory, kind in families:
         for name, start_method in names.items():
@@ -95,10 +85,10 @@ def register(registry: Any) -> None:
                 description=f"Cannikin heterogeneity-aware {kind} with `start_method` '{start_method}'",
                 start_method=start_method,
             )
-    ray_factories = {"cannikin_ray": build_cannikin_ray_strategy, "cannikin_ray_fsdp": build_cannikin_ray_fsdp_strategy}
-    for name, kind in RAY_REGISTRY_NAMES.items():
+    for name, (cls, kind) in RAY_REGISTRY_NAMES.items():
         if name not in registry:
-            registry.register(name, ray_factories[name], description=f"Cannikin heterogeneity-aware {kind}")
+            factory = _builder(f"{training}.ray_train", cls)
+            registry.register(name, factory, description=f"Cannikin heterogeneity-aware {kind}")
 
 
 def _register_in_lightning() -> None:

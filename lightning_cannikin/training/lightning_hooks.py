@@ -32,21 +32,9 @@ from lightning_cannikin.training.metrics import (
     log_step,
     metrics_are_seen,
 )
+from lightning_cannikin.training.strategy_checks import wrong_strategy_error
 
-__all__ = ["BalancingCallback", "wrong_strategy_error"]
-
-
-def wrong_strategy_error(strategy: object) -> str:
-    """What the callback says to a fit whose strategy is not a Cannikin one (Ray's own strategies get Ray's fix)."""
-    name = type(strategy).__name__
-    # recognised by its module, so that this package never imports Ray for it (Ray is an optional extra)
-    if any(cls.__module__.split(".")[0] == "ray" for cls in type(strategy).__mro__):
-        return (
-            f"The Cannikin callback cannot balance Ray's {name}: its batches and all-reduce are plain DDP's. Use"
-            " `strategy=CannikinRayStrategy()` (from lightning_cannikin) or `strategy='cannikin_ray'` with"
-            " `plugins=[RayLightningEnvironment()]`; it passes `ray.train.lightning.prepare_trainer` too."
-        )
-    return f"The Cannikin callback needs `strategy='cannikin'` (a CannikinStrategy), got {name}."
+__all__ = ["BalancingCallback"]
 
 
 class BalancingCallback(Callback):

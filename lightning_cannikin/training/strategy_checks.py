@@ -1,5 +1,6 @@
 """What :class:`~lightning_cannikin.CannikinStrategy` checks before it trains: the user's split, the training
-loaders it can balance, and the layers that blur its measurements; with messages that name the fix."""
+loaders it can balance, the layers that blur its measurements, and a strategy that is not Cannikin's (Ray's own
+included); with messages that name the fix."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from lightning.pytorch.utilities import rank_zero_warn
 __all__ = [
     "MULTIPLE_LOADERS_ERROR",
     "NO_DISTRIBUTED_SAMPLER_ERROR",
+    "from_ray",
     "validate_local_batch_sizes",
     "warn_about_fixed_total",
     "warn_about_sync_batchnorm",
+    "wrong_strategy_error",
 ]
 
 NO_DISTRIBUTED_SAMPLER_ERROR = (
@@ -29,6 +32,24 @@ MULTIPLE_LOADERS_ERROR = (
     " (`torch.utils.data.StackDataset` gives one sample of each per item, `ConcatDataset` mixes them) behind one"
     " DataLoader, or use `strategy='ddp'`."
 )
+
+
+def from_ray(obj: object) -> bool:
+    """Whether ``obj`` is an instance of a class of Ray's (or of a subclass of one): recognised by the module, so that
+    this package never imports Ray to ask (Ray is an optional extra)."""
+    return any(cls.__module__.split(".")[0] == "ray" for cls in type(obj).__mro__)
+
+
+def wrong_strategy_error(strategy: object) -> str:
+    """What the Cannikin callback says to a fit whose strategy is not a Cannikin one (Ray's own get Ray's fix)."""
+    name = type(strategy).__name__
+    if from_ray(strategy):
+        return (
+            f"The Cannikin callback cannot balance Ray's {name}: its batches and all-reduce are plain DDP's. Use"
+            " `strategy=CannikinRayStrategy()` (from lightning_cannikin) or `strategy='cannikin_ray'` with"
+            " `plugins=[RayLightningEnvironment()]`; it passes `ray.train.lightning.prepare_trainer` too."
+        )
+    return f"The Cannikin callback needs `strategy='cannikin'` (a CannikinStrategy), got {name}."
 
 
 def validate_local_batch_sizes(local_batch_sizes: Sequence[int] | None) -> tuple[int, ...] | None:

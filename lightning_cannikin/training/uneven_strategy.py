@@ -30,6 +30,7 @@ from lightning_cannikin.training.loss_weights import check_normalisation, every_
 from lightning_cannikin.training.strategy_checks import (
     MULTIPLE_LOADERS_ERROR,
     NO_DISTRIBUTED_SAMPLER_ERROR,
+    from_ray,
     validate_local_batch_sizes,
     warn_about_fixed_total,
 )
@@ -113,8 +114,7 @@ class UnevenBatchesMixin:
         """The world size before the process group exists: nodes x devices, or Ray Train's world under its cluster
         environment (Ray starts one worker per device, so the Trainer's ``devices`` counts only this worker's)."""
         environment = getattr(self, "cluster_environment", None)
-        # recognised by its module, so that this package never imports Ray for it (Ray is an optional extra)
-        if environment is not None and type(environment).__module__.split(".")[0] == "ray":
+        if environment is not None and from_ray(environment):
             return int(environment.world_size())
         return self.num_nodes * self.num_processes  # type: ignore[attr-defined]
 
