@@ -119,7 +119,6 @@ def replay(
     noise: Callable[[int], float | None] | None = None,
     change_check: Callable[[float], LocalChangeCheck] = LocalChangeCheck,
     read_next_step: bool = True,
-    paced_checks: bool = True,
 ) -> Replay:
     """Run ``steps`` steps from an even split of ``total``.
 
@@ -143,9 +142,6 @@ def replay(
         change_check: each rank's local change check, from the speed model's drift tolerance.
         read_next_step: the ranks' vote (:class:`ChangeVote`) is read the step after it is cast (CPU), else at the
             next check (CUDA).
-        paced_checks: space the checks by the plan's predicted step time, as the engine does
-            (:meth:`~lightning_cannikin.core.schedule.ReplanSchedule.check_interval`); ``False``: every
-            ``check_every_n_steps``.
 
     """
     out = Replay(devices, world_size)
@@ -174,8 +170,7 @@ def replay(
         done = step + 1
         epoch_end = epoch_steps is not None and done % epoch_steps == 0
         # the ranks' one-bit answers are cast on the steps the schedule names, and read as the engine reads them
-        seconds = plan.predicted_step_time if paced_checks else None
-        changed = any([vote.poll(schedule.check_due(done, seconds)) for vote in votes])
+        changed = any([vote.poll(schedule.check_due(done)) for vote in votes])
         phi = noise(done) if noise is not None else None
         adapt_ready = policy is not None and policy.max_batch_size is not None and identified
         due, adapt = schedule.after_step(done, identified, True, changed, noise_bounds(phi), adapt_ready)

@@ -145,45 +145,6 @@ def test_epoch_ends_replan_less_often_while_replans_keep_the_plan():
     assert schedule.epoch_end_due(skipped + 256, True, False, None), "the next epoch end re-plans again"
 
 
-def test_routine_replans_come_four_times_further_apart_while_the_kept_split_is_at_the_models_optimum():
-    from lightning_cannikin.core.plan import Plan
-    from lightning_cannikin.core.policy import Decision
-
-    plan = Plan((32, 32, 32))
-    assert Decision(plan, 1.0, 1.0, True, split_gain=0.003, split_margin=0.135).at_optimum, "0.3% against 13.5%"
-    assert not Decision(plan, 1.0, 1.0, True, split_gain=0.026, split_margin=0.077).at_optimum, "a third of it"
-    assert not Decision(plan, 1.0, 1.0, True).at_optimum, "no split weighed (a probe, an even split)"
-    # the same 128-step epochs as above, every re-plan keeping a split at the optimum: the re-plan at 128 found it
-    # 112 steps after the last one, so the next comes at the first epoch end at least 4 x 112 = 448 steps later (640),
-    # then every 1024 (the cap), where doubling gaps re-planned at 256, 512, 1024 and 1920
-    schedule = ReplanSchedule(8)
-    schedule.replanned(16, total_changed=False, balance=True)
-    schedule.replanned(128, total_changed=False, balance=True, kept=True, at_optimum=True)
-    ends = []
-    for end in range(256, 128 * 40, 128):
-        if schedule.epoch_end_due(end, True, False, None):
-            ends.append(end)
-            schedule.replanned(end, total_changed=False, balance=True, kept=True, at_optimum=True)
-    assert ends[:3] == [640, 1664, 2688], ends
-    assert all(b - a == ROUTINE_GAP_CAP for a, b in itertools.pairwise(ends[1:])), ends
-    # a split that moves resets the gap, as before
-    schedule.replanned(ends[-1] + 128, total_changed=False, balance=True, at_optimum=True)
-    assert schedule.epoch_end_due(ends[-1] + 256, True, False, None)
-
-
-def test_on_fast_steps_the_ranks_compare_their_checks_at_most_once_a_check_period():
-    from lightning_cannikin.core.schedule import CHECK_PERIOD_MAX_S, CHECK_PERIOD_S, PACED_BELOW_S
-
-    schedule = ReplanSchedule(8)
-    assert (CHECK_PERIOD_S, PACED_BELOW_S, CHECK_PERIOD_MAX_S) == (0.1, 0.025, 1.0)
-    checks = lambda seconds: [s for s in range(1, 41) if schedule.check_due(s, seconds)]  # noqa: E731
-    assert checks(None) == checks(0.025) == checks(0.030) == list(range(4, 41, 4)), "no prediction, or 25 ms and more"
-    assert checks(0.020) == [7, 14, 21, 28, 35], "20 ms: a period of 0.1 x 25 / 20 = 0.125 s, every ceil(6.25) steps"
-    assert checks(0.012) == [18, 36], "12 ms: 0.1 x 25 / 12 = 0.208 s, every ceil(17.4) = 18 steps"
-    assert schedule.check_interval(0.005) == 100 and schedule.check_interval(0.001) == 1000, "0.5 s; 1 s at most"
-    assert not ReplanSchedule(8, check_every_n_steps=None).check_due(20, 0.012)
-
-
 def test_the_schedule_replans_when_a_check_says_so_and_settles_after():
     schedule = ReplanSchedule(8)
     assert schedule.check_due(16) and schedule.check_due(12) and not schedule.check_due(14)  # every 4 steps

@@ -172,13 +172,6 @@ class Decision:
     split_margin: float | None = None
     unconfirmed: bool = False
 
-    @property
-    def at_optimum(self) -> bool:
-        """The best split gains less than a quarter of the margin it had to beat over the one kept in its place: the
-        model puts the optimum where the plan already is, far inside the devices' own jitter."""
-        gain, margin = self.split_gain, self.split_margin
-        return gain is not None and margin is not None and gain < margin / 4
-
 
 @lru_cache(maxsize=256)  # asked every step with the same few arguments (pure, small, immutable result)
 def learning_rate_scale(

@@ -8,21 +8,10 @@ Pure Python: imports neither torch nor Lightning.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CHECK_PERIOD_MAX_S", "CHECK_PERIOD_S", "PACED_BELOW_S", "ROUTINE_GAP_CAP", "ReplanSchedule"]
-
-# the ranks compare their change checks at most this often: each comparison is a collective of one number, a fixed
-# cost (about a millisecond and a half where ranks share cores, measured), which on steps of a few milliseconds every
-# 4 steps took 2-3% of the time; the 4-step cadence holds for steps of 25 ms and longer
-CHECK_PERIOD_S = 0.1
-# on steps shorter than this the period grows as the steps shrink (0.2 s at 12.5 ms, 0.5 s at 5 ms, 1 s at most): a
-# check every 0.1 s still cost 1.35% of 12 ms steps where ranks share cores (measured), while waiting for the next
-# check costs a change a fraction of a second of imbalance
-PACED_BELOW_S = 0.025
-CHECK_PERIOD_MAX_S = 1.0
+__all__ = ["ROUTINE_GAP_CAP", "ReplanSchedule"]
 
 # the most steps an epoch end waits between re-plans nothing asked for: the fits still take in a slow drift that no
 # change check sees at least this often
@@ -74,22 +63,10 @@ class ReplanSchedule:
             if every is not None and (isinstance(every, bool) or int(every) < 1):
                 raise ValueError(f"`{name}` must be a positive integer or None, got {every}.")
 
-    def check_due(self, step: int, step_seconds: float | None = None) -> bool:
-        """Whether every rank asks its local change check after ``step`` steps (the same answer on every rank);
-        ``step_seconds``: the predicted time of a step of the plan in force (every rank holds the same plan), which
-        spaces the checks (:meth:`check_interval`)."""
-        every = self.check_interval(step_seconds)
-        return every is not None and step % every == 0
-
-    def check_interval(self, step_seconds: float | None = None) -> int | None:
-        """Steps between two checks (``None``: no checks) on steps of ``step_seconds``: ``check_every_n_steps``, but at
-        least ``CHECK_PERIOD_S`` apart, a period stretched by ``PACED_BELOW_S / step_seconds`` on shorter steps (up to
-        ``CHECK_PERIOD_MAX_S``)."""
+    def check_due(self, step: int) -> bool:
+        """Whether every rank asks its local change check after ``step`` steps (the same answer on every rank)."""
         every = self.check_every_n_steps
-        if every is None or step_seconds is None or step_seconds <= 0:
-            return every
-        period = min(CHECK_PERIOD_S * max(1.0, PACED_BELOW_S / step_seconds), CHECK_PERIOD_MAX_S)
-        return max(every, math.ceil(period / step_seconds))
+        return every is not None and step % every == 0
 
     def total_due(self, bounds: tuple[float, float] | None, step: int, epoch_end: bool = False) -> bool:
         """Whether to reconsider the total batch mid-epoch after ``step`` steps: the noise scale has bounds (``None``
@@ -170,7 +147,7 @@ class ReplanSchedule:
         kept = plan.local_batch_sizes == previous.local_batch_sizes and not total_changed
         timing = total_changed or decision.untimed
         changed = changed and decision.changing
-        self.replanned(step, timing, balance, changed, kept, decision.unconfirmed, decision.at_optimum)
+        self.replanned(step, timing, balance, changed, kept, decision.unconfirmed)
 
     def due(self, step: int, identified: bool, balance: bool, changed: bool = False) -> bool:
         """Whether the ranks re-plan after ``step`` steps (the same answer on every rank); ``changed``: some rank's
@@ -189,9 +166,8 @@ class ReplanSchedule:
         timed at two sizes, ``changed``: some rank's check saw a change, a re-plan waiting to settle, the total batch:
         :meth:`total_due` at ``noise_bounds``, ``None`` where the total is fixed), or :attr:`routine_gap` steps ran
         since the last re-plan. While re-plans keep finding the plan in force, they come at every other epoch end,
-        then every fourth, up to ``ROUTINE_GAP_CAP`` steps apart (the gap quadruples while the kept split is at the
-        model's optimum, :meth:`replanned`): each is rank zero's fit and decision while the other ranks wait, and on
-        short epochs of fast steps those waits were a visible share of the run."""
+        then every fourth, up to ``ROUTINE_GAP_CAP`` steps apart (:meth:`replanned`): each is rank zero's fit and
+        decision while the other ranks wait."""
         total = self.total_due(noise_bounds, step, epoch_end=True)
         pending = not identified or changed or total or self.settle_at is not None
         return pending or step - self.last_replan_step >= self.routine_gap
@@ -204,7 +180,6 @@ class ReplanSchedule:
         changed: bool = False,
         kept: bool = False,
         unconfirmed: bool = False,
-        at_optimum: bool = False,
     ) -> None:
         """A re-plan happened after ``step`` steps. A new total (or a split beyond the sizes a rank was timed at:
         ``total_changed``) puts ranks at sizes their models extrapolated to: re-split once ``warmup_steps`` steps have
@@ -216,15 +191,10 @@ class ReplanSchedule:
         is nothing to settle). ``unconfirmed``: some rank was rescaled lately and may return to its old speed; once a
         re-plan moved the split since, re-plan every ``warmup_steps`` until it is confirmed or undone. While the split
         stays the one before the rescale, no rank runs a share the rescale gave it: the next re-plan judges it, and
-        re-plans that would each keep the split (rank zero's fit while the others wait) are not run.
-        ``at_optimum``: the kept split is where the model puts the optimum
-        (:attr:`~lightning_cannikin.core.policy.Decision.at_optimum`): the routine gap quadruples (from the steps
-        since the last re-plan, if more), as the next routine re-plan is unlikely to move the split before a check
-        sees a change."""
-        elapsed = step - self.last_replan_step
-        # at the optimum the gap quadruples from the first kept re-plan on (the steps since the last re-plan included):
-        # on short epochs of fast steps the second routine re-plan came an epoch after the first, and kept it again
-        gap = 4 * max(self.routine_gap, elapsed) if at_optimum else max(2 * self.routine_gap, elapsed)
+        re-plans that would each keep the split (rank zero's fit while the others wait) are not run."""
+        # one geometric back-off: the gap doubles (from the steps since the last re-plan, if more) while re-plans keep
+        # the plan, and starts over at the first one that moves it
+        gap = max(2 * self.routine_gap, step - self.last_replan_step)
         self.routine_gap = min(gap, ROUTINE_GAP_CAP) if kept else 0
         self.last_replan_step = step
         if changed and self.last_adapt_step != step:

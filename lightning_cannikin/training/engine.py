@@ -501,9 +501,7 @@ class BalancingEngine:
         if not self._timer.reduced or self.fixed_split:
             return False, False  # no re-plan mid-window: a window's micro-batches share one layout
         vote = self._vote
-        plan = self.plan if vote is not None else None  # its predicted step spaces the checks (alike everywhere)
-        seconds = plan.predicted_step_time if plan is not None else None
-        self._changed = vote is not None and vote.poll(self.schedule.check_due(self.step, seconds))
+        self._changed = vote is not None and vote.poll(self.schedule.check_due(self.step))
         if epoch_ends:
             return False, False
         # the total moves where the noise bounds prove it out of the band rank zero broadcast: alike on every rank
