@@ -29,7 +29,9 @@ from typing import Any
 __all__ = [
     "CHANGED",
     "DEFAULT_WINDOW",
+    "DRIFT_TOLERANCE",
     "FAST_WINDOW",
+    "MAD_TO_SD",
     "SUSPECTED",
     "ChangeWatch",
     "LocalChangeCheck",
@@ -37,6 +39,10 @@ __all__ = [
     "large_change",
 ]
 
+# the relative change of a device's step time that counts as a change of speed (the band; the speed model's default)
+DRIFT_TOLERANCE = 0.25
+# a median absolute deviation times this is a standard deviation for Gaussian jitter: the robust spread, everywhere
+MAD_TO_SD = 1.4826
 DEFAULT_WINDOW = 16  # steps of recent times judged at once: a change fills 3/4 of them within 12 steps
 # steps judged for a change beyond twice the band: 3/4 of them (9) outlast an 8-step glitch, never filled by stalls
 FAST_WINDOW = 12
@@ -138,14 +144,14 @@ class LocalChangeCheck:
         skip: steps left out after a change of batch size or a reset.
         small_band: the smallest relative change that counts, over ``small_window`` steps.
         small_window: recent steps judged for a small change.
-        noise_floor: the narrowest large band, in multiples of the reference's relative spread (``1.4826 x`` its
+        noise_floor: the narrowest large band, in multiples of the reference's relative spread (``MAD_TO_SD x`` its
             median absolute deviation, a standard deviation for Gaussian jitter); 0: ``band`` whatever the jitter.
 
     """
 
     def __init__(
         self,
-        band: float = 0.25,
+        band: float = DRIFT_TOLERANCE,
         window: int = DEFAULT_WINDOW,
         reference: int = 8,
         skip: int = 2,
@@ -214,7 +220,7 @@ class LocalChangeCheck:
             return self._carried  # no reference at this size yet: a suspicion at the size just left
         expected = _median(self._reference)
         ratios = [t / expected for t in self._recent]
-        spread = 1.4826 * _median([abs(t / expected - 1.0) for t in self._reference])
+        spread = MAD_TO_SD * _median([abs(t / expected - 1.0) for t in self._reference])
         small = max(self.small_band, 2.0 * spread)
         band = max(self.band, self.noise_floor * spread)  # the large band, never inside the jitter
         large = large_change(ratios, band, self.window)

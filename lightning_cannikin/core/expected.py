@@ -21,6 +21,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from lightning_cannikin.core.change import MAD_TO_SD
+
 __all__ = ["Scenarios", "expected_split", "relative_jitter", "stall_scenarios"]
 
 
@@ -72,13 +74,13 @@ def stall_scenarios(
 
 def relative_jitter(ratios: np.ndarray) -> float:
     """The devices' relative step-time jitter in ``ratios`` (measured over modelled compute, ``(S, n)``): each rank's
-    robust spread (1.4826 x the median absolute deviation) around its median ratio, over that median, the median over
-    the ranks. Robust to a rank's recurring stalls (a minority of its steps) and to a model's bias alike."""
+    robust spread (``MAD_TO_SD`` x the median absolute deviation) around its median ratio, over that median, the
+    median over the ranks. Robust to a rank's recurring stalls (a minority of its steps) and to a model's bias alike."""
     ratios = np.asarray(ratios, dtype=np.float64)
     if ratios.ndim != 2 or ratios.shape[0] < 2:
         return 0.0
     centre = np.median(ratios, axis=0)
-    spread = 1.4826 * np.median(np.abs(ratios - centre), axis=0) / np.maximum(centre, 1e-12)
+    spread = MAD_TO_SD * np.median(np.abs(ratios - centre), axis=0) / np.maximum(centre, 1e-12)
     return float(np.median(spread))
 
 

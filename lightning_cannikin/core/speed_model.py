@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import ArrayLike
 
-from lightning_cannikin.core.change import ChangeWatch
+from lightning_cannikin.core.change import DRIFT_TOLERANCE, ChangeWatch
 from lightning_cannikin.core.evidence import trusted_bounds
 from lightning_cannikin.core.expected import Scenarios, expected_split, relative_jitter, stall_scenarios
 from lightning_cannikin.core.memory import MemoryFitter
@@ -51,7 +51,7 @@ class SpeedModelSettings:
 
     half_life: float = HALF_LIFE
     tail_window: int = 64
-    drift_tolerance: float = 0.25
+    drift_tolerance: float = DRIFT_TOLERANCE
     max_samples: int = 512
     warmup_samples: int = 4
     probe_lever: float = 0.25

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import ArrayLike
 
+from lightning_cannikin.core.change import MAD_TO_SD
 from lightning_cannikin.core.sample_window import BatchSizeWindow, SampleWindow
 
 __all__ = [
@@ -280,8 +281,8 @@ def _huber(
 ) -> tuple[float, float]:
     """Recency-weighted Huber fit of ``seconds ~ slope * sizes (+ intercept)``, returned in the original units.
 
-    Iteratively reweighted least squares: residuals beyond ``epsilon`` robust standard deviations (1.4826 x their
-    weighted median absolute value) weigh in inversely to their size, so a straggler step moves the line as little
+    Iteratively reweighted least squares: residuals beyond ``epsilon`` robust standard deviations (``MAD_TO_SD`` x
+    their weighted median absolute value) weigh in inversely to their size, so a straggler step moves the line as little
     as Huber's loss lets it. Two unknowns: each round is one small least-squares solve (about a millisecond for the
     whole fit, where scikit-learn's L-BFGS took tens on rank zero while every other rank waited).
     """
@@ -300,7 +301,7 @@ def _huber(
         if converged:
             break
         residuals = np.abs(y - design @ coef)
-        scale = 1.4826 * _weighted_median(residuals, weights)
+        scale = MAD_TO_SD * _weighted_median(residuals, weights)
         if not scale > 0:
             break  # the line goes through the bulk of the samples exactly: nothing to down-weight
         robust = np.minimum(1.0, epsilon * scale / np.maximum(residuals, 1e-300))
