@@ -361,7 +361,7 @@ def markdown(report: dict[str, Any], variants: tuple[str, ...]) -> str:
         'Variants: `ddp` Lightning\'s DDPStrategy (the reference); `cannikin` `strategy="cannikin"` alone (balancing, '
         "fixed total); `cannikin_adaptive` `Cannikin(max_batch_size=<the total>)` with the default settings (noise "
         "statistics on every step while their bounds may move the total, one in eight once they cannot, local change "
-        "checks compared every 4 steps and at least 0.1 s apart, further on steps under 25 ms; capped at the "
+        "checks compared every 4 steps; capped at the "
         "starting total so the machinery is measured, not a larger "
         "batch); `fixed` a fixed even split through Cannikin's strategy, no callback (a variant over it in the same"
         " repeat, paired: the engine's own cost). Re-plans: plans adopted per run"

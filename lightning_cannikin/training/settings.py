@@ -37,7 +37,7 @@ class CannikinSettings:
     | ``noise_every_n_steps`` | 8 | once the noise bounds settle the total, measure one optimizer step in this many |
     | ``noise_exchange_every`` | 4 | measured steps whose statistics share one all-reduce of a few floats |
     | ``noise_bound_sigmas`` | 2.0 | width of the noise scale's bounds, in standard errors, that moves must clear |
-    | ``check_every_n_steps`` | 4 | steps between the ranks' speed-change comparisons, >= 0.1 s apart (``None``: off) |
+    | ``check_every_n_steps`` | 4 | steps between the ranks' speed-change comparisons (``None``: off) |
     | ``progress_bar`` | False | show the total and rank zero's local batch on Lightning's progress bar |
 
     Args:
@@ -77,10 +77,10 @@ class CannikinSettings:
             ``|G|^2`` may still be zero, so a larger total that pays is taken early, by no more than the evidence
             shows. ``0``: act on the point estimate (which may be infinite) from ``min_noise_updates`` on.
         check_every_n_steps: every rank checks its own step times for a clear change of speed (a co-tenant, a
-            throttled device) at no cost; every this many steps (at least 0.1 s apart, further on steps under 25 ms)
-            the ranks compare the answers in one all-reduce of a single number that nobody waits for (read the next
-            step on CPU, at the next check on CUDA), and re-plan mid-epoch when some rank saw one. ``None``: changes
-            are followed at the re-plans that come anyway.
+            throttled device) at no cost; every this many steps the ranks compare the answers in one all-reduce of
+            a single number that nobody waits for (read the next step on CPU, at the next check on CUDA), and
+            re-plan mid-epoch when some rank saw one. ``None``: changes are followed at the re-plans that come
+            anyway.
         progress_bar: also show the total and rank zero's local batch on Lightning's progress bar (every logger
             receives every ``cannikin/*`` value either way; at 80 columns the bar truncates their names).
 
