@@ -6,8 +6,10 @@ cluster. Each step's compute is a sleep of the emulated device's time (it costs 
 as compute); the other two ranks' records are rank zero's with their own emulated times, as the gather would bring
 them. The figure is thread CPU time per step (``time.thread_time``) of the default engine (``strategy="cannikin"``
 alone: balancing, the ranks' change votes, the fits at re-plans) less that of the same loop with a fixed split (the
-step's weights and timing only), the median over interleaved blocks. ``benchmarks/overhead.py`` records it beside
-the full runs' figure as ``engine_alone_thread_cpu_us_per_step``.
+step's weights and timing only), the median over interleaved blocks. The emulated ranks answer the vote in-process,
+so the vote's own collective is measured apart: the thread CPU of starting one asynchronous all-reduce of one number
+on a gloo group of 3 forked ranks (:func:`vote_call_us`), a cost the engine pays every ``check_every_n_steps`` steps.
+``benchmarks/overhead.py`` records both beside the full runs' figure as ``engine_alone_thread_cpu_us_per_step``.
 
     python benchmarks/engine_cost.py [--steps 1500] [--blocks 5]
 """
@@ -23,12 +25,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lightning_cannikin.core.speed_model import StepRecord
 from lightning_cannikin.training.engine import BalancingEngine
 from lightning_cannikin.training.sampler import UnevenBatchSampler
+from lightning_cannikin.training.settings import CannikinSettings
 
 SLOPES_MS = (0.01, 0.02, 0.04)  # per sample on each emulated rank: rank zero is the fastest
 FIXED_MS = 1.0
@@ -100,6 +105,35 @@ def run_block(steps: int, fixed: bool, total: int = 96) -> float:
     return (time.thread_time() - start) / steps
 
 
+def _vote_calls(rank: int, world_size: int, port: int, calls: int, results: Any) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    vote = torch.empty(1)
+    spent = 0.0
+    for call in range(calls + 50):  # the first 50 warm the group up
+        start = time.thread_time()
+        work = dist.all_reduce(vote, op=dist.ReduceOp.MAX, async_op=True)
+        if call >= 50:
+            spent += time.thread_time() - start
+        time.sleep(0.002)  # a step's compute runs beside the vote
+        work.wait()
+    results.put(1e6 * spent / calls)
+    dist.destroy_process_group()
+
+
+def vote_call_us(world_size: int = 3, calls: int = 400, port: int = 29531) -> float:
+    """The median over ranks of the thread CPU (us) that starting one vote costs: an asynchronous all-reduce of one
+    number on gloo, as :meth:`~lightning_cannikin.training.collective.StrategyCollective.max_later` starts it."""
+    context = mp.get_context("fork")
+    results = context.Queue()
+    ranks = [context.Process(target=_vote_calls, args=(r, world_size, port, calls, results)) for r in range(world_size)]
+    for process in ranks:
+        process.start()
+    costs = [results.get(timeout=120) for _ in ranks]
+    for process in ranks:
+        process.join()
+    return statistics.median(costs)
+
+
 def engine_alone(steps: int = 1500, blocks: int = 5) -> dict[str, Any]:
     """The default engine's thread CPU per step over the fixed split's, in microseconds, interleaved blocks."""
     default, fixed = [], []
@@ -115,6 +149,8 @@ def engine_alone(steps: int = 1500, blocks: int = 5) -> dict[str, Any]:
         "fixed_us": fixed,
         "steps_per_block": steps,
         "ranks": len(SLOPES_MS),
+        "vote_call_us": vote_call_us(len(SLOPES_MS)),
+        "vote_every_n_steps": CannikinSettings().check_every_n_steps,
     }
 
 
@@ -127,7 +163,8 @@ def main(argv: list[str] | None = None) -> None:
     paired = ", ".join(f"{x:.0f}" for x in result["default_over_fixed_us"])
     print(
         f"engine alone: default over fixed {result['default_over_fixed_us_median']:.1f} us per step"
-        f" (blocks {paired}); fixed split alone {statistics.median(result['fixed_us']):.0f} us per step"
+        f" (blocks {paired}); fixed split alone {statistics.median(result['fixed_us']):.0f} us per step; a vote"
+        f" {result['vote_call_us']:.0f} us to start, every {result['vote_every_n_steps']} steps"
     )
 
 

@@ -348,7 +348,15 @@ def markdown(report: dict[str, Any], variants: tuple[str, ...]) -> str:
             f"{alone['steps_per_block']} steps of a {alone['ranks']}-rank emulated cluster, re-plans included, less the"
             f" fixed split's, interleaved blocks): {alone['default_over_fixed_us_median']:.1f} us per step (blocks "
             + ", ".join(f"{x:.0f}" for x in alone["default_over_fixed_us"])
-            + ").",
+            + ")."
+            + (
+                f" The ranks' vote, answered in-process there, costs {alone['vote_call_us']:.0f} us of a rank's thread"
+                f" CPU to start on a gloo group of {alone['ranks']} ranks: "
+                f"{alone['vote_call_us'] / alone['vote_every_n_steps']:.0f} us per step at one vote every"
+                f" {alone['vote_every_n_steps']} steps."
+                if "vote_call_us" in alone
+                else ""
+            ),
         ]
     lines += [
         "",
