@@ -101,8 +101,9 @@ class SpeedModel:
         self.after_reduction: deque[float] = deque(maxlen=int(self.settings.tail_window))  # the tail past the reduction
         self.comm_fitter = CommTimeFitter(half_life=self.settings.half_life)
         self._models: list[LinearTimeModel] | None = None  # fitted once per batch of new samples
-        # every rank's (batch size, compute) of the latest complete steps: which ranks were slow together
-        self._joint: deque[tuple[tuple[int, ...], tuple[float, ...]]] = deque(maxlen=int(self.settings.tail_window))
+        # every rank's (batch size, compute) of the latest complete steps, with the step: which ranks were slow together
+        self._joint: deque[tuple[int, tuple[int, ...], tuple[float, ...]]]
+        self._joint = deque(maxlen=int(self.settings.tail_window))
         self._scenarios: tuple[Scenarios | None] | None = None  # found once per batch of new samples
         # the planner's pieces (fitted; the speed-free part): asked hundreds of times a decision (read-only arrays)
         self._pieces: dict[str, tuple[np.ndarray, np.ndarray]] = {}
@@ -128,7 +129,8 @@ class SpeedModel:
                     warming_steps.add(step)
                 else:
                     kept.setdefault(record.rank, []).append(record)
-        self.drifts = self._detect_drift(kept)
+        rescaled = self._detect_drift(kept)
+        self.drifts = sorted(rescaled)
         self._models = self._scenarios = None
         self._pieces = {}
         for rank_records in kept.values():
@@ -136,6 +138,8 @@ class SpeedModel:
                 self._add_sample(record)
         for step in sorted(set(by_step) - warming_steps):
             self._add_step(by_step[step])
+        for rank, (ratio, first) in rescaled.items():
+            self._rescale_joint(rank, ratio, first)
 
     def _add_sample(self, record: StepRecord) -> None:
         self.fitters[record.rank].add(record.batch_size, record.compute)
@@ -151,7 +155,7 @@ class SpeedModel:
         if len(step_records) != self.world_size:
             return
         ordered = sorted(step_records, key=lambda r: r.rank)
-        self._joint.append((tuple(r.batch_size for r in ordered), tuple(r.compute for r in ordered)))
+        self._joint.append((ordered[0].step, tuple(r.batch_size for r in ordered), tuple(r.compute for r in ordered)))
         slowest = max(r.compute for r in step_records)
         tail = max(0.0, statistics.median(r.step_time for r in step_records) - slowest)
         self.tails.append(tail)
@@ -167,17 +171,27 @@ class SpeedModel:
                 before_first_bucket = last.compute - (last.allreduce - last.exposed)  # type: ignore[operator]
                 self.first_bucket_shares.append(min(max(before_first_bucket / last.compute, 0.0), 1.0))
 
-    def _detect_drift(self, kept: dict[int, list[StepRecord]]) -> list[int]:
-        """The ranks whose speed changed clearly (:class:`ChangeWatch`); ``kept`` is left with what their fits take."""
+    def _detect_drift(self, kept: dict[int, list[StepRecord]]) -> dict[int, tuple[float, int]]:
+        """``{rank: (ratio, first step of the change)}`` for the ranks whose speed changed clearly
+        (:class:`ChangeWatch`); ``kept`` is left with what their fits take."""
         if not self.ready:
-            return []
-        drifted = []
+            return {}
+        drifted = {}
         for rank, rank_records in sorted(kept.items()):
             ratio = self.watch.judge(rank, rank_records, self.models()[rank], self.fitters[rank].distinct_batch_sizes)
             if ratio is not None:
                 self.fitters[rank].rescale(ratio)  # the device keeps its measured slope at its new speed
-                drifted.append(rank)
+                drifted[rank] = (ratio, min((r.step for r in rank_records), default=0))
         return drifted
+
+    def _rescale_joint(self, rank: int, ratio: float, first: int) -> None:
+        """Scale ``rank``'s compute in the joint records before ``first`` by ``ratio``, as its fit's old samples: at
+        the old speed they would read as a recurring stall (or a lull) of the rescaled model, and the expected step
+        time would keep the rank at its old share."""
+        for index, (step, sizes, times) in enumerate(self._joint):
+            if step < first:
+                scaled = tuple(t * ratio if i == rank else t for i, t in enumerate(times))
+                self._joint[index] = (step, sizes, scaled)
 
     @property
     def changing(self) -> bool:
@@ -275,7 +289,7 @@ class SpeedModel:
     def _ratios(self) -> np.ndarray:
         """Every rank's latest measured over predicted compute times, one row per complete step."""
         models = self.models()
-        sizes, times = (np.array([j[k] for j in self._joint], float).reshape(-1, self.world_size) for k in (0, 1))
+        sizes, times = (np.array([j[k] for j in self._joint], float).reshape(-1, self.world_size) for k in (1, 2))
         predicted = np.column_stack([m(sizes[:, i]) for i, m in enumerate(models)]) if len(sizes) else sizes
         return times / np.maximum(predicted, 1e-12)
 
