@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lightning_cannikin.core.speed_model import StepRecord
+from lightning_cannikin.training.collective import StrategyCollective
 from lightning_cannikin.training.engine import BalancingEngine
 from lightning_cannikin.training.sampler import UnevenBatchSampler
 from lightning_cannikin.training.settings import CannikinSettings
@@ -107,22 +109,25 @@ def run_block(steps: int, fixed: bool, total: int = 96) -> float:
 
 def _vote_calls(rank: int, world_size: int, port: int, calls: int, results: Any) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    vote = torch.empty(1)
+    # the engine's own vote: the strategy collective's maximum, started now and read a step later
+    strategy = SimpleNamespace(global_rank=rank, world_size=world_size, root_device=torch.device("cpu"))
+    collective = StrategyCollective(strategy)
     spent = 0.0
     for call in range(calls + 50):  # the first 50 warm the group up
         start = time.thread_time()
-        work = dist.all_reduce(vote, op=dist.ReduceOp.MAX, async_op=True)
+        read = collective.max_later(call % 2)
         if call >= 50:
             spent += time.thread_time() - start
         time.sleep(0.002)  # a step's compute runs beside the vote
-        work.wait()
+        read()
     results.put(1e6 * spent / calls)
     dist.destroy_process_group()
 
 
 def vote_call_us(world_size: int = 3, calls: int = 400, port: int = 29531) -> float:
-    """The median over ranks of the thread CPU (us) that starting one vote costs: an asynchronous all-reduce of one
-    number on gloo, as :meth:`~lightning_cannikin.training.collective.StrategyCollective.max_later` starts it."""
+    """The median over ranks of the thread CPU (us) that starting one vote costs on gloo
+    (:meth:`~lightning_cannikin.training.collective.StrategyCollective.max_later`: an asynchronous all-reduce of one
+    number)."""
     context = mp.get_context("fork")
     results = context.Queue()
     ranks = [context.Process(target=_vote_calls, args=(r, world_size, port, calls, results)) for r in range(world_size)]
