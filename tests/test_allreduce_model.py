@@ -110,3 +110,41 @@ def test_stalls_a_knee_and_the_all_reduce_plan_together():
     assert model.models()[0].knee == 48 and model.scenarios() is not None
     plan = model.plan_split(128)
     assert sum(plan.local_batch_sizes) == 128 and plan.predicted_step_time > 0
+
+
+def test_a_first_steps_single_bucket_never_reaches_the_allreduce_model():
+    # DDP reduces its first iteration in one bucket and rebuilds the layout after it (torch's "initial bucketing"): a
+    # fresh model, and a resumed one (a new DDP model), take only steps after their warm-up into the all-reduce model
+    steady = ALLREDUCE_BOUND
+
+    def first_step(step, sizes):
+        # one bucket: no overlap with backward, the whole reduction after it, at three times the steady cost
+        compute, _ = steady.run(sizes)
+        end = float(compute.max()) + 3 * steady.comm
+        return [
+            StepRecord(
+                step,
+                i,
+                int(b),
+                float(t),
+                end + OPTIMIZER,
+                end - t,
+                end - t,
+                None,
+                None,
+                3 * steady.comm,
+                3 * steady.comm,
+            )
+            for i, (b, t) in enumerate(zip(sizes, compute, strict=True))
+        ]
+
+    model = SpeedModel(2)  # the engine's settings: the warm-up left out of every fit
+    for start in (0, 100):  # the fit's first steps, then a resume's
+        if start:
+            model.load_state_dict(model.state_dict())  # as the engine resumes a fit: the devices warm up again
+            model.restarted()
+        model.add(first_step(start, (128, 128)))
+        model.add([r for s in range(1, 12) for r in steady.records(start + s, (128, 128))])
+        comm, samples = model.comm(), model.comm_fitter.state_dict()["allreduce"]
+        assert comm is not None and max(samples) == pytest.approx(steady.comm), "no sample of the single bucket"
+        assert comm.allreduce == pytest.approx(steady.comm) and comm.exposed == pytest.approx(steady.comm / BUCKETS)

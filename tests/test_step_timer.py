@@ -107,6 +107,56 @@ def test_cuda_hot_path_never_syncs_and_reuses_its_events():
     assert device.created <= 3 * 7
 
 
+def test_the_input_span_is_what_the_device_waited_for_and_none_after_an_epoch_end():
+    timer, device = cuda_timer()
+    run_step(timer, device, step=0, t0=0.0)  # the fit's first step: no request for its input was seen
+    # step 1: the loop asks for the batch as the device finishes step 0 (at 50) and the batch reaches it at 62
+    device.at = 50.0
+    timer.input_starts()
+    device.at = 51.0
+    timer.input_starts()  # a second request (the first was a prefetch): the span starts at the latest
+    run_step(timer, device, step=1, t0=62.0)
+    # step 2: the host ran ahead (workers kept up): its request and the step start meet on the device's queue
+    device.at = 112.0
+    timer.input_starts()
+    run_step(timer, device, step=2, t0=112.0)
+    # step 3: the first of a new epoch
+    device.at = 170.0
+    timer.input_starts()
+    device.at = 200.0
+    timer.start(after_input=False)
+    device.at = 240.0
+    timer.backward_done()
+    timer.finish(3, 1, 32)
+    device.now = 1e9
+    records = {r.step: r for r in timer.records()}
+    assert records[0].host is None and records[3].host is None
+    assert records[1].host == pytest.approx(0.011) and records[2].host == pytest.approx(0.0)
+    assert records[1].compute == pytest.approx(0.028), "the device's own span is unchanged"
+    assert records[1].cost == pytest.approx(0.039) and records[1].cycle == pytest.approx(0.061)
+    assert records[0].cost == records[0].compute and records[0].cycle == records[0].step_time
+    assert device.syncs == 0
+
+
+def test_host_clock_times_the_input_between_the_request_and_the_step(monkeypatch):
+    clock = iter([0.0, 1.0, 1.5, 2.0, 5.0, 5.25, 5.5, 6.0])
+    monkeypatch.setattr(step_timer.time, "perf_counter", lambda: next(clock))
+    timer, seen = StepTimer(HostClock()), []
+    timer.listeners.append(lambda b, seconds: seen.append((b, seconds)))
+    timer.input_starts()  # 0.0: ignored below, the epoch's first step
+    timer.start(after_input=False)  # 1.0
+    timer.backward_done()  # 1.5
+    timer.finish(0, 0, 8)  # 2.0
+    timer.input_starts()  # 5.0
+    timer.start()  # 5.25
+    timer.backward_done()  # 5.5
+    timer.finish(1, 0, 8)  # 6.0
+    first, second = timer.records()
+    assert first.host is None and second.host == pytest.approx(0.25)
+    assert second.compute == pytest.approx(0.25) and second.step_time == pytest.approx(0.75)
+    assert seen == [(8, pytest.approx(0.5)), (8, pytest.approx(0.5))], "the change check sees compute and input"
+
+
 def test_a_micro_step_ends_its_compute_at_backward_and_has_no_allreduce():
     timer, device = cuda_timer()
     device.now = 1e9
@@ -326,8 +376,8 @@ def test_step_records_pickle_as_their_values_and_stay_frozen():
 
     from lightning_cannikin.core.step_record import StepRecord
 
-    made = StepRecord(3, 1, 32, 0.01, 0.02, 0.005, 0.001, None, None, 0.004, 0.002)
-    built = StepRecord.of(3, 1, 32, 0.01, 0.02, 0.005, 0.001, None, None, 0.004, 0.002)
+    made = StepRecord(3, 1, 32, 0.01, 0.02, 0.005, 0.001, None, None, 0.004, 0.002, 0.003)
+    built = StepRecord.of(3, 1, 32, 0.01, 0.02, 0.005, 0.001, None, None, 0.004, 0.002, 0.003)
     assert built == made and hash(built) == hash(made) and pickle.loads(pickle.dumps([made, built])) == [made, made]
     assert len(pickle.dumps(made)) < len(pickle.dumps(made.to_dict()))  # the values alone, not a dict of them
     with pytest.raises(dataclasses.FrozenInstanceError):

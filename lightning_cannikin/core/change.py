@@ -289,7 +289,7 @@ class ChangeWatch:
             if sizes and sizes[0] <= r.batch_size <= _NEAR * sizes[-1] and float(model(r.batch_size)) > 0:
                 recent.append(r)
         pending = sorted(self._held.pop(rank, []) + records, key=lambda r: r.step)
-        ratios = [r.compute / float(model(r.batch_size)) for r in recent]
+        ratios = [r.cost / float(model(r.batch_size)) for r in recent]
         ratio = large_change(ratios, tolerance, recent.maxlen or DEFAULT_WINDOW)
         if ratio is not None:
             slower = ratio > 1.0
@@ -320,9 +320,9 @@ class ChangeWatch:
 
         def back(r: Any) -> bool:
             then, now = float(old(r.batch_size)), float(model(r.batch_size))
-            if then <= 0 or now <= 0 or not then / band <= r.compute <= then * band:
+            if then <= 0 or now <= 0 or not then / band <= r.cost <= then * band:
                 return False
-            return r.compute * band < now if ratio > 1.0 else r.compute > now * band
+            return r.cost * band < now if ratio > 1.0 else r.cost > now * band
 
         if len(latest) == RETURN_RUN and all(back(r) for r in latest):
             del self._before[rank]

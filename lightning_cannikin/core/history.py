@@ -18,12 +18,13 @@ __all__ = ["NoiseTrail", "PlanHistory", "median_step_time"]
 
 
 def median_step_time(records: Iterable[StepRecord], local_batch_sizes: Sequence[int]) -> float | None:
-    """Measured step time under a split: median over steps whose sizes match it of the ranks' median step time."""
+    """Measured step time under a split (input waits included, as the prediction): median over steps whose sizes
+    match it of the ranks' median."""
     by_step: dict[int, dict[int, StepRecord]] = {}
     for record in records:
         by_step.setdefault(record.step, {})[record.rank] = record
     times = [
-        statistics.median(r.step_time for r in step.values())  # a few values: numpy's call costs more
+        statistics.median(r.cycle for r in step.values())  # a few values: numpy's call costs more
         for step in by_step.values()
         if len(step) == len(local_batch_sizes)
         and all(step[rank].batch_size == b for rank, b in enumerate(local_batch_sizes) if rank in step)

@@ -66,7 +66,12 @@ class SpeedModelSettings:
 
 
 class SpeedModel:
-    """Learns each rank's compute time ``t_i(b) = a_i b + a0_i`` and the step's tail; predicts and splits by them.
+    """Learns each rank's cost ``t_i(b) = a_i b + a0_i`` and the step's tail; predicts and splits by them.
+
+    A rank's cost is its whole share of a step (:attr:`StepRecord.cost`): the time its device waited for the input
+    (the loader, collation, the copy) and then its compute. The two are in series on the critical path, so they add:
+    handing a rank more samples hands its host more loading as well. Host work that overlaps the device (workers that
+    keep ahead) is never in the measured wait, so it costs nothing here, until a larger batch makes it show.
 
     The *tail* is what a step costs beyond the slowest rank's compute: the exposed part of the all-reduce, the optimizer
     step and the framework's own work. It is the same for every split, so it does not move the optimal split, but it
@@ -108,6 +113,7 @@ class SpeedModel:
         # the planner's pieces (fitted; the speed-free part): asked hundreds of times a decision (read-only arrays)
         self._pieces: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._warm = [0] * self.world_size  # samples each rank has had since its start; the first ones are left out
+        self._hosted = [False] * self.world_size  # ranks whose records measure their input wait
         self.watch = ChangeWatch(self.world_size, self.settings.drift_tolerance)  # each rank's changes of speed
 
     def _new_fitter(self) -> ComputeTimeFitter:
@@ -115,11 +121,17 @@ class SpeedModel:
 
     def add(self, records: Iterable[StepRecord]) -> None:
         """Feed the records of all ranks (any order); steps missing a rank contribute no tail sample."""
-        by_step: dict[int, list[StepRecord]] = {}
+        records = list(records)
         for record in records:
             if record.rank >= self.world_size:
                 raise ValueError(f"A record from rank {record.rank} does not fit a world of {self.world_size}.")
-            by_step.setdefault(record.step, []).append(record)
+            if record.host is not None:
+                self._hosted[record.rank] = True
+        by_step: dict[int, list[StepRecord]] = {}
+        for record in records:
+            # a rank whose input wait is measured has it unmeasured at an epoch's first step: not a zero wait
+            if record.host is not None or not self._hosted[record.rank]:
+                by_step.setdefault(record.step, []).append(record)
         kept: dict[int, list[StepRecord]] = {}
         warming_steps = set()
         for step in sorted(by_step):
@@ -142,7 +154,7 @@ class SpeedModel:
             self._rescale_joint(rank, ratio, first)
 
     def _add_sample(self, record: StepRecord) -> None:
-        self.fitters[record.rank].add(record.batch_size, record.compute)
+        self.fitters[record.rank].add(record.batch_size, record.cost)
         if record.peak_memory is not None:
             self.memory[record.rank].add(record.batch_size, record.peak_memory)
             if record.memory_capacity is not None:
@@ -155,21 +167,22 @@ class SpeedModel:
         if len(step_records) != self.world_size:
             return
         ordered = sorted(step_records, key=lambda r: r.rank)
-        self._joint.append((ordered[0].step, tuple(r.batch_size for r in ordered), tuple(r.compute for r in ordered)))
-        slowest = max(r.compute for r in step_records)
-        tail = max(0.0, statistics.median(r.step_time for r in step_records) - slowest)
+        self._joint.append((ordered[0].step, tuple(r.batch_size for r in ordered), tuple(r.cost for r in ordered)))
+        # a rank's input wait (host) comes before its compute, and both grow with its batch: the step's own cost
+        slowest = max(r.cost for r in step_records)
+        tail = max(0.0, statistics.median(r.cycle for r in step_records) - slowest)
         self.tails.append(tail)
         reduced = [r for r in step_records if r.allreduce is not None and r.exposed is not None]
         if len(reduced) == self.world_size:
             # the last rank to finish backward waits for nobody: its times are the communication's own
-            last = max(reduced, key=lambda r: r.compute)
+            last = max(reduced, key=lambda r: r.cost)
             # the reduction's own time: a span from the first bucket also holds the backward it overlapped
             busy = last.allreduce if last.comm_busy is None else last.comm_busy
             self.after_reduction.append(max(0.0, tail - last.exposed))  # type: ignore[operator]  # optimizer, framework
             self.comm_fitter.add(busy, last.exposed if last.last_bucket is None else last.last_bucket)  # type: ignore[arg-type]
-            if last.compute > 0:
-                before_first_bucket = last.compute - (last.allreduce - last.exposed)  # type: ignore[operator]
-                self.first_bucket_shares.append(min(max(before_first_bucket / last.compute, 0.0), 1.0))
+            if last.cost > 0:
+                before_first_bucket = last.cost - (last.allreduce - last.exposed)  # type: ignore[operator]
+                self.first_bucket_shares.append(min(max(before_first_bucket / last.cost, 0.0), 1.0))
 
     def _detect_drift(self, kept: dict[int, list[StepRecord]]) -> dict[int, tuple[float, int]]:
         """``{rank: (ratio, first step of the change)}`` for the ranks whose speed changed clearly

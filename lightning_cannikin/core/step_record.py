@@ -35,6 +35,10 @@ class StepRecord:
         last_bucket: the last bucket's all-reduce alone, from its start to its completion: what is left after
             backward when the reduction keeps up (``None``: not measured; ``exposed`` stands in, exact only where
             backward hides the reduction).
+        host: the time this rank's device waited for its input between the previous step's end and this step's start:
+            the wait for the next batch, collation, the copy to the device (``None``: not measured, e.g. an epoch's
+            first step). Host work that loader workers or a host running ahead of the device hide is not in it, so it
+            is exactly the input pipeline's share of the critical path, in series with ``compute``.
 
     """
 
@@ -49,6 +53,18 @@ class StepRecord:
     memory_capacity: float | None = None
     comm_busy: float | None = None
     last_bucket: float | None = None
+    host: float | None = None
+
+    @property
+    def cost(self) -> float:
+        """This rank's own share of a step: its input's exposed wait, then its compute. The speed model fits it, so
+        a split balances the whole step, not only the device's part."""
+        return self.compute + self.host if self.host is not None else self.compute
+
+    @property
+    def cycle(self) -> float:
+        """The whole step on this rank as training sees it: the exposed input wait, then batch start to batch end."""
+        return self.step_time + self.host if self.host is not None else self.step_time
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -7,6 +7,10 @@ autotuning, input workers: ``warmup_steps`` and ``warmup_factor``), and a step t
 batch (a GPU is not busy at small batches: ``saturation_batch``), and a device shared with another job or an input
 pipeline that stalls every few steps (``contention``). Every option is off by default.
 
+A rank's host has a cost of its own, outside the device's step: ``host_fixed_ms[r] + host_per_sample_ms[r] * b`` to
+prepare each batch of ``b`` samples (loading, decoding, collation on a slower or busier host). Where the training
+process does it (no loader workers), it is in series with the device's step.
+
 :class:`~lightning_cannikin.EmulatedCluster` sleeps for these costs inside training steps; tests replay them without
 Lightning. Pure Python and numpy: imports neither torch nor Lightning.
 """
@@ -55,6 +59,9 @@ class EmulatedDevices:
             ``every``-th step (steps ``0, every, 2 * every, ...``): another job sharing its GPU, an input pipeline
             that stalls periodically. E.g. ``{2: (2.5, 3)}``: rank 2 is 2.5x slower every third step.
         seed: seed of the jitter; each (rank, step) draws its own, so runs are reproducible.
+        host_per_sample_ms: milliseconds per sample of the rank's host to prepare a batch (one value per rank, or
+            one for all), slept in the input pipeline (:meth:`~lightning_cannikin.EmulatedCluster.collate_fn`).
+        host_fixed_ms: milliseconds per batch of the rank's host, whatever its size.
 
     """
 
@@ -67,8 +74,12 @@ class EmulatedDevices:
     saturation_batch: tuple[float, ...] | float = 0.0
     seed: int = 0
     contention: Mapping[int, tuple[float, int]] = field(default_factory=dict)
+    host_per_sample_ms: tuple[float, ...] | float = 0.0
+    host_fixed_ms: tuple[float, ...] | float = 0.0
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "host_per_sample_ms", _per_rank("host_per_sample_ms", self.host_per_sample_ms))
+        object.__setattr__(self, "host_fixed_ms", _per_rank("host_fixed_ms", self.host_fixed_ms))
         object.__setattr__(self, "per_sample_ms", _per_rank("per_sample_ms", self.per_sample_ms))
         object.__setattr__(self, "fixed_ms", _per_rank("fixed_ms", self.fixed_ms))
         object.__setattr__(self, "saturation_batch", _per_rank("saturation_batch", self.saturation_batch))
@@ -85,6 +96,7 @@ class EmulatedDevices:
         """Every option that may hold one value per rank, by name (to check against the world size)."""
         values = [("per_sample_ms", self.per_sample_ms), ("fixed_ms", self.fixed_ms)]
         values += [("saturation_batch", self.saturation_batch)]
+        values += [("host_per_sample_ms", self.host_per_sample_ms), ("host_fixed_ms", self.host_fixed_ms)]
         return values + [("speed_changes", value) for value in self.speed_changes.values()]
 
     def check_world_size(self, world_size: int) -> None:
@@ -126,6 +138,10 @@ class EmulatedDevices:
         if self.jitter_ms > 0:
             cost += float(np.random.default_rng([self.seed, rank, step]).normal(0.0, self.jitter_ms))
         return max(cost, 0.0)
+
+    def host_ms(self, rank: int, batch_size: int) -> float:
+        """What ``rank``'s host spends preparing a batch of ``batch_size`` samples."""
+        return _of(self.host_fixed_ms, rank) + _of(self.host_per_sample_ms, rank) * float(batch_size)
 
 
 def _check_contention(value: Mapping[int, tuple[float, int]]) -> dict[int, tuple[float, int]]:

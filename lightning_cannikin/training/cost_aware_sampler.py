@@ -175,8 +175,8 @@ class CostTimeFit:
         """Pair the step records just read with their costs; returns the fit (``None``: none yet)."""
         for record in records:
             cost = self._loads.pop(record.step, None)
-            if cost is not None and record.compute > 0:
-                self._pairs.append((cost, float(record.compute)))
+            if cost is not None and record.cost > 0:  # the time the speed model fits: input wait and compute
+                self._pairs.append((cost, float(record.cost)))
         if records:  # steps the timer skipped are never read
             newest = max(record.step for record in records)
             self._loads = {step: cost for step, cost in self._loads.items() if step > newest}

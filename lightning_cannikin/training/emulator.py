@@ -5,6 +5,10 @@ forward pass and before backward, where ``b`` is the rank's local batch size in 
 the summed cost (e.g. tokens) of what the rank holds: variable-length data. A sleeping process uses
 no CPU, so several emulated devices fit on a couple of cores, and the true per-sample cost of every device is known.
 It works with any strategy (plain DDP too), which is what makes side-by-side benchmarks fair.
+
+A rank's host can be emulated too: :meth:`EmulatedCluster.collate_fn` wraps a DataLoader's ``collate_fn`` so that
+preparing each batch sleeps ``host_fixed_ms[rank] + host_per_sample_ms[rank] * b`` in the input pipeline, outside the
+training step: in series with it without loader workers, hidden behind it where workers keep ahead.
 """
 
 from __future__ import annotations
@@ -14,9 +18,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch import Tensor
+from torch.utils.data import default_collate
 from typing_extensions import override
 
 from lightning_cannikin.simulation.emulated_devices import EmulatedDevices
@@ -41,6 +47,9 @@ class EmulatedCluster(Callback):
             GPU shared with another job, an input pipeline that stalls periodically), e.g. ``{2: (2.5, 3)}``.
         batch_cost: a function of the local batch giving its summed cost (``lambda batch: batch["lengths"].sum()``):
             the rank is then charged ``per_sample_ms`` per unit of that cost instead of per sample.
+        host_per_sample_ms: milliseconds per sample that each rank's host spends preparing a batch (one entry per
+            rank, or one value for all), slept in the DataLoader's ``collate_fn`` that :meth:`collate_fn` returns.
+        host_fixed_ms: milliseconds per batch of each rank's host, whatever its size.
 
     The cost model is :class:`~lightning_cannikin.simulation.emulated_devices.EmulatedDevices`; every option but the
     first is off by default.
@@ -49,6 +58,10 @@ class EmulatedCluster(Callback):
 
         trainer = Trainer(strategy="cannikin", devices=3, accelerator="cpu",
                           callbacks=[EmulatedCluster(per_sample_ms=[0.5, 1.0, 2.0], fixed_ms=20)])
+
+        # equal devices on hosts of unequal speed: the hosts' cost is in the input pipeline
+        cluster = EmulatedCluster(per_sample_ms=1.0, fixed_ms=20, host_per_sample_ms=[0.25, 0.5, 1.0])
+        loader = DataLoader(dataset, batch_size=32, collate_fn=cluster.collate_fn())
 
     """
 
@@ -64,6 +77,8 @@ class EmulatedCluster(Callback):
         seed: int = 0,
         contention: dict[int, tuple[float, int]] | None = None,
         batch_cost: Callable[[Any], float] | None = None,
+        host_per_sample_ms: float | Sequence[float] = 0.0,
+        host_fixed_ms: float | Sequence[float] = 0.0,
     ) -> None:
         self.devices = EmulatedDevices(
             per_sample_ms,
@@ -75,6 +90,8 @@ class EmulatedCluster(Callback):
             saturation_batch,
             seed,
             contention or {},
+            host_per_sample_ms,
+            host_fixed_ms,
         )
         self.batch_cost = batch_cost
         self._batch_size: float = 0
@@ -92,6 +109,12 @@ class EmulatedCluster(Callback):
         """The emulated extra time of ``rank`` for a local batch of ``batch_size`` samples (or units of cost) at
         training step ``step``."""
         return self.devices.delay_ms(rank, batch_size, step)
+
+    def collate_fn(self, collate: Callable[[list[Any]], Any] | None = None) -> Callable[[list[Any]], Any]:
+        """``collate`` (default: torch's ``default_collate``) behind each rank's emulated host cost: pass it as the
+        training DataLoader's ``collate_fn``. It runs where the loader collates (the training process without
+        workers, a worker with them) and reads the rank from the process group."""
+        return _HostCollate(self.devices, collate or default_collate)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -113,3 +136,17 @@ class EmulatedCluster(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._step += 1
+
+
+class _HostCollate:
+    """A collate function that first sleeps its rank's emulated host cost for the batch (picklable, for workers)."""
+
+    def __init__(self, devices: EmulatedDevices, collate: Callable[[list[Any]], Any]) -> None:
+        self.devices = devices
+        self.collate = collate
+
+    def __call__(self, samples: list[Any]) -> Any:
+        # a worker forked from a rank keeps its process group's rank; outside a group there is one rank
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        time.sleep(self.devices.host_ms(rank, len(samples)) / 1000.0)
+        return self.collate(samples)

@@ -296,7 +296,8 @@ class BalancingEngine:
             units: every rank's count (tokens) in this step, for a count mean whose counts the sampler does not know.
 
         """
-        self._timer.start()
+        # an epoch's first step has no input span of its own: the epoch's end and the loader's new iterator lie between
+        self._timer.start(after_input=position is not None and position > 0)
         if self._observer is not None:  # before the step's first backward: is this optimizer step measured?
             self._observer.start_step(optimizer_step)
         self.step_sizes, self._position = sizes, position
@@ -381,6 +382,11 @@ class BalancingEngine:
         self._finish_step()
         due, adapt = self.replan_due(resizable, epoch_ends)
         return self.replan(mid_epoch=True, adapt_total=adapt, epoch=epoch) if due else None
+
+    def input_starts(self) -> None:
+        """The loop asks the training loader for its next batch (the loader calls it): the next step's input span
+        starts here, after whatever else ran between the steps (a re-plan, logging, validation, a checkpoint)."""
+        self._timer.input_starts()
 
     def end_epoch(self, epoch: int = 0, rebuilds_loader: bool = True) -> Decision | None:
         """The epoch ended on every rank alike: re-plan for the next one when due (the total too); ``rebuilds_loader``:

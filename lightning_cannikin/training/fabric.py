@@ -150,6 +150,7 @@ class CannikinFabricStrategy(DDPStrategy):
             plan = self.engine.first_plan(total, self.world_size, self._accumulation)
         loader = rebuild_uneven(dataloader, plan, self.global_rank)
         self.engine.use_loader(plan, loader.uneven_sampler)
+        loader.on_fetch = self.engine.input_starts  # a step's input, timed from the loop's request for it
         self._loader = loader
         if self.engine.estimator is None:
             self.engine.start(self._optimizer, accumulation_allowed=False)

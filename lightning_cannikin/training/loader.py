@@ -9,7 +9,7 @@ strategy which global batch the training step in progress belongs to.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
@@ -40,12 +40,16 @@ class UnevenDataLoader(DataLoader):
     Attributes:
         pending_steps: ``(global batch index, every rank's sizes)`` of batches handed out but not yet trained on,
             oldest first; the strategy pops one per training step.
+        on_fetch: called when the loop asks for a batch after the epoch's first (the engine's
+            :meth:`~lightning_cannikin.training.engine.BalancingEngine.input_starts`: the input's share of a step is
+            timed from here).
 
     """
 
     def __init__(self, dataset: Dataset, batch_sampler: UnevenBatchSampler, **kwargs: Any) -> None:
         super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
         self.pending_steps: deque[tuple[int, tuple[int, ...]]] = deque()
+        self.on_fetch: Callable[[], None] | None = None
         self.iterated = False  # a batch has been drawn from this loader
         self._position = 0
         self._restore: dict | None = None
@@ -72,6 +76,8 @@ class UnevenDataLoader(DataLoader):
             self.pending_steps.append((self._position, sampler.sizes_at(self._position)))
             self._position += 1
             yield batch
+            if self.on_fetch is not None:  # resumed: the loop asks for the next batch, which the loop below fetches
+                self.on_fetch()
 
     def _resume_position(self) -> int:
         """The global batch to continue from: the checkpoint's, if it is for this very epoch, else 0."""

@@ -12,6 +12,12 @@ One :class:`StepTimer` with two clocks, picked by device (:func:`step_timer_for`
 
 The points, the same on both clocks:
 
+- the input: from the end of the previous step (after its re-plan, if any) to this step's start. Between them the
+  loop fetches the next batch (the loader's wait, collation in the training process) and copies it to the device. On
+  CUDA both ends are events on the stream, so the span is what the *device* waited for its input: host work that ran
+  while the device was still busy (workers ahead of the loop, a host ahead of the queue) is not in it. On the host
+  clock it is the host's wait, the same thing where the work is done when the call returns. An epoch's first step has
+  none (the epoch's end, validation and the loader's new iterator lie between);
 - the step: batch start (``on_train_batch_start``) to batch end (``on_train_batch_end``);
 - forward start: marked by the strategy where every training step passes (its ``training_step``, whatever the
   module calls), then moved to the moment DDP hands the batch to the LightningModule, after DDP's pre-forward work:
@@ -52,9 +58,10 @@ from lightning_cannikin.training.device_memory import DeviceMemory
 
 __all__ = ["CudaEventClock", "HostClock", "StepTimer", "step_timer_for"]
 
-# the points of a step, as indices into its marks
-BATCH, FORWARD, FIRST_BUCKET, LAST_BUCKET, REDUCED, BACKWARD, END = range(7)
-_POINTS = 7
+# the points of a step, as indices into its marks; INPUT is where the host turned to this step's input (the previous
+# step's end)
+BATCH, FORWARD, FIRST_BUCKET, LAST_BUCKET, REDUCED, BACKWARD, END, INPUT = range(8)
+_POINTS = 8
 
 
 class HostClock:
@@ -134,19 +141,39 @@ class StepTimer:
         self._bucket_done: list[Any] = []  # the step's reductions returned, but the latest
         self._spare: list[list[Any]] = []  # cleared mark lists, reused
         # read steps not handed out yet: (step, rank, batch, compute, step time, allreduce, exposed, peak, comm busy,
-        # last bucket)
+        # last bucket, host)
         self._read: list[tuple] = []
-        # called with (batch size, compute seconds) of every step as it is read, in step order (a local change check)
+        # called with (batch size, seconds) of every step as it is read, in step order (a local change check): its
+        # compute and exposed input wait, what the speed model fits (StepRecord.cost)
         self.listeners: list[Callable[[int, float], None]] = []
+        self._input_timed = False  # a step's input wait was measured: the listeners never see one without it
 
-    def start(self) -> None:
-        """A training step begins (a step left unfinished, e.g. by an exception, is dropped)."""
-        self._clear(self._marks)
+    def start(self, after_input: bool = True) -> None:
+        """A training step begins (a step left unfinished, e.g. by an exception, is dropped).
+
+        Args:
+            after_input: the time since :meth:`input_starts` was this step's input (``False`` at an epoch's first step:
+                the epoch's end lies between).
+
+        """
+        marks = self._marks
+        input_mark, marks[INPUT] = marks[INPUT], None
+        self._clear(marks)
+        if after_input and input_mark is not None:
+            marks[INPUT] = input_mark
+        elif input_mark is not None:
+            self.clock.release([input_mark])
         self._drop_buckets()
         self._in_step = True
         self._reduced = self._inner_forward_pending = False
         self._blocked = self._blocked_in_compute = 0.0
-        self.clock.mark(self._marks, BATCH)
+        self.clock.mark(marks, BATCH)
+
+    def input_starts(self) -> None:
+        """The step is over on every side (re-plan included): from here to the next :meth:`start`, the loop gets the
+        next step's input."""
+        if not self._in_step:
+            self.clock.mark(self._marks, INPUT)
 
     def forward_start(self) -> None:
         """The strategy's ``training_step`` begins: every step passes here, whatever the module calls."""
@@ -280,11 +307,15 @@ class StepTimer:
                 compute = clock.seconds(marks, start, BACKWARD)
             compute = max(compute - blocked, 0.0)
             step_time = clock.seconds(marks, BATCH, END)
-            self._read.append((step, rank, batch_size, compute, step_time, allreduce, exposed, peak, busy, last))
-            for listener in self.listeners:
-                listener(batch_size, compute)
+            host = max(clock.seconds(marks, INPUT, BATCH), 0.0) if marks[INPUT] is not None else None
+            self._read.append((step, rank, batch_size, compute, step_time, allreduce, exposed, peak, busy, last, host))
             self._clear(marks)
             self._spare.append(marks)
+            self._input_timed = self._input_timed or host is not None
+            if host is None and self._input_timed:
+                continue  # an epoch's first step: its input wait is unknown, not zero
+            for listener in self.listeners:
+                listener(batch_size, compute if host is None else compute + host)
 
     def _reductions(self, marks: list[Any], buckets: int, returned: int) -> tuple[float | None, float | None]:
         """``(comm_busy, last_bucket)`` of a step whose every bucket came back through the hook (else ``None``s):

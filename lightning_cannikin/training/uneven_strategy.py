@@ -201,6 +201,7 @@ class UnevenBatchesMixin:
             plan = self._engine.first_plan(total, self.world_size, accumulation)
         loader = rebuild_uneven(dataloader, plan, self.global_rank, sample_costs=self._sample_costs)
         self._engine.use_loader(plan, loader.uneven_sampler)
+        loader.on_fetch = self._engine.input_starts  # a step's input, timed from the loop's request for it
         self._train_loader = loader
         return loader
 

@@ -1,0 +1,149 @@
+"""A rank's whole step: the input pipeline's cost (outside the device's span) in the split, on CPU.
+
+The emulated hosts sleep in the training DataLoader's ``collate_fn`` (no workers: in series with the step), outside
+the span the step timer has always timed. Each split is judged against the best split under the emulated costs,
+found by brute force over every split, independently of the planner.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_cannikin import CannikinStrategy, EmulatedCluster
+from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings
+from lightning_cannikin.core.step_record import StepRecord
+from lightning_cannikin.simulation.emulated_devices import EmulatedDevices
+from lightning_cannikin.training.lightning_hooks import BalancingCallback
+from tests.models import IndexedRegression, quiet_trainer
+
+TOTAL = 96
+
+
+def every_split(total: int, ranks: int = 3) -> np.ndarray:
+    """Every split of ``total`` over three ranks with at least one sample each."""
+    assert ranks == 3
+    return np.array([(a, b, total - a - b) for a in range(1, total - 1) for b in range(1, total - a)])
+
+
+def emulated_ms(devices: EmulatedDevices, split) -> float:
+    """The slowest rank's emulated step: its host's input, then its device."""
+    return max(devices.host_ms(r, b) + devices.clean_ms(r, b) for r, b in enumerate(split))
+
+
+def best_split(devices: EmulatedDevices, total: int, with_host: bool = True) -> tuple[tuple[int, ...], float]:
+    """The split with the least emulated step time (``with_host=False``: by the devices alone), by brute force."""
+    splits = every_split(total)
+    times = [
+        max((devices.host_ms(r, b) if with_host else 0.0) + devices.clean_ms(r, b) for r, b in enumerate(split))
+        for split in splits
+    ]
+    best = int(np.argmin(times))
+    return tuple(int(b) for b in splits[best]), emulated_ms(devices, splits[best])
+
+
+# -- the speed model alone: records with an input wait --------------------------------------------------------------
+
+
+def records_of(devices: EmulatedDevices, splits, host_measured: bool = True) -> list[StepRecord]:
+    records = []
+    for step, split in enumerate(splits):
+        compute = [devices.clean_ms(r, b) / 1000 for r, b in enumerate(split)]
+        host = [devices.host_ms(r, b) / 1000 for r, b in enumerate(split)]
+        cost = max(c + h for c, h in zip(compute, host, strict=True))
+        for r, b in enumerate(split):
+            # an epoch's first step every tenth: its input wait is not measured
+            waited = host[r] if host_measured and step % 10 else None
+            records.append(StepRecord(step, r, int(b), compute[r], cost - host[r] + 0.002, host=waited))
+    return records
+
+
+@pytest.mark.parametrize(
+    ("device_ms", "host_ms"),
+    [([1.0, 1.0, 1.0], [0.25, 1.0, 2.0]), ([0.5, 1.0, 2.0], [1.0, 1.0, 1.0]), ([0.5, 1.0, 2.0], [2.0, 0.5, 0.1])],
+)
+def test_the_model_splits_the_whole_step_as_brute_force_does(device_ms, host_ms):
+    devices = EmulatedDevices(device_ms, 5.0, host_per_sample_ms=host_ms)
+    model = SpeedModel(3, SpeedModelSettings(warmup_samples=0))
+    model.add(records_of(devices, [(32, 32, 32), (40, 30, 26), (26, 34, 36)] * 10))
+    plan = model.plan_split(TOTAL)
+    _, best = best_split(devices, TOTAL)
+    assert emulated_ms(devices, plan.local_batch_sizes) <= 1.01 * best, plan
+    assert plan.predicted_step_time * 1000 == pytest.approx(best, rel=0.05)
+
+
+def test_without_the_input_wait_the_model_splits_by_the_devices_alone():
+    # the same records, the wait not measured: the old split by the device span, a control for the test above
+    devices = EmulatedDevices([0.5, 1.0, 2.0], 5.0, host_per_sample_ms=1.0)
+    model = SpeedModel(3, SpeedModelSettings(warmup_samples=0))
+    model.add(records_of(devices, [(32, 32, 32), (40, 30, 26), (26, 34, 36)] * 10, host_measured=False))
+    device_only, _ = best_split(devices, TOTAL, with_host=False)
+    assert np.abs(np.subtract(model.plan_split(TOTAL).local_batch_sizes, device_only)).max() <= 1
+
+
+# -- end to end: Lightning, three ranks, the hosts' cost in the collate function ------------------------------------
+
+
+class Regressor(pl.LightningModule):
+    def __init__(self, loader: DataLoader) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 1)
+        self.loader = loader
+
+    def training_step(self, batch, batch_idx):
+        x, y, _ = batch
+        return nn.functional.mse_loss(self.layer(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        return self.loader
+
+
+class DumpPlan(Callback):
+    """Rank zero writes the plan in force and its records' input waits when training ends."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.is_global_zero:
+            cannikin = next(cb for cb in trainer.callbacks if isinstance(cb, BalancingCallback))
+            self.path.write_text(json.dumps({"plan": list(cannikin.plan.local_batch_sizes)}))
+
+
+def balance_with_hosts(tmp_path, device_ms, host_ms, epochs: int = 6) -> tuple[int, ...]:
+    torch.manual_seed(0)
+    cluster = EmulatedCluster(device_ms, 5.0, host_per_sample_ms=host_ms)
+    loader = DataLoader(IndexedRegression(960), batch_size=TOTAL // 3, shuffle=True, collate_fn=cluster.collate_fn())
+    out = tmp_path / "plan.json"
+    trainer = quiet_trainer(CannikinStrategy(start_method="fork"), 3, [cluster, DumpPlan(out)], max_epochs=epochs)
+    trainer.fit(Regressor(loader))
+    return tuple(json.loads(out.read_text())["plan"])
+
+
+def test_unequal_hosts_with_equal_devices_move_the_split(tmp_path):
+    devices = EmulatedDevices(1.0, 5.0, host_per_sample_ms=[0.25, 1.0, 2.0])
+    plan = balance_with_hosts(tmp_path, 1.0, [0.25, 1.0, 2.0])
+    best, best_ms = best_split(devices, TOTAL)  # (47, 29, 20): the even split costs 1.4x as much
+    assert plan[0] > plan[1] > plan[2] and sum(plan) == TOTAL, plan
+    assert emulated_ms(devices, plan) <= 1.05 * best_ms, (plan, best)
+
+
+def test_equal_hosts_with_unequal_devices_split_less_skewed_than_by_the_devices(tmp_path):
+    devices = EmulatedDevices([0.5, 1.0, 2.0], 5.0, host_per_sample_ms=1.0)
+    plan = balance_with_hosts(tmp_path, [0.5, 1.0, 2.0], 1.0)
+    device_only, device_only_ms = best_split(devices, TOTAL, with_host=False)  # (55, 27, 14)
+    device_only_ms = emulated_ms(devices, device_only)  # 1.26x the optimum, with the hosts' cost counted
+    best, best_ms = best_split(devices, TOTAL)  # (43, 32, 21)
+    assert plan[0] < device_only[0] and plan[2] > device_only[2], (plan, device_only)
+    assert emulated_ms(devices, plan) <= 1.05 * best_ms, (plan, best, device_only_ms / best_ms)
