@@ -121,10 +121,17 @@ class DumpPlan(Callback):
             self.path.write_text(json.dumps({"plan": list(cannikin.plan.local_batch_sizes)}))
 
 
-def balance_with_hosts(tmp_path, device_ms, host_ms, epochs: int = 6) -> tuple[int, ...]:
+def balance_with_hosts(tmp_path, device_ms, host_ms, epochs: int = 6, workers: int = 0) -> tuple[int, ...]:
     torch.manual_seed(0)
     cluster = EmulatedCluster(device_ms, 5.0, host_per_sample_ms=host_ms)
-    loader = DataLoader(IndexedRegression(960), batch_size=TOTAL // 3, shuffle=True, collate_fn=cluster.collate_fn())
+    loader = DataLoader(
+        IndexedRegression(960),
+        batch_size=TOTAL // 3,
+        shuffle=True,
+        collate_fn=cluster.collate_fn(),
+        num_workers=workers,
+        persistent_workers=workers > 0,
+    )
     out = tmp_path / "plan.json"
     trainer = quiet_trainer(CannikinStrategy(start_method="fork"), 3, [cluster, DumpPlan(out)], max_epochs=epochs)
     trainer.fit(Regressor(loader))
@@ -147,3 +154,14 @@ def test_equal_hosts_with_unequal_devices_split_less_skewed_than_by_the_devices(
     best, best_ms = best_split(devices, TOTAL)  # (43, 32, 21)
     assert plan[0] < device_only[0] and plan[2] > device_only[2], (plan, device_only)
     assert emulated_ms(devices, plan) <= 1.05 * best_ms, (plan, best, device_only_ms / best_ms)
+
+
+def test_input_that_workers_hide_costs_nothing(tmp_path):
+    # the same equal hosts, now in two loader workers per rank that keep ahead of the step (the fastest rank's batch
+    # takes its worker 55 ms, two workers deliver one every 28 ms, its step lasts 33 ms): the device waits for
+    # nothing, so the split is the devices' alone, not the one the hosts' cost in series would give
+    devices = EmulatedDevices([0.5, 1.0, 2.0], 5.0)
+    plan = balance_with_hosts(tmp_path, [0.5, 1.0, 2.0], 1.0, workers=2)
+    device_only, best_ms = best_split(devices, TOTAL)  # (55, 27, 14); in series: (43, 32, 21)
+    assert plan[0] > 48 and plan[2] < 18, (plan, device_only)
+    assert emulated_ms(devices, plan) <= 1.05 * best_ms, (plan, device_only)
