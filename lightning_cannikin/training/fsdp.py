@@ -53,6 +53,13 @@ NOT_SHARDED_ERROR = (
 )
 
 
+# newer torch (2.13 here) calls FSDP2's collectives `all_gather_single` and `reduce_scatter_single` and deprecates the
+# old names; older releases in the declared range have only `all_gather_into_tensor` and `reduce_scatter_tensor`, which
+# take the same arguments (a GPU machine on an older torch must not fail on a name)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class TimedCollectives:
     """FSDP2's all-gather and reduce-scatter, told to the engine (an object FSDP2's custom-comm seam accepts).
 
@@ -79,10 +86,10 @@ class TimedCollectives:
             engine.gradient_ready()
         start = time.perf_counter()
         if self._gather:
-            work = dist.all_gather_single(output_tensor, input_tensor, group=group, **kwargs)
+            work = _all_gather_single(output_tensor, input_tensor, group=group, **kwargs)
         else:
             op = args[0] if args else kwargs.pop("op")
-            work = dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, **kwargs)
+            work = _reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, **kwargs)
         if self._host and work is None:  # a synchronous collective: the host waited in it
             engine.host_waited(time.perf_counter() - start)
         if reducing:

@@ -74,7 +74,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_weighted_hook_on_nccl_scales_and_is_timed():
+def _bucketed_net() -> nn.Sequential:
+    """10 MiB in three layers of 2-4 MiB: with a 1 MiB cap, DDP's rebuilt buckets (filled in the order gradients become
+    ready, closed once over the cap) close at each of them. One 4 MiB layer behind 88 KiB of others stays one bucket
+    even after the rebuild (the big layer's gradient is the last ready and closes the only bucket)."""
+    return nn.Sequential(
+        nn.Linear(512, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 10),
+    ).to(DEVICE)
+
+
+def test_weighted_hook_on_nccl_scales_every_step_and_times_the_rebuilt_buckets():
     created = not dist.is_initialized()
     if created:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -82,26 +97,42 @@ def test_weighted_hook_on_nccl_scales_and_is_timed():
         dist.init_process_group("nccl", rank=0, world_size=1)
     try:
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 10)).to(DEVICE)
-        reference = nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 10)).to(DEVICE)
+        model, reference = _bucketed_net(), _bucketed_net()
         reference.load_state_dict(model.state_dict())
         ddp = DistributedDataParallel(model, device_ids=[0], bucket_cap_mb=1)
         timer = StepTimer(CudaEventClock(), DeviceMemory(DEVICE))
         state = WeightedAllReduceState(weight=0.25, observers=[timer])
         ddp.register_comm_hook(state, weighted_allreduce_hook)
-        x, y = torch.randn(64, 512, device=DEVICE), torch.randint(0, 10, (64,), device=DEVICE)
-        timer.start()
-        timer.forward_start()
-        nn.functional.cross_entropy(ddp(x), y).backward()
-        timer.backward_done()
-        timer.finish(0, 0, 64)
-        nn.functional.cross_entropy(reference(x), y).backward()
-        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-            torch.testing.assert_close(p.grad, 0.25 * q.grad)  # one rank: sum of (b_i / B) g_i with weight 1/4
-        assert state.calls > 1, "several buckets went through the hook"
-        (record,) = timer.records(wait=True)
-        assert record.compute > 0 and record.allreduce is not None and 0 <= record.exposed <= record.allreduce
-        assert record.peak_memory > 0 and record.memory_capacity > 0
+        buckets = []
+        for step in range(4):
+            x, y = torch.randn(64, 512, device=DEVICE), torch.randint(0, 10, (64,), device=DEVICE)
+            for p in (*model.parameters(), *reference.parameters()):
+                p.grad = None
+            calls = state.calls
+            timer.start()
+            timer.forward_start()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            timer.backward_done()
+            timer.finish(step, 0, 64)
+            buckets.append(state.calls - calls)
+            nn.functional.cross_entropy(reference(x), y).backward()
+            for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+                # one rank: sum of (b_i / B) g_i with weight 1/4, on the first step's single bucket as on the later ones
+                torch.testing.assert_close(p.grad, 0.25 * q.grad, msg=lambda m, step=step: f"step {step}: {m}")
+        # torch's DDP puts every parameter in one bucket for the first iteration (neither find_unused_parameters nor a
+        # static graph: the order gradients become ready is unknown yet) and rebuilds the buckets by size before the
+        # second forward, in the order it saw
+        assert buckets[0] == 1, buckets
+        assert buckets[1] > 1 and len(set(buckets[1:])) == 1, f"the rebuilt buckets went through the hook: {buckets}"
+        records = timer.records(wait=True)
+        assert [record.step for record in records] == [0, 1, 2, 3]
+        steady = records[-1]
+        assert 0 < steady.compute <= steady.step_time
+        assert steady.allreduce is not None and 0 <= steady.exposed <= steady.allreduce
+        # every bucket came back through the hook: the reductions' own time is measured, the last one's within it
+        assert steady.comm_busy is not None and steady.last_bucket is not None
+        assert 0 <= steady.last_bucket <= steady.comm_busy
+        assert steady.peak_memory > 0 and steady.memory_capacity > 0
     finally:
         if created:
             dist.destroy_process_group()

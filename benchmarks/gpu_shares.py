@@ -1,0 +1,1004 @@
+"""Real heterogeneous devices on one GPU: three ranks held to 60 / 25 / 15% of its SMs by MPS, Lightning DDP against
+Cannikin, and the ideal those shares allow.
+
+``python benchmarks/gpu_shares.py --out DIR`` on a machine with one CUDA GPU (about 4 minutes; as root it starts the
+MPS daemon, ``nvidia-cuda-mps-control -d``, and stops it at the end; a daemon already running is used and left alone).
+Every run starts three rank processes as torchelastic would (``devices=1, num_nodes=3``; ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK=0``, ``GROUP_RANK``, ``NODE_RANK``, ``LOCAL_WORLD_SIZE=1``, ``MASTER_ADDR``, ``MASTER_PORT``,
+``TORCHELASTIC_RUN_ID``), each with its own ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``; the process group is gloo, since
+NCCL refuses two ranks on one GPU. ``--smoke`` runs the same code path on CPU (no MPS, tiny sizes, 2 short epochs, one
+repeat: under a minute on 2 cores once Lightning's import is cached) to check the launch, the environment, the
+collection and the JSON.
+
+What runs, in this order:
+
+1. Calibration (torch only): each rank alone at its share, the others waiting at a barrier, times full training steps
+   (forward, backward, SGD step) at three batch sizes with CUDA events and fits ``t_i(b) = a_i * b + a0_i``; then all
+   ranks together at the even split (MPS splits the SMs but not the memory bandwidth: this is the interference); and
+   each rank's host loader alone (samples a second its workers deliver to the device).
+2. Lightning DDP and Cannikin (``CannikinStrategy``, default balancing, fixed total) interleaved, ``--repeats`` times,
+   on two workloads with the same model, initial weights and global batch: ``compute`` (uint8 images resident on the
+   device, fetched as one gather a batch: no host cost) and ``loader`` (host tensors, a DataLoader with 2 workers and
+   pinned memory, per-sample indexing and collation, as most training reads data).
+
+Every rank records every step with the package's own step timer (``step_timer_for``: CUDA events read lazily, no
+synchronisation per step), in both strategies alike: the device span (forward start to its last gradient ready:
+``StepRecord.compute``), the input span (``StepRecord.host``: the device idle between the previous step's end and this
+one's start, where the loop fetches and copies the next batch), the step (batch start to end, the all-reduce and the
+optimizer included) and the all-reduce's exposed part. Epochs are timed on the wall clock, synchronised at epoch
+starts and at the end only.
+
+The JSON (``gpu_shares.json``; ``definitions`` in it says the same) gives per workload the measured Cannikin / DDP time
+ratio (steady epochs: every epoch but the first; the whole training loop; the median step), the ideal ratio (the
+optimal split of the calibrated lines against the even split of the same lines), the ideal against measured DDP
+(DDP's measured step less what the optimal split saves on the lines), the fraction of the ideal reached,
+``(1 - measured) / (1 - ideal)``, and ``gap``: the ratio points lost to DDP's per-step cost outside the lines, to the
+split Cannikin chose and to Cannikin's steps costing more than that split predicts, with every rank's medians to show
+which part of a step it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import itertools
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = ROOT / "benchmarks" / "results"
+MPS_CONTROL = "nvidia-cuda-mps-control"
+MPS_CONTROL_PATH = "/usr/local/nvidia/bin/nvidia-cuda-mps-control"
+STRATEGIES = ("ddp", "cannikin")
+WORKLOADS = ("compute", "loader")
+LR, MOMENTUM = 0.02, 0.9
+# launcher variables a parent may carry that would make Lightning pick another cluster environment than torchelastic's
+_FOREIGN_PREFIXES = ("SLURM_", "TORCHELASTIC_", "LSB_", "PL_", "OMPI_", "PMI_", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+
+DEFINITIONS = {
+    "measured_ratio_steady": "Cannikin / DDP wall time of the steady epochs (every epoch but the first, which holds"
+    " Cannikin's probing), rank 0's clock synchronised at epoch starts; median over the repeats' pairs",
+    "measured_ratio_fit": "the same over the whole training loop (on_train_start to on_train_end, every epoch)",
+    "measured_ratio_step": "Cannikin / DDP median steady step on rank 0 (input span + batch start to batch end)",
+    "ideal_ratio": "T* / T_even on the calibrated lines t_i(b) = a_i b + a0_i (each rank alone at its share, full"
+    " training steps): T* the optimal continuous split of the total, T_even = max_i t_i(total / n)",
+    "ideal_ratio_vs_measured_ddp": "1 - (T_even - T*) / DDP's measured step: DDP as measured, less what the optimal"
+    " split saves on the lines (every other per-step cost kept)",
+    "fraction_of_ideal": "(1 - measured_ratio_steady) / (1 - ideal_ratio); null where the ideal saves under 2%",
+    "fraction_of_ideal_vs_measured_ddp": "(1 - measured_ratio_steady) / (1 - ideal_ratio_vs_measured_ddp)",
+    "gap": "ratio points between ideal_ratio and measured_ratio_step: ddp_overhead = ideal_ratio_vs_measured_ddp -"
+    " ideal_ratio (DDP's per-step cost outside the lines: all-reduce, input, interference, Lightning); split = the"
+    " ratio of Cannikin's chosen split on the lines plus DDP's overhead, less ideal_ratio_vs_measured_ddp;"
+    " cannikin_steps = measured_ratio_step less that (Cannikin's steps cost more than its split and DDP's overhead"
+    " predict)",
+    "ranks": "per strategy, per rank, medians over the steady steps (then over repeats): batch, compute_ms (device"
+    " span: forward start to the last gradient ready), solo_compute_ms (the calibrated compute line at that batch),"
+    " host_ms (device idle for its input between steps), exposed_ms (last gradient ready to the all-reduce's end:"
+    " waiting for slower ranks plus the reduction), step_ms (batch start to end), cycle_ms (host_ms + step_ms)",
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    """One invocation's sizes; ``smoke`` runs on CPU (gloo, no MPS)."""
+
+    smoke: bool = False
+    shares: tuple[int, ...] = (60, 25, 15)
+    total: int = 768  # global batch: 256 a rank under DDP
+    steps: int = 30  # a epoch's global batches
+    epochs: int = 4
+    width: int = 64  # channels of the first convolution
+    image: int = 64  # side of the 3 x image x image inputs
+    classes: int = 10
+    workers: int = 2  # the loader workload's DataLoader workers a rank
+    calib_warmup: int = 3
+    calib_steps: int = 8
+    concurrent_seconds: float = 2.0
+    threads: int = 4  # torch's CPU threads a rank (16 cores for 3 ranks and their workers)
+    repeats: int = 2
+    workloads: tuple[str, ...] = WORKLOADS
+    run_timeout: float = 150.0
+    deadline: float = 300.0  # no run starts that the longest run so far says cannot end before it
+
+    @property
+    def world_size(self) -> int:
+        return len(self.shares)
+
+    @property
+    def even(self) -> int:
+        return self.total // self.world_size
+
+    @property
+    def calib_sizes(self) -> tuple[int, int, int]:
+        """Batch sizes of the calibrated lines: half the even split, the even split, twice it (past what the fastest
+        rank runs at 60 / 25 / 15)."""
+        return max(self.even // 2, 1), self.even, 2 * self.even
+
+
+SMOKE = Config(
+    smoke=True,
+    shares=(34, 33, 33),
+    total=24,
+    steps=8,  # two epochs of 8: Cannikin's warm-up re-plans (every 8 steps) run too
+    epochs=2,
+    width=4,
+    image=16,
+    workers=1,
+    calib_warmup=1,
+    calib_steps=3,
+    concurrent_seconds=0.3,
+    threads=1,
+    repeats=1,
+    run_timeout=300.0,
+    deadline=900.0,
+)
+
+
+# -- the model and the data (both sides) ------------------------------------------------------------------------------
+
+
+class ConvNet(nn.Module):
+    """Five 3x3 convolutions with ReLU, global average pooling and a linear head.
+
+    No normalisation layers: the step's time is the convolutions' arithmetic, which MPS divides by SMs, rather than
+    memory traffic, which it does not. Few parameters (1.1 M at width 64), so gloo's all-reduce stays small beside it.
+    """
+
+    def __init__(self, width: int, classes: int) -> None:
+        super().__init__()
+        c = width
+        shapes = ((3, c, 1), (c, 2 * c, 2), (2 * c, 2 * c, 1), (2 * c, 4 * c, 2), (4 * c, 4 * c, 1))
+        layers: list[nn.Module] = []
+        for inputs, outputs, stride in shapes:
+            layers += [nn.Conv2d(inputs, outputs, 3, stride=stride, padding=1), nn.ReLU(inplace=True)]
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Linear(4 * c, classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = images.float().div_(255)  # uint8 wherever the images live: the conversion is part of every step
+        return self.head(self.features(x).mean(dim=(2, 3)))
+
+
+def synthetic_images(count: int, config: Config, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``count`` uint8 images and labels: each class's fixed pattern plus as much noise (learnable, not trivial)."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    shape = (3, config.image, config.image)
+    labels = torch.randint(0, config.classes, (count,), generator=generator, device=device)
+    patterns = torch.randint(0, 128, (config.classes, *shape), generator=generator, device=device, dtype=torch.uint8)
+    images = torch.randint(0, 128, (count, *shape), generator=generator, device=device, dtype=torch.uint8)
+    images += patterns[labels]  # at most 254: no overflow
+    return images, labels
+
+
+class DeviceBatches(Dataset):
+    """Images and labels resident on the device, fetched a batch at a time: one gather on the device, no per-sample
+    indexing or collation on the host (the DataLoader uses ``__getitems__`` where a dataset has it)."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        self.images, self.labels = images, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.images[index], self.labels[index]
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        index = torch.tensor(indices, dtype=torch.long)
+        if self.images.is_cuda:  # a pinned copy is queued on the stream; a pageable one would wait for the device
+            index = index.pin_memory().to(self.images.device, non_blocking=True)
+        return self.images.index_select(0, index), self.labels.index_select(0, index)
+
+
+def whole_batch(batch: Any) -> Any:
+    """The collate function of :class:`DeviceBatches`: its ``__getitems__`` already returns the batch."""
+    return batch
+
+
+def training_loader(config: Config, workload: str, device: torch.device) -> DataLoader:
+    """The even split's per-rank loader (Lightning adds DDP's sampler; Cannikin rebuilds it around its own)."""
+    count = config.steps * config.total
+    if workload == "compute":
+        images, labels = synthetic_images(count, config, device, seed=1)
+        return DataLoader(DeviceBatches(images, labels), batch_size=config.even, shuffle=True, collate_fn=whole_batch)
+    images, labels = synthetic_images(count, config, torch.device("cpu"), seed=1)
+    return DataLoader(
+        TensorDataset(images, labels),
+        batch_size=config.even,
+        shuffle=True,
+        num_workers=config.workers,
+        pin_memory=device.type == "cuda",
+        persistent_workers=config.workers > 0,  # the workers start once, not at every epoch
+    )
+
+
+def rank_device(config: Config) -> torch.device:
+    return torch.device("cpu") if config.smoke else torch.device("cuda", 0)  # LOCAL_RANK is 0 on every rank
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -- the calibration (a rank process, torch only) ---------------------------------------------------------------------
+
+
+class Marks:
+    """Points in a step: CUDA events on a GPU (read after a synchronisation), the host clock on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) / 1000.0 if self.cuda else end - start
+
+
+def calibrate_rank(config: Config) -> dict[str, Any]:
+    """This rank's training steps alone at its share (three sizes), with the others at once (the even split), and its
+    host loader alone. The ranks take turns at gloo barriers."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")  # env://: the parent's RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = rank_device(config)
+    torch.manual_seed(0)
+    net = ConvNet(config.width, config.classes).to(device)
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
+    images, labels = synthetic_images(max(config.calib_sizes), config, device, seed=2)
+    marks = Marks(device)
+
+    def steps(batch: int, count: int) -> list[tuple[float, float]]:
+        """(compute, step) seconds of ``count`` training steps, queued back to back and read at the end."""
+        spans = []
+        for _ in range(count):
+            optimizer.zero_grad(set_to_none=True)
+            start = marks.mark()
+            nn.functional.cross_entropy(net(images[:batch]), labels[:batch]).backward()
+            backward = marks.mark()
+            optimizer.step()
+            spans.append((start, backward, marks.mark()))
+        synchronize(device)
+        return [(marks.seconds(start, backward), marks.seconds(start, end)) for start, backward, end in spans]
+
+    solo: dict[int, tuple[float, float]] = {}
+    loader = None
+    for turn in range(world):
+        dist.barrier()
+        if rank == turn:
+            for batch in config.calib_sizes:
+                steps(batch, config.calib_warmup)
+                timed = steps(batch, config.calib_steps)
+                solo[batch] = (statistics.median(c for c, _ in timed), statistics.median(s for _, s in timed))
+            loader = loader_rate(config, device)
+        dist.barrier()
+    # all at once: each rank steps (synchronised, so that its window is its own) until the same wall time has passed
+    steps(config.even, config.calib_warmup)
+    dist.barrier()
+    together: list[tuple[float, float]] = []
+    until = time.perf_counter() + config.concurrent_seconds
+    while time.perf_counter() < until or len(together) < 3:
+        together += steps(config.even, 1)
+    dist.barrier()
+    dist.destroy_process_group()
+    sizes = list(config.calib_sizes)
+    return {
+        "ok": True,
+        "rank": rank,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "sizes": sizes,
+        "solo_compute_s": [solo[b][0] for b in sizes],
+        "solo_step_s": [solo[b][1] for b in sizes],
+        "concurrent_step_s": statistics.median(s for _, s in together),
+        "concurrent_compute_s": statistics.median(c for c, _ in together),
+        "loader_samples_per_s": loader,
+    }
+
+
+def loader_rate(config: Config, device: torch.device) -> float:
+    """Samples a second the loader workload's DataLoader (its workers, pinned memory, the copy) delivers at the even
+    split, alone: after as many batches as the workers prefetch, so that their head start is not counted."""
+    skip, timed = 1 + 2 * max(config.workers, 1), 8
+    images, labels = synthetic_images(config.even * (skip + timed), config, torch.device("cpu"), seed=3)
+    loader = DataLoader(
+        TensorDataset(images, labels),
+        batch_size=config.even,
+        shuffle=True,
+        num_workers=config.workers,
+        pin_memory=device.type == "cuda",
+    )
+    samples, start = 0, 0.0
+    for index, (x, y) in enumerate(loader):
+        x.to(device, non_blocking=True)
+        y.to(device, non_blocking=True)
+        if index + 1 == skip:
+            synchronize(device)
+            start = time.perf_counter()
+        elif index >= skip:
+            samples += len(y)
+    synchronize(device)
+    return samples / (time.perf_counter() - start)
+
+
+# -- a training run (a rank process) ----------------------------------------------------------------------------------
+
+
+def fit_rank(config: Config, workload: str, strategy_name: str, run_dir: Path) -> dict[str, Any]:
+    """One rank of one Lightning fit; returns its steps' medians, its epochs' times and (rank 0) Cannikin's split."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_cannikin import Cannikin, CannikinStrategy
+    from lightning_cannikin.training.grad_ready import GradientReadiness
+    from lightning_cannikin.training.step_timer import step_timer_for
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = rank_device(config)
+    loader = training_loader(config, workload, device)
+
+    class Classifier(pl.LightningModule):
+        """The model; sums its loss over each epoch's samples on the device (read once, after the fit)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = ConvNet(config.width, config.classes)
+            self.loss_sum = torch.zeros(())
+            self.samples = 0
+
+        def on_train_epoch_start(self) -> None:
+            self.loss_sum, self.samples = torch.zeros((), device=self.device), 0
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            images, labels = batch
+            loss = nn.functional.cross_entropy(self.net(images), labels)
+            self.loss_sum += loss.detach() * len(labels)  # no .item(): that would wait for the device every step
+            self.samples += len(labels)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
+
+    class Spans(Callback):
+        """Every step of this rank on the package's step timer, whichever strategy trains, and the epochs' clock."""
+
+        def __init__(self) -> None:
+            self.timer = step_timer_for(device)
+            # the input span (StepRecord.host) where the timer has it: an epoch's first step has none
+            self.takes_input = "after_input" in inspect.signature(self.timer.start).parameters
+            self.readiness: Any = None
+            self.step = self.epoch = 0
+            self.first = True
+            self.epoch_of: dict[int, int] = {}
+            self.sizes_of: dict[int, tuple[int, ...]] = {}
+            self.clock: list[float] = []  # every epoch's start, then the end of training
+            self.records: list[Any] = []
+
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            # no Python comm hook under DDP's own all-reduce: the last gradient ready ends the device span, as the
+            # Cannikin strategy times it too
+            self.readiness = GradientReadiness(pl_module.parameters(), self.timer.gradient_ready)
+
+        def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            synchronize(device)  # epochs end on the device, not where the host queued them
+            self.clock.append(time.perf_counter())
+            self.epoch, self.first = trainer.current_epoch, True
+
+        def on_train_batch_start(
+            self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int
+        ) -> None:
+            if self.takes_input:
+                self.timer.start(after_input=not self.first)
+            else:
+                self.timer.start()
+            self.timer.forward_start()
+            self.first = False
+
+        def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+            self.timer.will_reduce(True)  # no accumulation: every backward reduces
+
+        def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            self.timer.backward_done()
+            self.readiness.backward_done()
+
+        def on_train_batch_end(
+            self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int
+        ) -> None:
+            # after Cannikin's callback (listed first): its re-plan is inside this step, not in the next one's input
+            sizes = getattr(trainer.strategy, "step_sizes", None)
+            self.sizes_of[self.step] = tuple(sizes) if sizes else (len(batch[1]),) * world
+            self.epoch_of[self.step] = self.epoch
+            self.timer.finish(self.step, rank, len(batch[1]))
+            if hasattr(self.timer, "input_starts"):
+                self.timer.input_starts()
+            self.step += 1
+
+        def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            self.records += self.timer.records()  # those the device has finished; the rest stay queued
+
+        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            synchronize(device)
+            self.clock.append(time.perf_counter())
+            self.records += self.timer.records(wait=True)
+            self.readiness.remove()
+
+    torch.manual_seed(0)  # the same initial weights in every rank and run (DDP broadcasts rank 0's anyway)
+    model = Classifier()
+    spans = Spans()
+    if strategy_name == "ddp":
+        strategy: Any = DDPStrategy(process_group_backend="gloo")
+        callbacks: list[Callback] = [spans]
+    else:
+        strategy = CannikinStrategy(process_group_backend="gloo")
+        cannikin = Cannikin(save_profile=False)
+        callbacks = [cannikin, spans]
+    trainer = pl.Trainer(
+        accelerator="cpu" if config.smoke else "gpu",
+        devices=1,
+        num_nodes=world,
+        strategy=strategy,
+        max_epochs=config.epochs,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=str(run_dir),
+    )
+    started = time.perf_counter()
+    trainer.fit(model, loader)
+    fit_s = time.perf_counter() - started
+    clock = spans.clock
+    result: dict[str, Any] = {
+        "ok": True,
+        "rank": rank,
+        "fit_s": fit_s,
+        "train_s": clock[-1] - clock[0],
+        "epoch_s": [end - start for start, end in itertools.pairwise(clock)],
+        "loss_sum": float(model.loss_sum),  # the last epoch's
+        "loss_samples": model.samples,
+        **step_medians(spans.records, spans.epoch_of, spans.sizes_of),
+    }
+    if strategy_name == "cannikin" and rank == 0:
+        result["cannikin"] = cannikin_view(cannikin)
+    return result
+
+
+def step_medians(records: Sequence[Any], epoch_of: dict[int, int], sizes_of: dict[int, tuple[int, ...]]) -> dict:
+    """Medians of this rank's steady steps (every epoch but the first) and of each epoch, and the splits run."""
+
+    def medians(rows: Sequence[Any]) -> dict[str, float | None]:
+        host = [r.host for r in rows if getattr(r, "host", None) is not None]
+        exposed = [r.exposed for r in rows if r.exposed is not None]
+        return {
+            "steps": len(rows),
+            "batch": _median([r.batch_size for r in rows]),
+            "compute_ms": _ms(_median([r.compute for r in rows])),
+            "host_ms": _ms(_median(host)),
+            "exposed_ms": _ms(_median(exposed)),
+            "step_ms": _ms(_median([r.step_time for r in rows])),
+            "cycle_ms": _ms(_median([r.step_time + (getattr(r, "host", None) or 0.0) for r in rows])),
+        }
+
+    epochs = sorted(set(epoch_of.values()))
+    steady = [r for r in records if epoch_of.get(r.step, 0) > 0]
+    steady_sizes = [sizes for step, sizes in sizes_of.items() if epoch_of[step] > 0]
+    return {
+        "steady": medians(steady),
+        "per_epoch": [medians([r for r in records if epoch_of.get(r.step) == e]) for e in epochs],
+        "split": list(Counter(steady_sizes).most_common(1)[0][0]) if steady_sizes else None,
+        "splits_per_epoch": [
+            list(Counter(s for step, s in sizes_of.items() if epoch_of[step] == e).most_common(1)[0][0]) for e in epochs
+        ],
+    }
+
+
+def cannikin_view(cannikin: Any) -> dict[str, Any]:
+    """What Cannikin believed at the end: its plan and the lines it fitted to each rank (rank 0's speed model)."""
+    plan = cannikin.plan
+    view: dict[str, Any] = {
+        "plan": None if plan is None else list(plan.local_batch_sizes),
+        "predicted_step_ms": _ms(plan.predicted_step_time) if plan is not None else None,
+        "history": len(cannikin.history),
+    }
+    model = cannikin.speed_model
+    try:
+        view["lines_ms"] = [[m.slope * 1e3, m.intercept * 1e3] for m in model.models()] if model is not None else None
+    except RuntimeError:  # some rank never timed
+        view["lines_ms"] = None
+    return view
+
+
+def worker_main(job_path: Path) -> int:
+    """A rank process: run the job the parent wrote, and write this rank's JSON beside it."""
+    job = json.loads(job_path.read_text())
+    config = Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in job["config"].items()})
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(config.threads)
+    out = job_path.parent / f"rank{rank}.json"
+    try:
+        if job["kind"] == "calibrate":
+            result = calibrate_rank(config)
+        else:
+            result = fit_rank(config, job["workload"], job["strategy"], job_path.parent)
+    except Exception:
+        out.write_text(json.dumps({"ok": False, "rank": rank, "error": traceback.format_exc()}))
+        traceback.print_exc()
+        return 1
+    out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+# -- the ideal and the summary (the parent; pure) ---------------------------------------------------------------------
+
+
+def fit_line(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
+    """Least-squares ``(a, a0)`` of ``t = a * b + a0``; the slope is kept positive (a device never gets faster with
+    more samples; a flat measurement stays a tiny slope, so water-filling stays defined)."""
+    mean_b, mean_t = statistics.fmean(sizes), statistics.fmean(seconds)
+    spread = sum((b - mean_b) ** 2 for b in sizes)
+    slope = sum((b - mean_b) * (t - mean_t) for b, t in zip(sizes, seconds, strict=True)) / spread if spread else 0.0
+    slope = max(slope, 1e-12)
+    return slope, mean_t - slope * mean_b
+
+
+def line_time(line: tuple[float, float], batch: float) -> float:
+    return line[0] * batch + max(line[1], 0.0)
+
+
+def water_fill(lines: Sequence[tuple[float, float]], total: float) -> tuple[float, list[float]]:
+    """The shortest step ``T*`` for ``total`` samples over devices whose step takes ``a_i * b + a0_i`` (continuous
+    split, ``b_i >= 0``, intercepts clipped at 0) and that split: every rank with work ends at ``T*``."""
+
+    def load(limit: float) -> float:
+        return sum(max(0.0, (limit - max(a0, 0.0)) / a) for a, a0 in lines)
+
+    low, high = 0.0, max(line_time(line, total) for line in lines)
+    for _ in range(200):
+        middle = (low + high) / 2
+        low, high = (middle, high) if load(middle) < total else (low, middle)
+    return high, [max(0.0, (high - max(a0, 0.0)) / a) for a, a0 in lines]
+
+
+def fraction_of_ideal(measured: float | None, ideal: float | None) -> float | None:
+    """``(1 - measured) / (1 - ideal)``: 1 where Cannikin saved all the ideal allows, 0 where it saved nothing."""
+    if measured is None or ideal is None or 1.0 - ideal < 0.02:
+        return None
+    return (1.0 - measured) / (1.0 - ideal)
+
+
+def summarise_calibration(config: Config, ranks: Sequence[dict | None]) -> dict[str, Any] | None:
+    """Each rank's lines and interference, the optimal and the even split's step on them."""
+    if not ranks or any(r is None or not r.get("ok") for r in ranks):
+        return None
+    step_lines = [fit_line(r["sizes"], r["solo_step_s"]) for r in ranks]
+    compute_lines = [fit_line(r["sizes"], r["solo_compute_s"]) for r in ranks]
+    best, split = water_fill(step_lines, config.total)
+    even = max(line_time(line, config.even) for line in step_lines)
+    # each rank's measured solo step at the even split (one of the calibrated sizes): its speed at its share
+    solo_even = [r["solo_step_s"][r["sizes"].index(config.even)] for r in ranks]
+    speeds = [config.even / t for t in solo_even]
+    return {
+        "device": ranks[0]["device"],
+        "torch": ranks[0]["torch"],
+        "step_lines_ms": [[a * 1e3, a0 * 1e3] for a, a0 in step_lines],
+        "compute_lines_ms": [[a * 1e3, a0 * 1e3] for a, a0 in compute_lines],
+        "solo_samples_per_s": speeds,
+        # each rank's speed over rank 0's, divided by its share over rank 0's: about 1 everywhere where the shares took
+        # effect and speed follows them (MPS off: the slow shares read well above 1)
+        "speed_vs_share": [v / speeds[0] / (s / config.shares[0]) for v, s in zip(speeds, config.shares, strict=True)],
+        "interference": [r["concurrent_step_s"] / solo for r, solo in zip(ranks, solo_even, strict=True)],
+        "loader_samples_per_s": [r["loader_samples_per_s"] for r in ranks],
+        "ideal_step_ms": best * 1e3,
+        "ideal_split": [round(b, 1) for b in split],
+        "even_step_ms": even * 1e3,
+        "ideal_ratio": best / even,
+        "ranks": ranks,
+        "_lines": {"step": step_lines, "compute": compute_lines},
+    }
+
+
+def run_view(run: dict[str, Any]) -> dict[str, Any] | None:
+    """One fit's numbers on rank 0's clock, its split and its loss over every rank's samples."""
+    ranks = run.get("ranks") or []
+    if run.get("status") != "ok" or not ranks or any(r is None or not r.get("ok") for r in ranks):
+        return None
+    zero = ranks[0]
+    samples = sum(r["loss_samples"] for r in ranks)
+    return {
+        "steady_s": sum(zero["epoch_s"][1:]),
+        "train_s": zero["train_s"],
+        "step_ms": zero["steady"]["cycle_ms"],
+        "split": zero["split"],
+        "loss": sum(r["loss_sum"] for r in ranks) / samples if samples else None,
+    }
+
+
+def summarise_workload(config: Config, calibration: dict[str, Any] | None, runs: Sequence[dict]) -> dict[str, Any]:
+    """Measured ratios over the repeats' (DDP, Cannikin) pairs, the ideal, the fraction reached and the gap's parts."""
+    views = {(r["strategy"], r["repeat"]): run_view(r) for r in runs}
+    pairs = [
+        (views[("ddp", k)], views[("cannikin", k)])
+        for k in range(config.repeats)
+        if views.get(("ddp", k)) and views.get(("cannikin", k))
+    ]
+
+    def ratio(key: str) -> float | None:
+        values = [c[key] / d[key] for d, c in pairs if c[key] and d[key]]
+        return statistics.median(values) if values else None
+
+    summary: dict[str, Any] = {
+        "pairs": len(pairs),
+        "measured_ratio_steady": ratio("steady_s"),
+        "measured_ratio_fit": ratio("train_s"),
+        "measured_ratio_step": ratio("step_ms"),
+        "ratios_steady_per_repeat": [c["steady_s"] / d["steady_s"] for d, c in pairs],
+        "ddp_step_ms": _median([d["step_ms"] for d, _ in pairs]),
+        "cannikin_step_ms": _median([c["step_ms"] for _, c in pairs]),
+        "cannikin_split": pairs[-1][1]["split"] if pairs else None,
+        "loss": {
+            "ddp": _median([d["loss"] for d, _ in pairs]),
+            "cannikin": _median([c["loss"] for _, c in pairs]),
+        },
+        "ranks": rank_table(calibration, runs),
+    }
+    cannikin = [r["ranks"][0].get("cannikin") for r in runs if r["strategy"] == "cannikin" and run_view(r)]
+    summary["cannikin_view"] = cannikin[-1] if cannikin else None
+    if calibration is None:
+        return summary
+    lines = calibration["_lines"]["step"]
+    best, even = calibration["ideal_step_ms"] / 1e3, calibration["even_step_ms"] / 1e3
+    summary["ideal_ratio"] = calibration["ideal_ratio"]
+    summary["ideal_split"] = calibration["ideal_split"]
+    summary["fraction_of_ideal"] = fraction_of_ideal(summary["measured_ratio_steady"], calibration["ideal_ratio"])
+    ddp_step = summary["ddp_step_ms"]
+    if ddp_step:
+        ddp_step /= 1e3
+        vs_ddp = 1.0 - (even - best) / ddp_step
+        summary["ideal_ratio_vs_measured_ddp"] = vs_ddp
+        summary["fraction_of_ideal_vs_measured_ddp"] = fraction_of_ideal(summary["measured_ratio_steady"], vs_ddp)
+        split = summary["cannikin_split"]
+        if split and summary["measured_ratio_step"] is not None:
+            on_lines = max(line_time(line, b) for line, b in zip(lines, split, strict=True))
+            with_split = (on_lines + ddp_step - even) / ddp_step
+            summary["cannikin_split_on_lines_ms"] = on_lines * 1e3
+            summary["gap"] = {
+                "ddp_overhead": vs_ddp - calibration["ideal_ratio"],
+                "split": with_split - vs_ddp,
+                "cannikin_steps": summary["measured_ratio_step"] - with_split,
+            }
+    return summary
+
+
+def rank_table(calibration: dict[str, Any] | None, runs: Sequence[dict]) -> dict[str, list[dict[str, Any]]]:
+    """Per strategy and rank, the steady medians over the repeats, beside the calibrated compute line at that batch."""
+    table: dict[str, list[dict[str, Any]]] = {}
+    for strategy in STRATEGIES:
+        fits = [r["ranks"] for r in runs if r["strategy"] == strategy and run_view(r)]
+        if not fits:
+            continue
+        rows = []
+        for rank in range(len(fits[0])):
+            steady = [ranks[rank]["steady"] for ranks in fits]
+            row: dict[str, Any] = {"rank": rank}
+            for key in ("batch", "compute_ms", "host_ms", "exposed_ms", "step_ms", "cycle_ms"):
+                row[key] = _median([s[key] for s in steady])
+            if calibration is not None and row["batch"] is not None:
+                solo = line_time(calibration["_lines"]["compute"][rank], row["batch"]) * 1e3
+                row["solo_compute_ms"] = solo
+                row["compute_vs_solo"] = row["compute_ms"] / solo if row["compute_ms"] and solo > 0 else None
+            rows.append(row)
+        table[strategy] = rows
+    return table
+
+
+def headline(result: dict[str, Any]) -> dict[str, Any]:
+    """The numbers a summary shows, per workload."""
+    keys = (
+        "measured_ratio_steady",
+        "measured_ratio_fit",
+        "measured_ratio_step",
+        "ideal_ratio",
+        "ideal_ratio_vs_measured_ddp",
+        "fraction_of_ideal",
+        "fraction_of_ideal_vs_measured_ddp",
+        "cannikin_split",
+        "ideal_split",
+        "gap",
+    )
+    out: dict[str, Any] = {"mps": result["mps"]["active"], "device": result.get("device")}
+    for workload, summary in result["summary"].items():
+        out[workload] = {key: _rounded(summary.get(key)) for key in keys}
+    return out
+
+
+# -- the parent: MPS, launches, the JSON ------------------------------------------------------------------------------
+
+
+@dataclass
+class Mps:
+    """The MPS control daemon: started here where it can be (and then stopped here), used as is where it runs."""
+
+    control: str | None = None
+    started: bool = False
+    active: bool = False
+    note: str = ""
+    log: list[str] = field(default_factory=list)
+
+    @classmethod
+    def start(cls) -> Mps:
+        control = shutil.which(MPS_CONTROL) or (MPS_CONTROL_PATH if os.access(MPS_CONTROL_PATH, os.X_OK) else None)
+        if control is None:
+            return cls(note=f"{MPS_CONTROL} not found: the ranks share the GPU without SM limits")
+        if _mps_daemon_running():
+            return cls(control, active=True, note="an MPS daemon was running already: used, left running")
+        done = subprocess.run([control, "-d"], capture_output=True, text=True, timeout=30, check=False)
+        if done.returncode != 0:
+            why = (done.stderr or done.stdout).strip()
+            return cls(control, note=f"`{control} -d` failed ({why or done.returncode}): no SM limits (root needed?)")
+        for _ in range(50):
+            if _mps_daemon_running():
+                return cls(control, started=True, active=True, note="started here, stopped at the end")
+            time.sleep(0.1)
+        return cls(control, started=True, note="`-d` returned 0 but no daemon process appeared")
+
+    def stop(self) -> None:
+        if self.started and self.control is not None:
+            subprocess.run([self.control], input="quit\n", text=True, timeout=30, check=False, capture_output=True)
+            self.started = False
+
+
+def _mps_daemon_running() -> bool:
+    """Whether a process named ``nvidia-cuda-mps-control`` runs (its comm, cut to 15 characters), read from /proc: the
+    control client itself would wait on a pipe where no daemon listens."""
+    for comm in Path("/proc").glob("[0-9]*/comm"):
+        try:
+            if comm.read_text().strip() == MPS_CONTROL[:15]:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(config: Config, rank: int, port: int, run_id: str) -> dict[str, str]:
+    """The environment torchelastic gives a rank of ``devices=1, num_nodes=world``, plus its SM share."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_FOREIGN_PREFIXES)}
+    world = str(config.world_size)
+    env.update(
+        RANK=str(rank),
+        WORLD_SIZE=world,
+        LOCAL_RANK="0",
+        GROUP_RANK=str(rank),
+        NODE_RANK=str(rank),
+        LOCAL_WORLD_SIZE="1",
+        GROUP_WORLD_SIZE=world,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHELASTIC_RUN_ID=run_id,
+        OMP_NUM_THREADS=str(config.threads),
+        PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+    )
+    if not config.smoke:
+        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(config.shares[rank])
+    return env
+
+
+def launch(config: Config, job: dict[str, Any], run_dir: Path, timeout: float) -> dict[str, Any]:
+    """Start every rank of ``job``, wait (a rank that fails ends the run: the others would wait on it), collect."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    job_path = run_dir / "job.json"
+    job_path.write_text(json.dumps({**job, "config": asdict(config)}, indent=1))
+    port, started = _free_port(), time.monotonic()
+    processes = []
+    for rank in range(config.world_size):
+        with open(run_dir / f"rank{rank}.log", "w") as log:  # the child keeps its own descriptor
+            processes.append(
+                subprocess.Popen(
+                    [sys.executable, str(Path(__file__).resolve()), "--worker", str(job_path)],
+                    env=rank_env(config, rank, port, run_dir.name),
+                    cwd=run_dir,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # its own process group: a timeout ends it with its loader workers
+                )
+            )
+    status, failed_at = "ok", None
+    while None in (codes := [p.poll() for p in processes]):
+        now = time.monotonic()
+        if now - started > timeout:
+            status = "timeout"
+        elif failed_at is None and any(code not in (None, 0) for code in codes):
+            failed_at = now
+        if failed_at is not None and now - failed_at > 20:
+            status = "failed"
+        if status != "ok":
+            for process in processes:
+                _end(process)
+            break
+        time.sleep(0.2)
+    if status == "ok" and any(p.returncode != 0 for p in processes):
+        status = "failed"
+    ranks = []
+    for rank in range(config.world_size):
+        path = run_dir / f"rank{rank}.json"
+        ranks.append(json.loads(path.read_text()) if path.is_file() else None)
+    return {**job, "status": status, "seconds": time.monotonic() - started, "ranks": ranks, "logs": str(run_dir)}
+
+
+def _end(process: subprocess.Popen) -> None:
+    """End one rank we started, with the children of its session (DataLoader workers)."""
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def run_benchmark(config: Config, out: Path, logs: Path) -> dict[str, Any]:
+    """Calibrate, run the interleaved fits within the deadline, summarise; writes ``out/gpu_shares.json``."""
+    began = time.monotonic()
+    mps = Mps(note="smoke run on CPU: no MPS") if config.smoke else Mps.start()
+    runs: list[dict[str, Any]] = []
+    calibration_run: dict[str, Any] = {}
+    try:
+        calibration_run = launch(config, {"kind": "calibrate"}, logs / "calibrate", config.run_timeout)
+        if calibration_run["status"] != "ok" and mps.started:
+            # the ranks could not use the daemon started here (its logs say why): measure without SM limits rather
+            # than not at all; speed_vs_share then shows the shares did not take effect
+            mps.stop()
+            mps.active, mps.note = False, mps.note + "; the calibration failed under it: stopped, run without SM limits"
+            calibration_run = launch(config, {"kind": "calibrate"}, logs / "calibrate-no-mps", config.run_timeout)
+        longest = calibration_run["seconds"]
+        for repeat in range(config.repeats):
+            for workload in config.workloads:
+                for strategy in STRATEGIES:  # DDP, Cannikin, DDP, Cannikin...: a drift of the machine hits both
+                    job = {"kind": "fit", "workload": workload, "strategy": strategy, "repeat": repeat}
+                    left = config.deadline - (time.monotonic() - began)
+                    if left < 1.2 * longest:
+                        runs.append({**job, "status": "skipped: the deadline", "ranks": []})
+                        continue
+                    name = f"{workload}-{strategy}-{repeat}"
+                    run = launch(config, job, logs / name, min(config.run_timeout, left))
+                    longest = max(longest, run["seconds"])
+                    runs.append(run)
+                    print(f"{name}: {run['status']} in {run['seconds']:.0f} s", flush=True)
+    finally:
+        mps.stop()
+    calibration = summarise_calibration(config, calibration_run.get("ranks") or [])
+    summary = {
+        w: summarise_workload(config, calibration, [r for r in runs if r["workload"] == w]) for w in config.workloads
+    }
+    if calibration is not None:
+        calibration.pop("_lines")
+    result = {
+        "benchmark": "gpu_shares",
+        "mode": "smoke (CPU)" if config.smoke else "gpu",
+        "device": calibration["device"] if calibration else None,
+        "torch": torch.__version__,
+        "config": asdict(config),
+        "mps": asdict(mps),
+        "seconds": time.monotonic() - began,
+        "definitions": DEFINITIONS,
+        "calibration": calibration if calibration is not None else {"status": calibration_run.get("status")},
+        "summary": summary,
+        "runs": runs,
+        "logs": str(logs),
+    }
+    result["headline"] = headline(result)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_shares.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+def _rounded(value: Any) -> Any:
+    if isinstance(value, float):
+        return round(value, 4)
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help="where gpu_shares.json goes (default %(default)s)"
+    )
+    parser.add_argument(
+        "--logs", type=Path, default=None, help="every run's job, logs and rank JSON (default: a temp dir)"
+    )
+    parser.add_argument("--smoke", action="store_true", help="CPU, gloo, no MPS, tiny sizes: checks the code path")
+    parser.add_argument("--repeats", type=int, default=None, help="DDP/Cannikin pairs per workload (default 2)")
+    parser.add_argument("--epochs", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None, help="global batches an epoch")
+    parser.add_argument("--total", type=int, default=None, help="global batch (a multiple of the ranks)")
+    parser.add_argument("--width", type=int, default=None, help="the model's first channel count")
+    parser.add_argument("--shares", type=str, default=None, help="SM percentages, one a rank (default 60,25,15)")
+    parser.add_argument("--workloads", type=str, default=None, help="compute,loader (default both)")
+    parser.add_argument("--deadline", type=float, default=None, help="seconds after which no run starts (default 300)")
+    parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def config_of(args: argparse.Namespace) -> Config:
+    config = SMOKE if args.smoke else Config()
+    changes: dict[str, Any] = {}
+    for name in ("repeats", "epochs", "steps", "total", "width", "deadline"):
+        if getattr(args, name) is not None:
+            changes[name] = getattr(args, name)
+    if args.shares:
+        changes["shares"] = tuple(int(s) for s in args.shares.split(","))
+    if args.workloads:
+        changes["workloads"] = tuple(w for w in args.workloads.split(",") if w)
+    config = replace(config, **changes)
+    if config.total % config.world_size or set(config.workloads) - set(WORKLOADS):
+        raise SystemExit(f"--total must be a multiple of {config.world_size} ranks; --workloads among {WORKLOADS}")
+    return config
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker is not None:
+        return worker_main(args.worker)
+    config = config_of(args)
+    if not config.smoke and not torch.cuda.is_available():  # no context here: MPS clients must be the first on the GPU
+        print("gpu_shares: no CUDA device; `--smoke` runs the code path on CPU", file=sys.stderr)
+        return 2
+    logs = args.logs or Path(tempfile.mkdtemp(prefix="gpu_shares_"))
+    result = run_benchmark(config, args.out, logs)
+    print(json.dumps(result["headline"], indent=1))
+    print(f"MPS: {result['mps']['note']}; logs in {logs}; JSON in {args.out / 'gpu_shares.json'}")
+    # runs the deadline skipped are reported, not failures; a failed or timed-out run, or a workload without a pair, is
+    failed = any(r["status"] in ("failed", "timeout") for r in result["runs"])
+    unpaired = any(summary["pairs"] == 0 for summary in result["summary"].values())
+    return 1 if failed or unpaired or result["calibration"].get("ideal_ratio") is None else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
