@@ -264,12 +264,14 @@ class SpeedModel:
         one; where it does not, OptPerf(B) for other totals sees the communication floor.
         ``models``: other compute models than the fitted ones (zero ones give the part no device's speed scales).
         """
-        return self._pieces_of(models) if models is not None else self._cached("fitted", self.models)
+        if models is not None:
+            return self._pieces_of(models)
+        return self._cached("fitted", lambda: self._pieces_of(self.models()))
 
-    def _cached(self, key: str, models: Callable[[], Sequence[LinearTimeModel]]) -> tuple[np.ndarray, np.ndarray]:
-        """The pieces of ``models()``, kept until new samples arrive; writing to them raises (callers share them)."""
+    def _cached(self, key: str, build: Callable[[], tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+        """The pieces ``build()`` makes, kept until new samples arrive; writing to them raises (callers share them)."""
         if key not in self._pieces:
-            pieces = self._pieces_of(models())
+            pieces = build()
             for array in pieces:
                 array.flags.writeable = False
             self._pieces[key] = pieces
@@ -309,7 +311,9 @@ class SpeedModel:
     def _expected(self, splits: np.ndarray, scenarios: Scenarios) -> np.ndarray:
         slopes, offsets = self.pieces()
         # the part no device's speed scales, piece for piece (a knee adds its flat pieces there too)
-        _, fixed = self._cached("fixed", lambda: [LinearTimeModel(0.0, 0.0, m.knee) for m in self.models()])
+        _, fixed = self._cached(
+            "fixed", lambda: self._pieces_of([LinearTimeModel(0.0, 0.0, m.knee) for m in self.models()])
+        )
         return scenarios.expected(slopes, offsets, fixed, np.atleast_2d(splits))
 
     @property
@@ -360,34 +364,58 @@ class SpeedModel:
         return bool(np.all((trusted[0] <= sizes) & (sizes <= trusted[1])))
 
     def optperf(self, total_batch_sizes: Sequence[int], accumulation_steps: ArrayLike = 1) -> np.ndarray:
-        """Predicted best step time of each global batch (``inf`` where infeasible), times its micro-steps; with
-        recurring stalls, the expected time of OptPerf's split of each (an upper bound on the expected optimum).
+        """Predicted best step time of each global batch (``inf`` where infeasible), per optimizer step of
+        ``accumulation_steps`` micro-steps; with recurring stalls, the expected time of OptPerf's split of each (an
+        upper bound on the expected optimum).
 
-        Every micro-step is predicted at a full step's cost: the tail of a micro-step without a reduction is not
-        measured apart, so accumulation is never credited with savings that were not measured.
+        Accumulation is priced as it runs: the micro-steps before the last reduce nothing, so they cost the ranks'
+        compute (input wait included) at the split, and only the last one costs a whole step, the all-reduce and the
+        step's tail included (:meth:`micro_step_time`).
         """
         slopes, offsets = self.pieces()
         totals = np.asarray(total_batch_sizes)
+        steps = np.broadcast_to(np.asarray(accumulation_steps), totals.shape).reshape(-1)
         times = optperf(slopes, offsets, totals, self.lower, self.upper)
         scenarios = self.scenarios()
-        if scenarios is not None:
-            flat = times.reshape(-1)
-            for index in np.flatnonzero(np.isfinite(flat)):
-                total = int(totals.reshape(-1)[index])
-                split = optimal_split(slopes, offsets, total, self.lower, self.upper).local_batch_sizes
-                flat[index] = self._expected(np.array([split]), scenarios)[0]
-            times = flat.reshape(times.shape)
-        return times * accumulation_steps
+        flat = times.reshape(-1).copy()
+        for index in np.flatnonzero(np.isfinite(flat)):
+            if scenarios is None and steps[index] <= 1:
+                continue  # the closed form above is exact: no split needed
+            total = int(totals.reshape(-1)[index])
+            split = np.array([optimal_split(slopes, offsets, total, self.lower, self.upper).local_batch_sizes])
+            if scenarios is not None:
+                flat[index] = self._expected(split, scenarios)[0]
+            flat[index] += (steps[index] - 1) * self.micro_step_time(split)[0]
+        return flat.reshape(times.shape)
 
     def predict(self, local_batch_sizes: ArrayLike, accumulation_steps: ArrayLike = 1) -> float | np.ndarray:
-        """Predicted (expected) step time of a split (or of each row of a ``(C, n)`` array of splits), times its
-        micro-steps."""
+        """Predicted (expected) time of an optimizer step at a split (or of each row of a ``(C, n)`` array of splits)
+        of ``accumulation_steps`` micro-steps: the last a whole step, the others their compute
+        (:meth:`micro_step_time`)."""
+        splits = np.asarray(local_batch_sizes)
         scenarios = self.scenarios()
         if scenarios is None:
             slopes, offsets = self.pieces()
-            return step_time(slopes, offsets, local_batch_sizes) * accumulation_steps
-        times = self._expected(np.asarray(local_batch_sizes), scenarios)
-        return (float(times[0]) if np.ndim(local_batch_sizes) == 1 else times) * accumulation_steps
+            times = step_time(slopes, offsets, splits)
+        else:
+            times = self._expected(splits, scenarios)
+            times = float(times[0]) if splits.ndim == 1 else times
+        extra = np.asarray(accumulation_steps) - 1
+        if np.any(extra > 0):
+            micro = self.micro_step_time(np.atleast_2d(splits))
+            times = times + extra * (float(micro[0]) if splits.ndim == 1 else micro)
+        return times
+
+    def micro_step_time(self, splits: np.ndarray) -> np.ndarray:
+        """Predicted (expected) time of an accumulation micro-step at each split ``(C, n)``: the slowest rank's
+        compute, input wait included; no reduction and no step tail (a micro-step reduces nothing, and its own tail is
+        not measured apart, so none is credited or charged)."""
+        slopes, offsets = self._cached("micro", lambda: step_time_pieces(self.models(), None))
+        scenarios = self.scenarios()
+        if scenarios is None:
+            return np.atleast_1d(step_time(slopes, offsets, splits))
+        # nothing in a micro-step is beyond the devices' speed (a knee's flat piece scales with it too)
+        return scenarios.expected(slopes, offsets, np.zeros_like(offsets), np.atleast_2d(splits))
 
     def probe(self, local_batch_sizes: Sequence[int]) -> tuple[int, ...]:
         """A split of the same total that gives every unmeasured rank a second batch size with a real lever.

@@ -28,6 +28,7 @@ from lightning_cannikin.core.optperf import most_even_split, optimal_split, optp
 from lightning_cannikin.core.plan import Plan
 from lightning_cannikin.core.policy import PolicySettings, decide
 from lightning_cannikin.core.profile import Profile
+from lightning_cannikin.core.timing import step_time_pieces
 
 __all__ = ["WhatIfCluster", "evaluate", "parse_devices", "print_what_if", "run", "what_if_parser"]
 
@@ -111,6 +112,8 @@ class WhatIfCluster:
         self.devices = tuple(int(r) for r in devices)
         self.world_size = len(self.devices)
         self.slopes, self.offsets = slopes[index], offsets[index]
+        micro_slopes, micro_offsets = step_time_pieces(speed.models(), None)  # a micro-step: the ranks' compute alone
+        self.micro_slopes, self.micro_offsets = micro_slopes[index], micro_offsets[index]
         self._lower = [int(speed.lower[r]) for r in self.devices]
         upper = speed.upper
         self._upper = None if upper is None else [int(upper[r]) for r in self.devices]
@@ -130,11 +133,20 @@ class WhatIfCluster:
         return True
 
     def optperf(self, total_batch_sizes: Sequence[int], accumulation_steps: ArrayLike = 1) -> np.ndarray:
-        times = optperf(self.slopes, self.offsets, np.asarray(total_batch_sizes), self.lower, self.upper)
-        return times * accumulation_steps
+        totals = np.asarray(total_batch_sizes)
+        times = optperf(self.slopes, self.offsets, totals, self.lower, self.upper)
+        steps = np.broadcast_to(np.asarray(accumulation_steps), totals.shape).reshape(-1)
+        flat = times.reshape(-1).copy()
+        for index in np.flatnonzero(np.isfinite(flat) & (steps > 1)):  # the micro-steps at the step's split
+            split = optimal_split(self.slopes, self.offsets, int(totals.reshape(-1)[index]), self.lower, self.upper)
+            flat[index] += (steps[index] - 1) * step_time(
+                self.micro_slopes, self.micro_offsets, split.local_batch_sizes
+            )
+        return flat.reshape(times.shape)
 
     def predict(self, local_batch_sizes: ArrayLike, accumulation_steps: ArrayLike = 1) -> float | np.ndarray:
-        return step_time(self.slopes, self.offsets, local_batch_sizes) * accumulation_steps
+        micro = step_time(self.micro_slopes, self.micro_offsets, local_batch_sizes)
+        return step_time(self.slopes, self.offsets, local_batch_sizes) + (np.asarray(accumulation_steps) - 1) * micro
 
     def plan_split(self, total_batch_size: int) -> Plan:
         split = optimal_split(self.slopes, self.offsets, total_batch_size, self.lower, self.upper)
