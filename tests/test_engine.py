@@ -338,3 +338,19 @@ def test_an_epochs_last_batch_leaves_its_replan_to_the_epoch_end():
     assert engine.replan_due(epoch_ends=True) == (False, False)
     engine.step += 1
     assert engine.replan_due(epoch_ends=False) == (False, False)
+
+
+def test_statistics_that_can_never_bound_the_noise_scale_are_said_once_with_the_fix():
+    # two ranks measure the noise statistics (an adaptive total); a base batch 250x below the initial total leaves the
+    # moving averages under ten steps of it: no bounds ever, which must not pass in silence
+    for base, warned in ((2, True), (128, False)):
+        engine = BalancingEngine(max_batch_size=4096, base_batch_size=base)
+        engine.bind(TwoRanksSecond())
+        engine.use_loader(Plan((256, 256)), None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.start()
+        messages = [str(w.message) for w in caught if "never bounded" in str(w.message)]
+        assert len(messages) == int(warned), messages
+        if warned:
+            assert "`base_batch_size`" in messages[0] and "at least 3" in messages[0], messages[0]

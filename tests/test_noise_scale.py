@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from lightning_cannikin.core.noise_scale import NoiseScaleEstimator, pooled_moments
+from lightning_cannikin.core.noise_scale import MIN_EFFECTIVE_STEPS, NoiseScaleEstimator, pooled_moments
 
 DIM = 128
 SIGMA = 1.0
@@ -310,3 +310,17 @@ def test_zero_sigmas_gives_the_point_estimate_from_the_first_update() -> None:
     estimator.update([2.0, 3.0], [32, 32], 1.0)
     phi = estimator.noise_scale
     assert estimator.bounds(0.0) == (phi, phi) and estimator.bounds() is None, "no spread yet for sigmas > 0"
+
+
+@pytest.mark.parametrize("ratio, bounded", [(0.9, True), (1.1, False)])
+def test_a_total_far_above_the_base_is_never_bounded_and_the_limit_says_where(ratio, bounded):
+    # the averages span a fixed number of samples: updates of a total beyond about 200 base batches never span the ten
+    # effective steps the spread needs. The truth is the estimator itself, fed for far longer than it takes to settle
+    estimator = NoiseScaleEstimator(base_batch_size=16)
+    total = int(ratio * estimator.largest_bounded_total())
+    assert (estimator.steps_spanned(total) >= MIN_EFFECTIVE_STEPS) is bounded
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        z = rng.uniform(1.0, 2.0, size=4)
+        estimator.update(z, [total // 4] * 4, float(z.mean() * 0.6))
+    assert (estimator.bounds() is not None) is bounded

@@ -36,7 +36,7 @@ import numpy as np
 
 __all__ = ["NoiseScaleEstimator", "pooled_moments"]
 
-_MIN_EFFECTIVE_STEPS = 10.0  # steps the moving average must span before its spread is estimated
+MIN_EFFECTIVE_STEPS = 10.0  # steps the moving average must span before its spread is estimated
 
 
 def _floats(values: Sequence[float] | np.ndarray) -> list[float]:
@@ -191,6 +191,21 @@ class NoiseScaleEstimator:
             return math.inf
         return var / sqr
 
+    def steps_spanned(self, total_batch_size: int) -> float:
+        """The effective number of updates the moving averages span once settled, each update holding
+        ``total_batch_size`` samples: ``(1 + f) / (1 - f)`` with ``f`` the per-update decay. Below
+        ``MIN_EFFECTIVE_STEPS`` the spread, and so every bound, is never estimated."""
+        factor = self.decay ** (float(total_batch_size) / self.base_batch_size)
+        return (1.0 + factor) / (1.0 - factor)
+
+    def largest_bounded_total(self) -> int:
+        """The largest total batch at which the averages still span ``MIN_EFFECTIVE_STEPS`` updates (about 200 base
+        batches at the default decay)."""
+        settled = (MIN_EFFECTIVE_STEPS - 1.0) / (
+            MIN_EFFECTIVE_STEPS + 1.0
+        )  # f at which (1 + f) / (1 - f) is the minimum
+        return int(math.log(settled) / math.log(self.decay) * self.base_batch_size)
+
     def standard_errors(self) -> tuple[float, float] | None:
         """Standard errors of the averaged ``|G|^2`` and ``tr(Sigma)`` (None until the average first spans ten
         effective steps, below which the spread itself is unknown).
@@ -201,7 +216,7 @@ class NoiseScaleEstimator:
         if self.num_updates < 2 or self._weight <= 0:
             return None
         share = self._weight_sq / self._weight**2
-        if share > 1.0 / _MIN_EFFECTIVE_STEPS and not self._spread_known:
+        if share > 1.0 / MIN_EFFECTIVE_STEPS and not self._spread_known:
             return None  # a spread taken from a handful of steps is itself too uncertain to vouch for anything
         # once known it stays: a larger total weighs each new step more (the window spans samples), which lowers the
         # effective count below ten again for a while; the share widens the errors for it, as it should
