@@ -17,7 +17,32 @@ sleep times alone, none of this machine's own overhead), given the noise scale C
 Balancing alone is worth ``optperf(B0) / ddp(B0)``; a larger batch adds the goodput gain that the noise scale allows
 at each point of training. A target below the bound cannot be met by any implementation in this set-up.
 
-    python benchmarks/time_to_accuracy.py [--repeats 3] [--target 0.89]
+It also runs the *fixed-total oracle*: balanced Cannikin with the total batch pinned from the start at each of several
+totals (``--fixed-totals``, default B0 x 1, 2, 4, 8), each with AdaScale from the same B0, so that its learning rate
+follows the noise scale as the adaptive run's would at that total. The best of them is the best a total chosen once,
+before training, could do; the issue's gate is Cannikin's median time at most ``GATE`` times that best fixed total's.
+Every repeat runs every configuration once, the sweep's too, in the same order, so machine drift hits all alike.
+
+Scenarios (``--scenario``):
+
+- ``fashion-mnist`` (default): the devices above, the CNN of ``examples/data.py``, to 89%.
+- ``gpu-mix``: measured GPU costs and WordNet glosses (``benchmarks/gpu_mix.py``), to 52%.
+- ``fixed-cost``: the devices above (a large fixed cost per step, 20 ms, beside per-sample costs of 1:2:4), a
+  Fashion-MNIST MLP (784-256-128-10), to 85%: a larger total pays where the noise scale allows it.
+- ``per-sample``: no fixed cost, per-sample costs of 1:2:4 (``PER_SAMPLE_ONLY_MS``), the same MLP, to 85%. Balanced,
+  every rank of a step ends together, so a step at total ``B`` lasts ``B / sum(1 / per_sample)``: the emulated
+  throughput is the same at every total (up to the split's integer rounding, under 2% from 96 to 768), and a larger
+  total changes nothing but the statistical efficiency, which only falls with ``B``. B0 is the best fixed total by
+  construction (goodput = throughput x efficiency). The per-sample costs (1, 2, 4 ms: a 56 ms step at B0) are set
+  large enough that this machine's own cost per step stays a small share of it (measured: about 10 ms a step at B0
+  on two shared cores, the loop, the all-reduce, the real compute), since it acts as a fixed cost that larger totals
+  amortise: it makes 2 x B0 about 9% faster a sample, which pays only at a noise scale near 1,000 (the MLP's was
+  20-120 along the first 46,000 samples here, and ``gpu_mix.survey`` found it below 2 x B0 for most of a run).
+
+The fixed-total oracle's runs at large totals pay balanced Cannikin's warm-up at that total: the first ~16 steps at
+an even split, while the speeds are measured (1 s a step at 768 on the per-sample devices).
+
+    python benchmarks/time_to_accuracy.py [--scenario fixed-cost] [--repeats 3] [--target 0.85]
 """
 
 from __future__ import annotations
@@ -29,18 +54,59 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import lightning.pytorch as pl
 import numpy as np
+import torch
+from torch import nn
 
 from benchmarks.harness import median, run
-from examples.data import fashion_mnist_available
-from lightning_cannikin import Cannikin
+from examples.data import fashion_mnist_available, load_dataset
+from lightning_cannikin import Cannikin, CannikinSettings
 from lightning_cannikin.core.goodput import candidate_batch_sizes, goodput
 from lightning_cannikin.core.optperf import optperf, step_time
 from lightning_cannikin.core.plan import even_split
 from lightning_cannikin.tools.report import plot_or_skip
 
 PER_SAMPLE_MS = [0.5, 1.0, 2.0]
+PER_SAMPLE_ONLY_MS = [1.0, 2.0, 4.0]  # per-sample: 1:2:4 and no fixed cost
+FIXED_TOTAL_MULTIPLES = (1, 2, 4, 8)  # the oracle's default totals, in B0
+GATE = 1.05  # the issue's gate: Cannikin's median time over the best fixed total's
+SCENARIOS = ("fashion-mnist", "gpu-mix", "fixed-cost", "per-sample")
+MLP_SCENARIOS = ("fixed-cost", "per-sample")
 RESULTS = Path(__file__).parent / "results"
+
+
+class MLPClassifier(pl.LightningModule):
+    """A 784-256-128-10 MLP (``gpu_mix.survey``'s Fashion-MNIST candidate), SGD with momentum at a constant LR.
+
+    Args:
+        image_shape: the input images' shape (flattened in).
+        lr: the learning rate tuned for the base batch.
+        num_classes: output classes.
+
+    """
+
+    def __init__(self, image_shape: tuple[int, ...] = (1, 28, 28), lr: float = 0.05, num_classes: int = 10) -> None:
+        super().__init__()
+        self.lr = lr
+        self.net = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(int(np.prod(image_shape)), 256),
+            nn.ReLU(),
+            nn.Linear(256, 128),
+            nn.ReLU(),
+            nn.Linear(128, num_classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
 def time_to_target(result: dict, target: float) -> float | None:
@@ -101,15 +167,99 @@ def emulated_bound(
 
 
 NAMES = ("ddp", "adaptive-even", "balance-only", "cannikin")
+# where the oracle's B0 run is balance-only with AdaScale (a gain of 1 at B0), balance-only is left out by default
+MLP_NAMES = ("ddp", "adaptive-even", "cannikin")
 
 
-def configure(name: str, max_batch_size: int) -> tuple[str, list]:
+def fixed_name(total: int) -> str:
+    """The run name of the oracle's run pinned at ``total``."""
+    return f"fixed-{total}"
+
+
+def fixed_total_of(name: str) -> int | None:
+    """The pinned total of an oracle run's name (``None``: not one)."""
+    return int(name.removeprefix("fixed-")) if name.startswith("fixed-") else None
+
+
+def fixed_totals(spec: str | None, base_batch: int, world_size: int) -> list[int]:
+    """The oracle's totals from ``--fixed-totals`` (comma-separated; ``None``: B0 x 1, 2, 4, 8; ``"none"``: no sweep).
+
+    Raises:
+        ValueError: a total that the ranks cannot share evenly (the DataLoader's batch is ``total / world_size``).
+
+    """
+    if spec is None:
+        return [base_batch * k for k in FIXED_TOTAL_MULTIPLES]
+    if spec.strip().lower() in ("", "none"):
+        return []
+    totals = [int(part) for part in spec.split(",") if part.strip()]
+    wrong = [t for t in totals if t < world_size or t % world_size]
+    if wrong:
+        raise ValueError(f"fixed totals {wrong} are not positive multiples of the {world_size} ranks")
+    return sorted(set(totals))
+
+
+def configure(name: str, max_batch_size: int, base_batch_size: int | None = None) -> tuple[str, list]:
+    """The strategy and callbacks of a run; ``base_batch_size`` (B0) is the oracle runs' AdaScale base."""
     if name == "ddp":
         return "ddp_fork", []
+    if fixed_total_of(name) is not None:
+        # The total is the DataLoader's batch x world size. max_batch_size=None keeps it: no total is ever
+        # reconsidered. (A cap of T with a base of B0 would not pin it: the policy's candidates run from B0 to the
+        # cap, so the upper noise bound could shrink it.) base_batch_size=B0 still measures the noise scale and gives
+        # the AdaScale gain of T over B0, the LR the adaptive run would take at T (less the floor of a grown total's
+        # band, which only a total the policy chose has). With no total to decide, the engine measures the noise on
+        # one step in noise_every_n_steps from the start, so the gain would wait about 8 x 10 steps (61,000
+        # samples at 768, all at B0's LR); measuring every step gives it after about as many steps as the adaptive
+        # run's bounds take (a few hundred microseconds of host time a step).
+        settings = CannikinSettings(noise_every_n_steps=1)
+        return "cannikin_fork", [Cannikin(lr_scaling="adascale", base_batch_size=base_batch_size, settings=settings)]
     if name == "balance-only":
         return "cannikin_fork", [Cannikin()]  # the total batch stays B0
     balance = name == "cannikin"
     return "cannikin_fork", [Cannikin(max_batch_size=max_batch_size, balance=balance, lr_scaling="adascale")]
+
+
+def emulated_throughput(per_sample_ms: list, fixed_ms: list, totals: list[int]) -> list[float]:
+    """Samples per second of a balanced (OptPerf) step at each total on the emulated devices alone."""
+    times = optperf(np.asarray(per_sample_ms) / 1000, np.asarray(fixed_ms) / 1000, totals)
+    return [float(t / s) for t, s in zip(totals, times, strict=True)]
+
+
+def oracle(
+    runs: dict[str, list[dict]], totals: list[int], cannikin_time: float | None, throughput: list[float]
+) -> dict:
+    """The fixed-total sweep: each total's median time and samples to target, the best total, Cannikin's ratio to it.
+
+    A total that missed the target in some repeat has no median and cannot be the best.
+    """
+    sweep = []
+    for total, rate in zip(totals, throughput, strict=True):
+        results = runs.get(fixed_name(total), [])
+        times = [r["time_to_target"] for r in results]
+        samples = [r["samples_to_target"] for r in results]
+        reached = bool(results) and all(t is not None for t in times)
+        sweep.append(
+            {
+                "total": total,
+                "median_time_to_target_s": median(times) if reached else None,
+                "median_samples_to_target": median(samples) if reached else None,
+                "time_to_target_s": times,
+                "samples_to_target": samples,
+                "emulated_samples_per_s": rate,
+            }
+        )
+    timed = [entry for entry in sweep if entry["median_time_to_target_s"] is not None]
+    best = min(timed, key=lambda entry: entry["median_time_to_target_s"]) if timed else None
+    ratio = cannikin_time / best["median_time_to_target_s"] if best is not None and cannikin_time else None
+    return {
+        "sweep": sweep,
+        "best_fixed_total": None if best is None else best["total"],
+        "best_fixed_time_s": None if best is None else best["median_time_to_target_s"],
+        "cannikin_vs_best_fixed": ratio,
+        "gate": GATE,
+        "within_gate": None if ratio is None else ratio <= GATE,
+    }
 
 
 def plot(runs: dict[str, list[dict]], path: Path, base_batch: int) -> None:
@@ -123,9 +273,10 @@ def plot(runs: dict[str, list[dict]], path: Path, base_batch: int) -> None:
     for name, results in runs.items():
         curve, colour = results[0]["curve"], colours[name]
         times = [p["time"] for p in curve]
-        # every run starts at B0; the curve's points are its evaluations (the first after 5,000 samples)
+        # the adaptive runs start at B0; the curve's points are its evaluations (the first after 5,000 samples)
         totals = [p["total_batch_size"] for p in curve]
-        axes[0].step([0.0, *times], [base_batch, *totals], where="post", color=colour, label=name)
+        start = fixed_total_of(name) or base_batch  # the oracle's runs start (and stay) at their total
+        axes[0].step([0.0, *times], [start, *totals], where="post", color=colour, label=name)
         lrs = [p["lr_factor"] * p.get("scheduled_lr", 1.0) for p in curve]
         axes[1].step(times, lrs, where="post", color=colour, label=name)
         measured = [(p["time"], p["noise_scale"]) for p in curve if p.get("noise_scale") is not None]
@@ -143,6 +294,33 @@ def plot(runs: dict[str, list[dict]], path: Path, base_batch: int) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def oracle_rows(fixed_oracle: dict, base_batch: int) -> list[str]:
+    """The markdown lines of the fixed-total oracle: one row per pinned total, then the best and the gate."""
+    rows = [
+        "",
+        f"## Fixed-total oracle (balanced, AdaScale from B0 = {base_batch}, the total pinned from the start)",
+        "",
+        "| fixed total | median time to target (s) | per-repeat (s) | median samples to target | emulated samples/s |",
+        "|---:|---:|---|---:|---:|",
+    ]
+    for entry in fixed_oracle["sweep"]:
+        time, samples = entry["median_time_to_target_s"], entry["median_samples_to_target"]
+        per = ", ".join("n/a" if t is None else f"{t:.1f}" for t in entry["time_to_target_s"])
+        rows.append(
+            f"| {entry['total']} | {'n/a' if time is None else f'{time:.1f}'} | {per} |"
+            f" {'n/a' if samples is None else f'{samples:.0f}'} | {entry['emulated_samples_per_s']:.0f} |"
+        )
+    best, ratio = fixed_oracle["best_fixed_total"], fixed_oracle["cannikin_vs_best_fixed"]
+    rows.append("")
+    if best is None:
+        rows.append("- best fixed total: none reached the target in every repeat")
+    else:
+        rows.append(f"- best fixed total: {best} ({fixed_oracle['best_fixed_time_s']:.1f} s)")
+    verdict = "" if ratio is None else (" (within" if ratio <= GATE else " (over") + f" the {GATE:.2f}x gate)"
+    rows.append(f"- cannikin_vs_best_fixed: {'n/a' if ratio is None else f'{ratio:.2f}x the time'}{verdict}")
+    return rows
 
 
 def scenario_options(args: argparse.Namespace) -> dict:
@@ -166,52 +344,93 @@ def scenario_options(args: argparse.Namespace) -> dict:
             "out": args.out or RESULTS / "time_to_accuracy_gpu_mix",
             "cosine_horizon_b0_steps": horizon,
         }
-    fixed = [args.fixed_ms] * len(PER_SAMPLE_MS)
-    return {
-        "per_sample_ms": PER_SAMPLE_MS,
-        "fixed_ms": fixed,
-        "devices": "1x : 2x : 4x",
+    per_sample_only = args.scenario == "per-sample"
+    per_sample = (
+        [float(ms) for ms in args.per_sample_ms.split(",")]
+        if args.per_sample_ms
+        else (PER_SAMPLE_ONLY_MS if per_sample_only else PER_SAMPLE_MS)
+    )
+    fixed_ms = args.fixed_ms if args.fixed_ms is not None else (0.0 if per_sample_only else 20.0)
+    options = {
+        "per_sample_ms": per_sample,
+        "fixed_ms": [fixed_ms] * len(per_sample),
+        "devices": " : ".join(f"{ms / min(per_sample):g}x" for ms in per_sample),
         "task": None,
-        "lr": args.lr or 0.05,
+        "lr": args.lr or 0.05,  # the MLP's too: 0.1 took 125,000-165,000 samples to 85% at B0, 0.05 85,000-105,000
         "data": args.data,
         "target": args.target or (0.89 if args.data == "fashion-mnist" else 0.95),
         "out": args.out or RESULTS / "time_to_accuracy",
     }
+    if args.scenario in MLP_SCENARIOS:
+        train, test, shape = load_dataset(args.data)
+        lr = options["lr"]
+        options |= {
+            "task": (train, test, lambda: MLPClassifier(shape, lr=lr), 10),
+            "model": f"MLP {int(np.prod(shape))}-256-128-10",
+            "target": args.target or (0.85 if args.data == "fashion-mnist" else 0.95),
+            "out": args.out or RESULTS / f"time_to_accuracy_{args.scenario.replace('-', '_')}",
+        }
+    return options
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scenario", choices=("fashion-mnist", "gpu-mix"), default="fashion-mnist")
+    parser.add_argument("--scenario", choices=SCENARIOS, default="fashion-mnist")
     parser.add_argument("--data", default="fashion-mnist" if fashion_mnist_available() else "digits")
     parser.add_argument("--train-samples", type=int, default=None, help="a subset of the training set (default: all)")
-    parser.add_argument("--target", type=float, default=None, help="default: 0.89 Fashion-MNIST, 0.52 gpu-mix")
+    parser.add_argument(
+        "--target", type=float, default=None, help="default: 0.89 Fashion-MNIST, 0.52 gpu-mix, 0.85 the MLP scenarios"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=32, help="initial per-device batch (B0 = 3x)")
     parser.add_argument("--max-batch-size", type=int, default=None, help="default: 1024 Fashion-MNIST, 4096 gpu-mix")
-    parser.add_argument("--max-epochs", type=int, default=None, help="default: 30 Fashion-MNIST, 3 gpu-mix")
+    parser.add_argument(
+        "--max-epochs", type=int, default=None, help="default: 30 Fashion-MNIST, 3 gpu-mix, 10 the MLP scenarios"
+    )
     parser.add_argument("--eval-every", type=int, default=5000, help="evaluate every this many training samples")
-    parser.add_argument("--lr", type=float, default=None, help="default: 0.05 Fashion-MNIST, 1.5 gpu-mix")
-    parser.add_argument("--fixed-ms", type=float, default=20.0, help="Fashion-MNIST's fixed cost per step")
+    parser.add_argument("--lr", type=float, default=None, help="default: 0.05, 1.5 gpu-mix")
+    parser.add_argument(
+        "--fixed-ms", type=float, default=None, help="fixed cost per step (default: 20, per-sample 0; not gpu-mix)"
+    )
+    parser.add_argument(
+        "--per-sample-ms",
+        default=None,
+        help="comma-separated ms a sample per rank (default: 0.5,1,2; per-sample 1,2,4)",
+    )
     parser.add_argument("--scale", type=float, default=1.0, help="gpu-mix: the common factor on the GPUs' costs")
     parser.add_argument("--horizon-epochs", type=float, default=2.0, help="gpu-mix: cosine decay length, B0-epochs")
-    parser.add_argument("--runs", default=",".join(NAMES), help="which runs, comma-separated")
+    parser.add_argument(
+        "--runs",
+        default=None,
+        help=f"which runs, comma-separated (default: {','.join(NAMES)}; MLP scenarios no balance-only)",
+    )
+    parser.add_argument(
+        "--fixed-totals",
+        default=None,
+        help="the oracle's pinned totals, comma-separated multiples of the ranks (default: B0 x 1,2,4,8; none)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    gpu_mix = args.scenario == "gpu-mix"
+    gpu_mix, mlp = args.scenario == "gpu-mix", args.scenario in MLP_SCENARIOS
     max_batch = args.max_batch_size or (4096 if gpu_mix else 1024)
-    max_epochs = args.max_epochs or (3 if gpu_mix else 30)
+    max_epochs = args.max_epochs or (3 if gpu_mix else 10 if mlp else 30)
     options = scenario_options(args)
     target, out = options["target"], options["out"]
-    names = tuple(n for n in NAMES if n in args.runs.split(","))
+    world_size = len(options["per_sample_ms"])
+    base_batch = args.batch_size * world_size
+    totals = fixed_totals(args.fixed_totals, base_batch, world_size)
+    chosen = (args.runs or ",".join(MLP_NAMES if mlp else NAMES)).split(",")
+    names = (*(n for n in NAMES if n in chosen), *(fixed_name(t) for t in totals))
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for repeat in range(args.repeats):
         for name in names:  # interleaved: every repeat runs each configuration once, in the same order
-            strategy, callbacks = configure(name, max_batch)
+            strategy, callbacks = configure(name, max_batch, base_batch)
+            pinned = fixed_total_of(name)
             result = run(
                 strategy,
                 options["per_sample_ms"],
                 options["fixed_ms"],
-                args.batch_size,
+                args.batch_size if pinned is None else pinned // world_size,
                 max_epochs,
                 data=options["data"],
                 callbacks=callbacks,
@@ -244,12 +463,15 @@ def main(argv: list[str] | None = None) -> dict:
         mine, theirs = summary.get("cannikin"), summary.get(other)
         return mine / theirs if mine and theirs else None
 
+    throughput = emulated_throughput(options["per_sample_ms"], options["fixed_ms"], totals)
+    fixed_oracle = oracle(runs, totals, summary.get("cannikin"), throughput) if totals else None
     ratios = {
         "cannikin_vs_ddp": ratio("ddp"),
         "cannikin_vs_adaptive_even": ratio("adaptive-even"),
         "cannikin_vs_balance_only": ratio("balance-only"),
     }
-    base_batch = args.batch_size * len(options["per_sample_ms"])
+    if fixed_oracle is not None:
+        ratios["cannikin_vs_best_fixed"] = fixed_oracle["cannikin_vs_best_fixed"]
     ddp_samples = med("ddp", "samples_to_target")
     bound = (
         emulated_bound(
@@ -259,11 +481,12 @@ def main(argv: list[str] | None = None) -> dict:
         else None
     )
     of_bound = {
-        key: bound[key] / value for key, value in ratios.items() if bound is not None and value is not None
+        key: bound[key] / value for key, value in ratios.items() if bound is not None and key in bound and value
     }  # measured speedup over the bound's speedup
     report = {
         "scenario": args.scenario,
         "data": options["data"],
+        "model": options.get("model"),
         "devices": options["devices"],
         "train_samples": args.train_samples,
         "target_accuracy": target,
@@ -276,6 +499,7 @@ def main(argv: list[str] | None = None) -> dict:
         "median_time_to_target_s": summary,
         "median_samples_to_target": {name: med(name, "samples_to_target") for name in names},
         "ratios": ratios,
+        "fixed_total_oracle": fixed_oracle,
         "bound": bound,
         "measured_speedup_over_bound_speedup": of_bound,
         "runs": runs,
@@ -296,12 +520,14 @@ def main(argv: list[str] | None = None) -> dict:
         )
     rows.append("")
     for key, value in ratios.items():
-        ideal = "" if bound is None else f" (emulated bound {bound[key]:.2f}x)"
+        ideal = "" if bound is None or key not in bound else f" (emulated bound {bound[key]:.2f}x)"
         rows.append(f"- {key}: {'n/a' if value is None else f'{value:.2f}x the time'}{ideal}")
     if of_bound:
         rows.append("")
         rows.append("Measured speedup as a share of the bound's (bound ratio / measured ratio):")
         rows.extend(f"- {key}: {value:.0%}" for key, value in of_bound.items())
+    if fixed_oracle is not None:
+        rows.extend(oracle_rows(fixed_oracle, base_batch))
     table = "\n".join(rows)
     subset = args.train_samples or "all"
     title = f"# Time to {target:.0%} test accuracy ({args.scenario}: {options['data']}, {subset} training samples)"

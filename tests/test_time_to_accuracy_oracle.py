@@ -1,0 +1,93 @@
+"""The time-to-accuracy benchmark's fixed-total oracle: how a total is pinned, the scenarios' costs, the gate."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from benchmarks.time_to_accuracy import (
+    GATE,
+    PER_SAMPLE_MS,
+    PER_SAMPLE_ONLY_MS,
+    configure,
+    emulated_throughput,
+    fixed_totals,
+    oracle,
+    oracle_rows,
+)
+from lightning_cannikin.core.goodput import goodput
+from lightning_cannikin.core.plan import BatchBounds, Plan
+from lightning_cannikin.core.policy import PolicySettings, decide
+from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings, StepRecord
+
+SLOPES, FIXED = (0.0005, 0.001, 0.002), 0.020  # the fixed-cost scenario's devices, in seconds
+
+
+def fitted_model() -> SpeedModel:
+    """A speed model that has seen every rank at two batch sizes (identified), no warm-up to leave out."""
+    model = SpeedModel(3, SpeedModelSettings(warmup_samples=0), BatchBounds.parse(None, 3))
+    step = 0
+    for sizes in ((32, 32, 32), (48, 32, 16), (40, 36, 20)):
+        for _ in range(5):
+            slowest = max(FIXED + s * b for s, b in zip(SLOPES, sizes, strict=True))
+            model.add([StepRecord(step, r, b, FIXED + SLOPES[r] * b, slowest) for r, b in enumerate(sizes)])
+            step += 1
+    return model
+
+
+def test_the_default_sweep_is_b0_times_1_2_4_8_and_totals_must_split_evenly() -> None:
+    assert fixed_totals(None, 96, 3) == [96, 192, 384, 768]
+    assert fixed_totals("384, 96,96", 96, 3) == [96, 384]
+    assert fixed_totals("none", 96, 3) == []
+    with pytest.raises(ValueError, match=r"\[100\]"):
+        fixed_totals("96,100", 96, 3)
+
+
+def test_a_fixed_run_keeps_its_total_and_scales_the_lr_from_b0() -> None:
+    strategy, (callback,) = configure("fixed-384", 1024, 96)
+    assert strategy == "cannikin_fork"
+    assert callback.max_batch_size is None and callback.base_batch_size == 96 and callback.lr_scaling == "adascale"
+    assert callback.engine.track_noise_scale and callback.settings.noise_every_n_steps == 1
+    model, pinned = fitted_model(), Plan((128, 128, 128))
+    # no cap: the total stays at 384 whatever the noise scale says, and the gain is AdaScale's for 384 over 96
+    for bounds in ((1.0, 2.0), (5000.0, 6000.0)):
+        decision = decide(model, pinned, PolicySettings(max_batch_size=None), bounds, 96)
+        assert decision.plan.total_batch_size == 384
+    assert decide(model, pinned, PolicySettings(max_batch_size=None), (5000.0, 6000.0), 96).gain > 3.0
+    # why not a cap of 384 with base 96: a small noise scale shrinks the total toward B0
+    capped = decide(model, pinned, PolicySettings(max_batch_size=384), (1.0, 2.0), 96)
+    assert capped.plan.total_batch_size < 384
+
+
+def test_per_sample_costs_leave_the_throughput_flat_so_b0_is_the_best_fixed_total() -> None:
+    totals = [96, 192, 384, 768]
+    flat = np.array(emulated_throughput(PER_SAMPLE_ONLY_MS, [0.0] * 3, totals))
+    assert flat.max() / flat.min() < 1.02  # the split's integer rounding only
+    rising = np.array(emulated_throughput(PER_SAMPLE_MS, [20.0] * 3, totals))
+    assert np.all(np.diff(rising) > 0) and rising[-1] / rising[0] > 1.5  # fixed-cost: a larger total pays
+    for phi in (10.0, 96.0, 1000.0, 3000.0):
+        assert np.argmax(goodput(totals, np.array(totals) / flat, phi, 96)) == 0
+
+
+def result(time: float | None, samples: int | None) -> dict:
+    return {"time_to_target": time, "samples_to_target": samples}
+
+
+def test_the_oracle_picks_the_fastest_total_that_always_reached_the_target() -> None:
+    runs = {
+        "fixed-96": [result(60.0, 90_000), result(62.0, 95_000), result(58.0, 85_000)],
+        "fixed-192": [result(48.0, 95_000), result(50.0, 99_000), result(47.0, 92_000)],
+        "fixed-384": [result(40.0, 150_000), result(None, None), result(41.0, 160_000)],  # missed once: no median
+    }
+    report = oracle(runs, [96, 192, 384], 49.0, [2000.0, 2560.0, 2954.0])
+    assert [entry["median_time_to_target_s"] for entry in report["sweep"]] == [60.0, 48.0, None]
+    assert report["sweep"][1]["median_samples_to_target"] == 95_000
+    assert (report["best_fixed_total"], report["best_fixed_time_s"]) == (192, 48.0)
+    assert report["cannikin_vs_best_fixed"] == pytest.approx(49.0 / 48.0)
+    assert report["within_gate"] is True and GATE == 1.05
+    text = "\n".join(oracle_rows(report, 96))
+    assert "| 384 | n/a | 40.0, n/a, 41.0 | n/a | 2954 |" in text
+    assert "best fixed total: 192 (48.0 s)" in text and "1.02x the time (within the 1.05x gate)" in text
+    missed = oracle({"fixed-96": [result(None, None)]}, [96], 49.0, [2000.0])
+    assert missed["best_fixed_total"] is None and missed["cannikin_vs_best_fixed"] is None
+    assert "none reached the target" in "\n".join(oracle_rows(missed, 96))
