@@ -206,6 +206,23 @@ class NoiseScaleEstimator:
         )  # f at which (1 + f) / (1 - f) is the minimum
         return int(math.log(settled) / math.log(self.decay) * self.base_batch_size)
 
+    def never_bounded_at(self, total_batch_size: int) -> str | None:
+        """What to tell the user, with the fix, when updates of ``total_batch_size`` samples can never bound the noise
+        scale (the averages span too few of them), else ``None``: the total batch and the AdaScale gain would never
+        move, in silence."""
+        spanned = self.steps_spanned(total_batch_size)
+        if spanned >= MIN_EFFECTIVE_STEPS:
+            return None
+        base = self.base_batch_size
+        least = -(-total_batch_size * base // self.largest_bounded_total())
+        return (
+            f"Cannikin: the noise-scale statistics average over about {round(base / (1 - self.decay)):,} samples"
+            f" (`base_batch_size`={base}), only {spanned:.1f} steps of the initial total batch {total_batch_size};"
+            f" their spread needs {MIN_EFFECTIVE_STEPS:.0f}, so the noise scale is never bounded and the total batch"
+            " and the AdaScale gain never move. Set `base_batch_size` to the total the learning rate was tuned for,"
+            f" at least {least} here (the default is the initial total)."
+        )
+
     def standard_errors(self) -> tuple[float, float] | None:
         """Standard errors of the averaged ``|G|^2`` and ``tr(Sigma)`` (None until the average first spans ten
         effective steps, below which the spread itself is unknown).

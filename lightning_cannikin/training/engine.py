@@ -26,7 +26,7 @@ from lightning_cannikin.core.change import LocalChangeCheck
 from lightning_cannikin.core.change_vote import ChangeVote
 from lightning_cannikin.core.history import NoiseTrail, PlanHistory
 from lightning_cannikin.core.lr_scaling import Progress, check_family
-from lightning_cannikin.core.noise_scale import MIN_EFFECTIVE_STEPS, NoiseScaleEstimator
+from lightning_cannikin.core.noise_scale import NoiseScaleEstimator
 from lightning_cannikin.core.plan import BatchBounds, Plan
 from lightning_cannikin.core.policy import Decision, PolicySettings, decide, gain_noise_scale, learning_rate_scale
 from lightning_cannikin.core.profile import PROFILE_FILENAME, build_profile, save_profile
@@ -196,8 +196,9 @@ class BalancingEngine:
         base = self.base_batch_size or (plan.total_batch_size if plan is not None else 1)
         if self.estimator is None:
             self.estimator = NoiseScaleEstimator(base)
-            if self.measures_noise and plan is not None:
-                _warn_if_unbounded(self.estimator, plan.total_batch_size)
+            unbounded = self.estimator.never_bounded_at(plan.total_batch_size) if plan is not None else None
+            if self.measures_noise and unbounded is not None:
+                rank_zero_warn(unbounded)
         self._optimizer, self._family, self._inner = optimizer, None, None
         self._identify_optimizer()
         if self._observer is not None:
@@ -664,19 +665,3 @@ class BalancingEngine:
         world_size = self.collective.world_size if self.collective is not None else 1
         same_devices = state["balancer"] is not None and state["balancer"]["world_size"] == world_size
         self.identified = bool(state["identified"]) and same_devices
-
-
-def _warn_if_unbounded(estimator: NoiseScaleEstimator, total_batch_size: int) -> None:
-    """Say once, with the fix, when the noise statistics can never bound the noise scale at the initial total: the
-    moving averages span a fixed number of samples (``decay`` per base batch), too few steps of a total far above it."""
-    spanned = estimator.steps_spanned(total_batch_size)
-    if spanned >= MIN_EFFECTIVE_STEPS:
-        return
-    base = estimator.base_batch_size
-    rank_zero_warn(
-        f"Cannikin: the noise-scale statistics average over about {round(base / (1 - estimator.decay)):,} samples"
-        f" (`base_batch_size`={base}), only {spanned:.1f} steps of the initial total batch {total_batch_size}; their"
-        f" spread needs {MIN_EFFECTIVE_STEPS:.0f}, so the noise scale is never bounded and the total batch and the"
-        " AdaScale gain never move. Set `base_batch_size` to the total the learning rate was tuned for, at least"
-        f" {-(-total_batch_size * base // estimator.largest_bounded_total())} here (the default is the initial total)."
-    )
