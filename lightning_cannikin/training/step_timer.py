@@ -12,12 +12,14 @@ One :class:`StepTimer` with two clocks, picked by device (:func:`step_timer_for`
 
 The points, the same on both clocks:
 
-- the input: from the end of the previous step (after its re-plan, if any) to this step's start. Between them the
-  loop fetches the next batch (the loader's wait, collation in the training process) and copies it to the device. On
-  CUDA both ends are events on the stream, so the span is what the *device* waited for its input: host work that ran
-  while the device was still busy (workers ahead of the loop, a host ahead of the queue) is not in it. On the host
-  clock it is the host's wait, the same thing where the work is done when the call returns. An epoch's first step has
-  none (the epoch's end, validation and the loader's new iterator lie between);
+- the input: from the loop's request for this step's batch (the training loader's ``on_fetch``, after the previous step
+  and whatever ran after it: a re-plan, logging, validation) to this step's start. Between them the loop fetches the
+  batch (the loader's wait, collation in the training process) and copies it to the device (Lightning's loop keeps
+  one batch ahead, so the batch fetched there is the next one: the same size under a plan in force). On CUDA both
+  ends are events on the stream, so the span is what the *device* waited for its input: host work that ran while the
+  device was still busy (workers ahead of the loop, a host ahead of the queue) is not in it. On the host clock it is
+  the host's wait, the same thing where the work is done when the call returns. An epoch's first step has none (the
+  epoch's end, validation and the loader's new iterator lie between);
 - the step: batch start (``on_train_batch_start``) to batch end (``on_train_batch_end``);
 - forward start: marked by the strategy where every training step passes (its ``training_step``, whatever the
   module calls), then moved to the moment DDP hands the batch to the LightningModule, after DDP's pre-forward work:
@@ -58,8 +60,7 @@ from lightning_cannikin.training.device_memory import DeviceMemory
 
 __all__ = ["CudaEventClock", "HostClock", "StepTimer", "step_timer_for"]
 
-# the points of a step, as indices into its marks; INPUT is where the host turned to this step's input (the previous
-# step's end)
+# the points of a step, as indices into its marks; INPUT is where the loop asked for this step's batch
 BATCH, FORWARD, FIRST_BUCKET, LAST_BUCKET, REDUCED, BACKWARD, END, INPUT = range(8)
 _POINTS = 8
 
@@ -170,8 +171,8 @@ class StepTimer:
         self.clock.mark(marks, BATCH)
 
     def input_starts(self) -> None:
-        """The step is over on every side (re-plan included): from here to the next :meth:`start`, the loop gets the
-        next step's input."""
+        """The loop asks for the next step's batch: from here to the next :meth:`start` is that step's input (a second
+        request before it, as a prefetching loop makes, moves the mark to the later one)."""
         if not self._in_step:
             self.clock.mark(self._marks, INPUT)
 
