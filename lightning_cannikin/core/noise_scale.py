@@ -201,9 +201,8 @@ class NoiseScaleEstimator:
     def largest_bounded_total(self) -> int:
         """The largest total batch at which the averages still span ``MIN_EFFECTIVE_STEPS`` updates (about 200 base
         batches at the default decay)."""
-        settled = (MIN_EFFECTIVE_STEPS - 1.0) / (
-            MIN_EFFECTIVE_STEPS + 1.0
-        )  # f at which (1 + f) / (1 - f) is the minimum
+        # the per-update decay f at which (1 + f) / (1 - f) is the minimum count
+        settled = (MIN_EFFECTIVE_STEPS - 1.0) / (MIN_EFFECTIVE_STEPS + 1.0)
         return int(math.log(settled) / math.log(self.decay) * self.base_batch_size)
 
     def never_bounded_at(self, total_batch_size: int) -> str | None:

@@ -13,12 +13,13 @@ Pure numpy: imports neither torch nor Lightning, so every rank can run it and ge
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import ArrayLike
 
-__all__ = ["Split", "most_even_split", "optimal_split", "optperf", "step_time"]
+__all__ = ["Split", "most_even_split", "optimal_split", "optperf", "step_time", "with_micro_steps"]
 
 # Safety net for the level search: at least every third probe halves the bracket, so a few hundred probes take any
 # realistic bracket of step times down to adjacent floats; reaching this means a bug rather than a hard input.
@@ -370,6 +371,20 @@ def optperf(
     totals = _totals(total_batch_sizes, "total_batch_sizes")
     best, _, _ = _solve(pieces, totals.reshape(-1), lo, hi_user, exact=False)
     return best.reshape(totals.shape)
+
+
+def with_micro_steps(
+    times: np.ndarray, totals: ArrayLike, steps: ArrayLike, micro_step: Callable[[int], float]
+) -> np.ndarray:
+    """Optimizer-step times of micro-step totals run ``steps`` times: ``times`` (one whole step each, the reduction
+    included) plus ``steps - 1`` micro-steps that reduce nothing, ``micro_step(total)`` seconds each (the ranks'
+    compute at the total's split). Gradient accumulation pays its all-reduce once, as it runs."""
+    flat = np.array(times, dtype=np.float64).reshape(-1)
+    sizes = np.asarray(totals).reshape(-1)
+    extra = np.broadcast_to(np.asarray(steps), np.shape(times)).reshape(-1) - 1
+    for index in np.flatnonzero(np.isfinite(flat) & (extra > 0)):
+        flat[index] += extra[index] * micro_step(int(sizes[index]))
+    return flat.reshape(np.shape(times))
 
 
 def step_time(slopes: ArrayLike, offsets: ArrayLike, local_batch_sizes: ArrayLike) -> float | np.ndarray:

@@ -17,7 +17,7 @@ from lightning_cannikin.core.change import DRIFT_TOLERANCE, ChangeWatch
 from lightning_cannikin.core.evidence import trusted_bounds
 from lightning_cannikin.core.expected import Scenarios, expected_split, relative_jitter, stall_scenarios
 from lightning_cannikin.core.memory import MemoryFitter
-from lightning_cannikin.core.optperf import optimal_split, optperf, step_time
+from lightning_cannikin.core.optperf import optimal_split, optperf, step_time, with_micro_steps
 from lightning_cannikin.core.plan import BatchBounds, Plan
 from lightning_cannikin.core.probe import probe_split
 from lightning_cannikin.core.step_record import StepRecord
@@ -374,19 +374,21 @@ class SpeedModel:
         """
         slopes, offsets = self.pieces()
         totals = np.asarray(total_batch_sizes)
-        steps = np.broadcast_to(np.asarray(accumulation_steps), totals.shape).reshape(-1)
         times = optperf(slopes, offsets, totals, self.lower, self.upper)
         scenarios = self.scenarios()
-        flat = times.reshape(-1).copy()
-        for index in np.flatnonzero(np.isfinite(flat)):
-            if scenarios is None and steps[index] <= 1:
-                continue  # the closed form above is exact: no split needed
-            total = int(totals.reshape(-1)[index])
-            split = np.array([optimal_split(slopes, offsets, total, self.lower, self.upper).local_batch_sizes])
-            if scenarios is not None:
-                flat[index] = self._expected(split, scenarios)[0]
-            flat[index] += (steps[index] - 1) * self.micro_step_time(split)[0]
-        return flat.reshape(times.shape)
+        if scenarios is not None:
+            flat = times.reshape(-1)
+            for index in np.flatnonzero(np.isfinite(flat)):
+                flat[index] = self._expected(np.array([self._split(int(totals.reshape(-1)[index]))]), scenarios)[0]
+            times = flat.reshape(times.shape)
+        return with_micro_steps(
+            times, totals, accumulation_steps, lambda total: float(self.micro_step_time(self._split(total))[0])
+        )
+
+    def _split(self, total_batch_size: int) -> tuple[int, ...]:
+        """OptPerf's split of a total under the model's pieces and bounds."""
+        slopes, offsets = self.pieces()
+        return optimal_split(slopes, offsets, total_batch_size, self.lower, self.upper).local_batch_sizes
 
     def predict(self, local_batch_sizes: ArrayLike, accumulation_steps: ArrayLike = 1) -> float | np.ndarray:
         """Predicted (expected) time of an optimizer step at a split (or of each row of a ``(C, n)`` array of splits)

@@ -35,10 +35,10 @@ class StepRecord:
         last_bucket: the last bucket's all-reduce alone, from its start to its completion: what is left after
             backward when the reduction keeps up (``None``: not measured; ``exposed`` stands in, exact only where
             backward hides the reduction).
-        host: the time this rank's device waited for its input between the previous step's end and this step's start:
-            the wait for the next batch, collation, the copy to the device (``None``: not measured, e.g. an epoch's
-            first step). Host work that loader workers or a host running ahead of the device hide is not in it, so it
-            is exactly the input pipeline's share of the critical path, in series with ``compute``.
+        host: the time this rank's device waited for its input, from the loop's request to the training loader to
+            this step's start: the wait for the batch, collation, the copy to the device (``None``: not measured, e.g.
+            an epoch's first step). Host work that loader workers or a host running ahead of the device hide is not in
+            it, so it is exactly the input pipeline's share of the critical path, in series with ``compute``.
 
     """
 

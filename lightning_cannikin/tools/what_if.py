@@ -24,7 +24,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from lightning_cannikin.core.goodput import efficiency
-from lightning_cannikin.core.optperf import most_even_split, optimal_split, optperf, step_time
+from lightning_cannikin.core.optperf import most_even_split, optimal_split, optperf, step_time, with_micro_steps
 from lightning_cannikin.core.plan import Plan
 from lightning_cannikin.core.policy import PolicySettings, decide
 from lightning_cannikin.core.profile import Profile
@@ -135,14 +135,12 @@ class WhatIfCluster:
     def optperf(self, total_batch_sizes: Sequence[int], accumulation_steps: ArrayLike = 1) -> np.ndarray:
         totals = np.asarray(total_batch_sizes)
         times = optperf(self.slopes, self.offsets, totals, self.lower, self.upper)
-        steps = np.broadcast_to(np.asarray(accumulation_steps), totals.shape).reshape(-1)
-        flat = times.reshape(-1).copy()
-        for index in np.flatnonzero(np.isfinite(flat) & (steps > 1)):  # the micro-steps at the step's split
-            split = optimal_split(self.slopes, self.offsets, int(totals.reshape(-1)[index]), self.lower, self.upper)
-            flat[index] += (steps[index] - 1) * step_time(
-                self.micro_slopes, self.micro_offsets, split.local_batch_sizes
-            )
-        return flat.reshape(times.shape)
+
+        def micro_step(total: int) -> float:  # the ranks' compute at the step's split
+            split = optimal_split(self.slopes, self.offsets, total, self.lower, self.upper).local_batch_sizes
+            return float(step_time(self.micro_slopes, self.micro_offsets, split))
+
+        return with_micro_steps(times, totals, accumulation_steps, micro_step)
 
     def predict(self, local_batch_sizes: ArrayLike, accumulation_steps: ArrayLike = 1) -> float | np.ndarray:
         micro = step_time(self.micro_slopes, self.micro_offsets, local_batch_sizes)

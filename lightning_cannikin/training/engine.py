@@ -196,9 +196,10 @@ class BalancingEngine:
         base = self.base_batch_size or (plan.total_batch_size if plan is not None else 1)
         if self.estimator is None:
             self.estimator = NoiseScaleEstimator(base)
-            unbounded = self.estimator.never_bounded_at(plan.total_batch_size) if plan is not None else None
-            if self.measures_noise and unbounded is not None:
-                rank_zero_warn(unbounded)
+            if self.measures_noise and plan is not None:  # said once, where the statistics are measured
+                message = self.estimator.never_bounded_at(plan.total_batch_size)
+                if message is not None:
+                    rank_zero_warn(message)
         self._optimizer, self._family, self._inner = optimizer, None, None
         self._identify_optimizer()
         if self._observer is not None:
