@@ -5,7 +5,8 @@ Cannikin, and the ideal those shares allow.
 MPS daemon, ``nvidia-cuda-mps-control -d``, and stops it at the end; a daemon already running is used and left alone).
 Every run starts three rank processes as torchelastic would (``devices=1, num_nodes=3``; ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK=0``, ``GROUP_RANK``, ``NODE_RANK``, ``LOCAL_WORLD_SIZE=1``, ``MASTER_ADDR``, ``MASTER_PORT``,
-``TORCHELASTIC_RUN_ID``), each with its own ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``; the process group is gloo, since
+``TORCHELASTIC_RUN_ID``; the rendezvous store is held by this script, as torchrun's agent holds it), each with its
+own ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``; the process group is gloo, since
 NCCL refuses two ranks on one GPU. ``--smoke`` runs the same code path on CPU (no MPS, tiny sizes, 2 short epochs, one
 repeat: under a minute on 2 cores once Lightning's import is cached) to check the launch, the environment, the
 collection and the JSON.
@@ -47,7 +48,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -789,10 +789,12 @@ def _mps_daemon_running() -> bool:
     return False
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _agent_store(world_size: int) -> Any:
+    """The rendezvous store, hosted here as torchrun's agent hosts it (``TORCHELASTIC_USE_AGENT_STORE``): bound to a
+    port the system picks and held for the whole run, so no rank races another process for a port found free."""
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
 
 
 def rank_env(config: Config, rank: int, port: int, run_id: str) -> dict[str, str]:
@@ -810,6 +812,8 @@ def rank_env(config: Config, rank: int, port: int, run_id: str) -> dict[str, str
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         TORCHELASTIC_RUN_ID=run_id,
+        TORCHELASTIC_USE_AGENT_STORE="True",
+        TORCHELASTIC_RESTART_COUNT="0",
         OMP_NUM_THREADS=str(config.threads),
         PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
     )
@@ -823,7 +827,8 @@ def launch(config: Config, job: dict[str, Any], run_dir: Path, timeout: float) -
     run_dir.mkdir(parents=True, exist_ok=True)
     job_path = run_dir / "job.json"
     job_path.write_text(json.dumps({**job, "config": asdict(config)}, indent=1))
-    port, started = _free_port(), time.monotonic()
+    store, started = _agent_store(config.world_size), time.monotonic()
+    port = store.port
     processes = []
     for rank in range(config.world_size):
         with open(run_dir / f"rank{rank}.log", "w") as log:  # the child keeps its own descriptor
@@ -853,6 +858,12 @@ def launch(config: Config, job: dict[str, Any], run_dir: Path, timeout: float) -
         time.sleep(0.2)
     if status == "ok" and any(p.returncode != 0 for p in processes):
         status = "failed"
+    del store  # every rank has ended
+    if status != "ok":
+        for rank, process in enumerate(processes):
+            if process.returncode not in (0, -signal.SIGKILL):  # a rank that failed on its own: say why, here
+                tail = (run_dir / f"rank{rank}.log").read_text(errors="replace").splitlines()[-15:]
+                print(f"{run_dir.name}: rank {rank} exited with {process.returncode}:", *tail, sep="\n  ", flush=True)
     ranks = []
     for rank in range(config.world_size):
         path = run_dir / f"rank{rank}.json"
