@@ -31,12 +31,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from statistics import NormalDist
 
 import numpy as np
 
-__all__ = ["NoiseScaleEstimator", "pooled_moments"]
+__all__ = ["NoiseScaleEstimator", "pooled_moments", "t_quantile"]
 
 MIN_EFFECTIVE_STEPS = 10.0  # steps the moving average must span before its spread is estimated
+# the nearly independent looks per window that run_bounds() splits each window's share of its level over, measured by
+# benchmarks/noise_coverage.py: 16 just held 5% of runs at B0 every step (the first window, where the effective count
+# grows from ten, is the hard part); 32 leaves room. Large totals measured rarely would need far fewer
+LOOKS_PER_WINDOW = 32.0
+_NORMAL = NormalDist()
 
 
 def _floats(values: Sequence[float] | np.ndarray) -> list[float]:
@@ -90,6 +96,56 @@ def _moments(z: list[float], b: list[float], y: float) -> tuple[float, float]:
     return grad_sqr, grad_var
 
 
+def t_quantile(tail: float, dof: float) -> float:
+    """Upper quantile of Student's t: the ``x`` with ``P(T > x) = tail`` for ``dof`` degrees of freedom.
+
+    Hill's closed form (Communications of the ACM, algorithm 396, 1970), for any real ``dof >= 1``: within 1e-5
+    relative of the exact quantile for tails from 0.3 down to 1e-10 (``tests/test_noise_scale.py`` checks table
+    values), at the cost of a few dozen float operations, since the bounds ask for it after every update.
+
+    Args:
+        tail: the upper-tail probability, in (0, 0.5].
+        dof: degrees of freedom, at least 1 (real-valued: an effective count need not be whole).
+
+    Returns:
+        The quantile, ``>= 0``.
+
+    Raises:
+        ValueError: ``tail`` outside (0, 0.5] or ``dof < 1``.
+
+    """
+    if not 0.0 < tail <= 0.5:
+        raise ValueError(f"`tail` must lie in (0, 0.5], got {tail}.")
+    if not dof >= 1.0:
+        raise ValueError(f"`dof` must be at least 1, got {dof}.")
+    two_sided = 2.0 * tail
+    if dof == 1.0:
+        return 1.0 / math.tan(two_sided * math.pi / 2.0)
+    if dof == 2.0:
+        return math.sqrt(2.0 / (two_sided * (2.0 - two_sided)) - 2.0)
+    n = dof
+    a = 1.0 / (n - 0.5)
+    b = 48.0 / (a * a)
+    c = ((20700.0 * a / b - 98.0) * a - 16.0) * a + 96.36
+    d = ((94.5 / (b + c) - 3.0) / b + 1.0) * math.sqrt(a * math.pi / 2.0) * n
+    y = (d * two_sided) ** (2.0 / n)
+    if y > 0.05 + a:
+        # moderate tails: a corrected expansion around the normal quantile
+        x = _NORMAL.inv_cdf(tail)
+        y = x * x
+        if n < 5.0:
+            c += 0.3 * (n - 4.5) * (x + 0.6)
+        c = (((0.05 * d * x - 5.0) * x - 7.0) * x - 2.0) * x + b + c
+        y = (((((0.4 * y + 6.3) * y + 36.0) * y + 94.5) / c - y - 3.0) / b + 1.0) * x
+        y = math.expm1(a * y * y)
+    else:
+        # far tails with few degrees of freedom: an expansion of the tail itself
+        y = ((1.0 / (((n + 6.0) / (n * y) - 0.089 * d - 0.822) * (n + 2.0) * 3.0) + 0.5 / (n + 4.0)) * y - 1.0) * (
+            n + 1.0
+        ) / (n + 2.0) + 1.0 / y
+    return math.sqrt(n * y)
+
+
 class NoiseScaleEstimator:
     """Exponential moving averages of ``|G|^2`` and ``tr(Sigma)``, and the noise scale they imply.
 
@@ -116,9 +172,12 @@ class NoiseScaleEstimator:
         self._sqr_sq_biased = 0.0
         self._var_sq_biased = 0.0
         self._weight_sq = 0.0
+        self._cross_biased = 0.0  # the products of the two single-step estimates: their covariance, for Fieller's bound
         self.num_updates = 0
+        self._samples = 0.0  # samples folded in (``steps * B`` per update): how many windows the run has seen
         self._spread_known = False
         self._bounds: tuple[tuple[int, float], tuple[float, float] | None] | None = None  # kept until the next update
+        self._run_bounds: tuple[tuple[int, float], tuple[float, float] | None] | None = None
 
     def update(
         self,
@@ -157,8 +216,10 @@ class NoiseScaleEstimator:
         self._sqr_sq_biased = factor * self._sqr_sq_biased + (1.0 - factor) * grad_sqr**2
         self._var_sq_biased = factor * self._var_sq_biased + (1.0 - factor) * grad_var**2
         self._weight_sq = factor**2 * self._weight_sq + (1.0 - factor) ** 2
+        self._cross_biased = factor * self._cross_biased + (1.0 - factor) * grad_sqr * grad_var
         self.num_updates += 1
-        self._bounds = None
+        self._samples += steps * sum(b)
+        self._bounds = self._run_bounds = None
         return True
 
     @property
@@ -244,6 +305,16 @@ class NoiseScaleEstimator:
             errors.append(math.sqrt(spread * share))
         return errors[0], errors[1]
 
+    @property
+    def window_samples(self) -> float:
+        """Samples the moving averages span, ``B0 / (1 - decay)``: two windows apart, the averages nearly share none."""
+        return self.base_batch_size / (1.0 - self.decay)
+
+    @property
+    def windows_seen(self) -> float:
+        """``1 + samples folded in / window_samples``: the nearly independent windows the run has looked through."""
+        return 1.0 + self._samples / self.window_samples
+
     def bounds(self, sigmas: float = 2.0) -> tuple[float, float] | None:
         """``(low, high)``: the noise scales the statistics cannot yet tell apart, ``sigmas`` standard errors wide.
 
@@ -269,6 +340,76 @@ class NoiseScaleEstimator:
         self._bounds = key, self._compute_bounds(sigmas)
         return self._bounds[1]
 
+    def run_bounds(self, level: float = 0.05) -> tuple[float, float] | None:
+        """``(low, high)`` wide enough that over a whole run, however long and however often it is asked, ``low`` ever
+        exceeds the true noise scale in at most about ``level`` of runs, where :meth:`bounds` holds per look only.
+
+        Three changes from :meth:`bounds`, each for a measured failure or cost:
+
+        - the spread is itself estimated from the ``n_eff = 1 / share`` effective steps the average spans (ten to a few
+          tens early in a run, or for large totals measured rarely), so the width is a Student-t quantile with
+          ``n_eff - 1`` degrees of freedom, on the spread corrected for its ``1 - 1 / n_eff`` bias;
+        - the engine looks after every update: ``level`` is spent over the run's windows (:attr:`windows_seen`,
+          ``k``), ``level / k**2`` per window (``k`` grows continuously, and ``integral_1^inf dk / k**2 = 1``), split
+          over ``LOOKS_PER_WINDOW`` looks in each, a count measured on the moving average's correlated looks
+          (``benchmarks/noise_coverage.py``): each look asks the tail ``level / (LOOKS_PER_WINDOW * k**2)``;
+        - the ratio is bounded by Fieller's method with the two averages' covariance (:meth:`_fieller`), narrower than
+          adding the two errors, which assumes a correlation of -1.
+
+        The width grows slowly with the run's length (the quantile of a tail shrinking as ``1 / k**2``): that is the
+        price of a guarantee for runs of any length. ``high`` is the mirror image, not calibrated on its own.
+
+        Args:
+            level: the fraction of runs in which the bound may ever be crossed, in (0, 1).
+
+        Returns:
+            ``None`` whenever :meth:`bounds` is ``None`` (the spread is not yet known).
+
+        Raises:
+            ValueError: ``level`` outside (0, 1).
+
+        """
+        if not 0.0 < level < 1.0:
+            raise ValueError(f"`level` must lie in (0, 1), got {level}.")
+        key = (self.num_updates, level)
+        if self._run_bounds is not None and self._run_bounds[0] == key:
+            return self._run_bounds[1]
+        result = None
+        if self.standard_errors() is not None:
+            share = self._weight_sq / self._weight**2
+            k = self.windows_seen
+            width = t_quantile(level / (LOOKS_PER_WINDOW * k * k), 1.0 / share - 1.0)
+            result = self._fieller(width)
+        self._run_bounds = key, result
+        return result
+
+    def _fieller(self, width: float) -> tuple[float, float]:
+        """Fieller's bounds on ``phi = tr / |G|^2``: ``low`` is the least ``phi >= 0`` at which ``D = tr - phi |G|^2``
+        (averages) is no longer ``width`` standard errors above 0, with ``se(D)^2 = e_tr^2 - 2 phi c + phi^2 e_G^2``
+        and ``c`` the two averages' covariance; ``high`` the largest at which it is not ``width`` below 0. Adding the
+        two errors, as :meth:`bounds` does, is wider than the ratio needs wherever both count."""
+        weight, share = self._weight, self._weight_sq / self._weight**2
+        sqr, var = self._sqr_biased / weight, self._var_biased / weight
+        # spreads of the single-step estimates, over the weights' n_eff - 1 (the weighted spread is low by 1 - share)
+        scale = share / (1.0 - share)
+        sqr_var = max(self._sqr_sq_biased / weight - sqr * sqr, 0.0) * scale
+        var_var = max(self._var_sq_biased / weight - var * var, 0.0) * scale
+        cov = (self._cross_biased / weight - sqr * var) * scale
+        w2 = width * width
+        # D(phi) = w se(phi), squared: a phi^2 - 2 b phi + c0 = 0, solved in the form that stays exact when a ~ 0
+        c0 = var * var - w2 * var_var
+        top = max(sqr, 0.0)  # a negative average is noise: it must not tighten the lower bound
+        low = 0.0
+        if var > 0.0 and c0 > 0.0:  # else D(0) is within the noise: no phi > 0 is proven
+            a, b = top * top - w2 * sqr_var, var * top - w2 * cov
+            root = b + math.sqrt(max(b * b - a * c0, 0.0))
+            low = c0 / root if root > 0.0 else 0.0
+        high = math.inf
+        a, b = sqr * sqr - w2 * sqr_var, var * sqr - w2 * cov
+        if sqr > 0.0 and a > 0.0:  # |G|^2 is clearly above 0: D turns clearly negative at a finite phi
+            high = (b + math.sqrt(max(b * b - a * c0, 0.0))) / a
+        return low, max(high, low)
+
     def _compute_bounds(self, sigmas: float) -> tuple[float, float] | None:
         if sigmas == 0:
             phi = self.noise_scale
@@ -276,8 +417,10 @@ class NoiseScaleEstimator:
         errors = self.standard_errors()
         if errors is None:
             return None
+        return self._width_bounds(sigmas * errors[0], sigmas * errors[1])
+
+    def _width_bounds(self, sqr_error: float, var_error: float) -> tuple[float, float]:
         sqr, var = self._sqr_biased / self._weight, self._var_biased / self._weight
-        sqr_error, var_error = sigmas * errors[0], sigmas * errors[1]
         top = max(sqr, 0.0) + sqr_error  # a negative average is noise: it must not tighten the bound on |G|^2
         low = max(var - var_error, 0.0) / top if top > 0 else 0.0  # no spread to bound |G|^2 with: proves nothing
         bottom = sqr - sqr_error
@@ -297,6 +440,8 @@ class NoiseScaleEstimator:
             "var_sq_biased": self._var_sq_biased,
             "weight_sq": self._weight_sq,
             "spread_known": self._spread_known,
+            "samples": self._samples,
+            "cross_biased": self._cross_biased,
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -311,4 +456,32 @@ class NoiseScaleEstimator:
         self._var_sq_biased = float(state_dict["var_sq_biased"])
         self._weight_sq = float(state_dict["weight_sq"])
         self._spread_known = bool(state_dict["spread_known"])
-        self._bounds = None
+        # states saved before run_bounds() lack these two
+        if "cross_biased" in state_dict:
+            self._cross_biased = float(state_dict["cross_biased"])
+        else:
+            self._cross_biased = self._widest_cross()
+        if "samples" in state_dict:
+            self._samples = float(state_dict["samples"])
+        else:
+            self._samples = self._samples_from_weight()
+        self._bounds = self._run_bounds = None
+
+    def _widest_cross(self) -> float:
+        """The products' average for a correlation of -1, where Fieller's bounds are widest (those of :meth:`bounds`).
+
+        The single-step estimates are anti-correlated (-0.3 to -0.7 measured on the synthetic problem); an unknown
+        covariance must not be guessed narrower than it can be."""
+        if self._weight <= 0:
+            return 0.0
+        sqr, var = self._sqr_biased / self._weight, self._var_biased / self._weight
+        sqr_spread = max(self._sqr_sq_biased / self._weight - sqr * sqr, 0.0)
+        var_spread = max(self._var_sq_biased / self._weight - var * var, 0.0)
+        return self._weight * (sqr * var - math.sqrt(sqr_spread * var_spread))
+
+    def _samples_from_weight(self) -> float:
+        """The samples a state saved without them had seen: every update multiplies ``1 - weight`` by its decay, so
+        ``1 - weight = decay ** (samples / B0)`` exactly. Once ``weight`` rounds to 1 (after about 37 windows at the
+        default decay) only that many are known: a lower bound, so the spending resumes a little early."""
+        remaining = max(1.0 - self._weight, 2.0**-53)
+        return self.base_batch_size * math.log(remaining) / math.log(self.decay)

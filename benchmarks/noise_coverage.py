@@ -1,0 +1,144 @@
+"""Run-level coverage of the noise-scale bounds: how often, over a whole run, the lower bound ever exceeds the truth.
+
+The engine acts (grows the total batch) as soon as the lower bound of the noise scale proves a move, and it looks
+after every update, so what matters is the fraction of *runs* in which ``low`` is ever above the true noise scale,
+not the fraction of checks. This runs the synthetic problem of ``tests/test_noise_scale.py`` (per-sample gradients of
+``|G|^2 = 1`` and isotropic covariance of trace ``phi`` in 64 dimensions, two groups of 5/8 and 3/8 of the total) with
+``NoiseScaleEstimator(64)`` and compares, per cell:
+
+- ``bounds(2.0)``, the per-look 2-sigma bounds the engine used, and
+- ``run_bounds(level)``, the run-level bounds (``level`` 0.05 by default),
+
+reporting the per-run rate of ``low > truth`` (with a 95% Wilson upper bound over the seeds), the per-check rate,
+the worst ``low / truth``, and the median update at which ``low`` first reaches ``truth / 2`` (the speed cost of the
+wider bound; ``null`` when fewer than half the seeds reach it; ``reached`` is the fraction that did).
+
+    python benchmarks/noise_coverage.py [--seeds 400] [--level 0.05] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+
+from lightning_cannikin.core.noise_scale import NoiseScaleEstimator
+
+BASE = 64
+DIM = 64
+NOISE_SCALES = (64.0, 250.0, 1000.0, 4000.0)
+# (name, total batch, one update measured in `every` steps, updates)
+REGIMES = (
+    ("B0 every step", 64, 1, 2000),
+    ("1024 one step in 8", 1024, 8, 1000),
+    ("B0 every step, long", 64, 1, 6000),
+)
+RESULTS = Path(__file__).parent / "results" / "noise_coverage.json"
+
+
+def norms(noise_scale: float, seed: int, updates: int, total: int) -> tuple[np.ndarray, np.ndarray, list[float]]:
+    """``Z`` (updates x 2) and ``Y`` (updates) of the synthetic problem, drawn at once (the estimator is the cost)."""
+    rng = np.random.default_rng(seed)
+    sizes = np.array([total * 5 // 8, total - total * 5 // 8], dtype=float)
+    mean = np.ones(DIM) / math.sqrt(DIM)
+    groups = mean + rng.standard_normal((updates, 2, DIM)) * np.sqrt(noise_scale / DIM / sizes)[None, :, None]
+    reduced = (sizes[None, :, None] * groups).sum(axis=1) / sizes.sum()
+    return (groups**2).sum(axis=2), (reduced**2).sum(axis=1), sizes.tolist()
+
+
+def one_run(noise_scale: float, seed: int, updates: int, total: int, every: int, level: float) -> dict:
+    """Per width: whether ``low`` ever exceeded the truth, in how many checks, its worst ratio, first reach of half."""
+    z, y, sizes = norms(noise_scale, seed, updates, total)
+    estimator = NoiseScaleEstimator(BASE)
+    widths = {"old_2sigma": lambda: estimator.bounds(2.0), "run_level": lambda: estimator.run_bounds(level)}
+    out = {name: {"checks": 0, "above": 0, "worst": 0.0, "half_at": None} for name in widths}
+    for step in range(updates):
+        estimator.update(z[step], sizes, float(y[step]), steps=every)
+        for name, get in widths.items():
+            bounds = get()
+            if bounds is None:
+                continue
+            row, ratio = out[name], bounds[0] / noise_scale
+            row["checks"] += 1
+            row["above"] += ratio > 1.0
+            row["worst"] = max(row["worst"], ratio)
+            if row["half_at"] is None and ratio >= 0.5:
+                row["half_at"] = step
+    return out
+
+
+def wilson_upper(hits: int, n: int, z: float = 1.96) -> float:
+    """95% upper end of the Wilson interval of a binomial rate."""
+    p = hits / n
+    centre = p + z * z / (2 * n)
+    spread = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return (centre + spread) / (1 + z * z / n)
+
+
+def cell(noise_scale: float, total: int, every: int, updates: int, seeds: int, level: float) -> dict:
+    runs = [one_run(noise_scale, seed, updates, total, every, level) for seed in range(seeds)]
+    summary = {}
+    for name in runs[0]:
+        rows = [run[name] for run in runs]
+        crossed = sum(row["worst"] > 1.0 for row in rows)
+        half = sorted(math.inf if row["half_at"] is None else row["half_at"] for row in rows)
+        median_half = float(np.median(half))
+        summary[name] = {
+            "runs_above": crossed / seeds,
+            "runs_above_upper95": round(wilson_upper(crossed, seeds), 4),
+            "checks_above": sum(row["above"] for row in rows) / max(sum(row["checks"] for row in rows), 1),
+            "worst_low_over_truth": max(row["worst"] for row in rows),
+            "median_update_low_reaches_half": None if math.isinf(median_half) else median_half,
+            "reached_half": sum(math.isfinite(h) for h in half) / seeds,
+        }
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=400)
+    parser.add_argument("--level", type=float, default=0.05)
+    parser.add_argument("--quick", action="store_true", help="40 seeds, a quarter of the updates, nothing saved")
+    args = parser.parse_args()
+    seeds = 40 if args.quick else args.seeds
+    results, start = [], time.perf_counter()
+    for name, total, every, updates in REGIMES:
+        updates = updates // 4 if args.quick else updates
+        for noise_scale in NOISE_SCALES:
+            began = time.perf_counter()
+            summary = cell(noise_scale, total, every, updates, seeds, args.level)
+            results.append(
+                {"regime": name, "noise_scale": noise_scale, "total": total, "every": every, "updates": updates}
+                | summary
+            )
+            old, new = summary["old_2sigma"], summary["run_level"]
+            print(
+                f"{name:>20} phi={noise_scale:>6.0f}: runs above old {old['runs_above']:.3f} new"
+                f" {new['runs_above']:.3f} (<= {new['runs_above_upper95']:.3f}); checks above old"
+                f" {old['checks_above']:.4f} new {new['checks_above']:.5f}; worst low/truth old"
+                f" {old['worst_low_over_truth']:.2f} new {new['worst_low_over_truth']:.2f}; median update low >= phi/2"
+                f" old {old['median_update_low_reaches_half']} new {new['median_update_low_reaches_half']}"
+                f" (reached {old['reached_half']:.2f} / {new['reached_half']:.2f})"
+                f" [{time.perf_counter() - began:.0f} s]",
+                flush=True,
+            )
+    report = {
+        "base_batch_size": BASE,
+        "dim": DIM,
+        "group_shares": [5 / 8, 3 / 8],
+        "seeds": seeds,
+        "level": args.level,
+        "seconds": round(time.perf_counter() - start, 1),
+        "cells": results,
+    }
+    if not args.quick:
+        RESULTS.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"saved {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
