@@ -9,13 +9,12 @@ exchange would; the step time is a known function of the total (``SpeedModel.pre
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from lightning_cannikin import CannikinSettings
-from lightning_cannikin.core.goodput import candidate_batch_sizes, goodput
 from lightning_cannikin.training.engine import BalancingEngine
 from lightning_cannikin.training.sampler import UnevenBatchSampler
 from tests.test_engine import OneRank
@@ -23,15 +22,12 @@ from tests.test_engine import OneRank
 
 @dataclass
 class NoiseRun:
-    """What one run did at each step: the total it ran, its LR factor, and the bounds, band (and the total it was
-    decided for) held after it."""
+    """What one run did at each step: the total it ran, its LR factor, and the bounds held after it."""
 
     engine: BalancingEngine
     totals: list[int] = field(default_factory=list)
     factors: list[float] = field(default_factory=list)
     bounds: list[tuple[float, float] | None] = field(default_factory=list)
-    bands: list[tuple[float, float] | None] = field(default_factory=list)
-    band_totals: list[int | None] = field(default_factory=list)
     precise: list[bool] = field(default_factory=list)  # both averages within 25% (one standard error) of themselves
 
     def first_growth(self) -> int | None:
@@ -84,8 +80,6 @@ def run_engine(
         run.factors.append(engine.lr_factor)
         engine.end_step()
         run.bounds.append(engine.noise_bounds())
-        run.bands.append(engine.schedule.noise_band)
-        run.band_totals.append(engine.schedule.band_total)
         run.precise.append(_precise(engine))
     return run
 
@@ -101,9 +95,14 @@ def _precise(engine: BalancingEngine, share: float = 0.25) -> bool:
     return sqr > 0 and var > 0 and errors[0] <= share * sqr and errors[1] <= share * var
 
 
-def true_choice(step_time: Callable[[np.ndarray], np.ndarray], noise_scale: float, base: int, cap: int, margin: float):
-    """``(best total, its goodput, goodput of every candidate as a dict)`` at the true noise scale."""
-    candidates = candidate_batch_sizes(base, cap, 50)
-    values = goodput(candidates, step_time(candidates), noise_scale, base)
+def true_choice(
+    step_time: Callable[[np.ndarray], np.ndarray], noise_scale: float, base: int, cap: int, totals: Sequence[int] = ()
+):
+    """``(best total, its goodput, goodput of every total as a dict)`` at the true noise scale, by brute force over
+    ``totals`` (default: every total from ``base`` to ``cap``), written out from goodput's definition (samples a
+    second, each worth ``(phi + B0) / (phi + B)`` of a sample at B0), not from the library's goodput."""
+    totals = np.asarray(totals, dtype=np.int64) if len(totals) else np.arange(base, cap + 1)
+    worth = np.ones(len(totals)) if np.isinf(noise_scale) else (noise_scale + base) / (noise_scale + totals)
+    values = totals / np.asarray(step_time(totals), dtype=float) * worth
     best = int(np.argmax(values))
-    return int(candidates[best]), float(values[best]), dict(zip(candidates.tolist(), values.tolist(), strict=True))
+    return int(totals[best]), float(values[best]), dict(zip(totals.tolist(), values.tolist(), strict=True))

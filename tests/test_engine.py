@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lightning_cannikin import Cannikin, CannikinSettings, Plan
+from lightning_cannikin.core.interval_choice import TotalOptions
 from lightning_cannikin.core.plan import BatchBounds
 from lightning_cannikin.training.engine import BalancingEngine
 from lightning_cannikin.training.lightning_hooks import BalancingCallback
@@ -31,7 +32,7 @@ STATE_KEYS = {
     "last_replan_step",
     "routine_gap",
     "noise_band",
-    "band_total",
+    "total_options",
 }
 
 
@@ -73,7 +74,9 @@ def test_the_checkpoint_keeps_the_callbacks_key_and_restores_the_schedule_and_ba
     engine = callback.engine
     engine.bind(OneRank())
     engine.set_plan(Plan((5, 3)))
-    engine.step, engine.identified, engine.schedule.band_total = 9, True, 8
+    engine.step, engine.identified = 9, True
+    options = TotalOptions((8, 16, 32), (0.1, 0.15, 0.25), 8, 0.1, 8, 0.02)
+    engine.schedule.total_options = options
     engine.schedule.last_adapt_step, engine.schedule.adapted, engine.schedule.routine_gap = 7, True, 16
     engine.schedule.noise_band = (120.0, float("inf"))
     state = engine.state_dict()
@@ -82,7 +85,8 @@ def test_the_checkpoint_keeps_the_callbacks_key_and_restores_the_schedule_and_ba
     fresh.bind(OneRank())
     assert fresh.load_state_dict(state) == Plan((5, 3)).resized(1)  # resumed on one rank: the global batch kept
     fresh.start()
-    assert fresh.step == 9 and fresh.schedule.band_total == 8 and fresh.schedule.noise_band == (120.0, float("inf"))
+    assert fresh.step == 9 and fresh.schedule.total_options == options
+    assert fresh.schedule.noise_band == (120.0, float("inf"))
     assert (fresh.schedule.last_adapt_step, fresh.schedule.adapted, fresh.schedule.routine_gap) == (7, True, 16)
     assert fresh.identified, "the same devices: their speeds were measured"
 

@@ -22,6 +22,22 @@ from lightning_cannikin.core.schedule import ROUTINE_GAP_CAP, ReplanSchedule
 from lightning_cannikin.simulation.emulated_devices import EmulatedDevices
 from tests.replay import replay
 
+
+class BandRule:
+    """A stand-in for the decision's ``TotalOptions`` in the schedule's tests: a move wherever the bounds lie wholly
+    outside a band (the rule itself is tested in tests/test_interval_choice.py; here, when the schedule asks it)."""
+
+    def __init__(self, low: float, high: float) -> None:
+        self.low, self.high = low, high
+
+    def moves(self, bounds: tuple[float, float]) -> bool:
+        return bounds[0] > self.high or bounds[1] < self.low
+
+
+def _adapted(schedule: ReplanSchedule, step: int, band: tuple[float, float]) -> None:
+    schedule.adapted_at(step, True, band, BandRule(*band))  # type: ignore[arg-type]
+
+
 WARMUP = {"warmup_steps": 4, "warmup_factor": 3.0}
 SEEDS = range(4)
 
@@ -138,7 +154,7 @@ def test_epoch_ends_replan_less_often_while_replans_keep_the_plan():
     assert schedule.epoch_end_due(skipped, True, True, None), "a rank's check saw a change"
     assert schedule.epoch_end_due(skipped, False, False, None), "a device is not timed at two sizes yet"
     assert schedule.epoch_end_due(skipped, True, False, (500.0, 500.0)), "noise bounds and no band: the total"
-    schedule.adapted_at(skipped, True, (400.0, 600.0))
+    _adapted(schedule, skipped, (400.0, 600.0))
     assert not schedule.epoch_end_due(skipped + 128, True, False, (500.0, 500.0)), "inside the band the total stays"
     assert schedule.epoch_end_due(skipped + 128, True, False, (700.0, 700.0)), "out of it"
     schedule.replanned(skipped + 128, total_changed=False, balance=True)  # a re-plan that moved the split
@@ -276,33 +292,29 @@ def test_a_rising_noise_scale_is_followed_without_a_clock():
 def test_a_change_of_speed_drops_the_noise_band_and_the_settling_replan_reconsiders_the_total():
     # the band held the noise scales for which the total was best on the old speeds; after a change it says nothing
     schedule = ReplanSchedule(8, adapt_every_n_steps=1)
-    schedule.adapted_at(40, True, (200.0, 800.0))
+    _adapted(schedule, 40, (200.0, 800.0))
     assert not schedule.total_due((500.0, 500.0), 60)
     schedule.replanned(60, total_changed=False, balance=True, changed=True)  # a device's speed changed
-    assert schedule.noise_band is None
+    assert schedule.noise_band is None and schedule.total_options is None
     assert not schedule.total_due((500.0, 500.0), 63), "not while the new split is untimed"
     assert schedule.total_due((500.0, 500.0), 64) and schedule.due(64, True, True), (
         "the settling re-plan reconsiders it"
     )
     # a re-plan that reconsidered the total at the change keeps the band it just chose
-    schedule.adapted_at(64, True, (300.0, 900.0))
+    _adapted(schedule, 64, (300.0, 900.0))
     schedule.replanned(64, total_changed=False, balance=True, changed=True)
-    assert schedule.noise_band == (300.0, 900.0)
+    assert schedule.noise_band == (300.0, 900.0) and schedule.total_options is not None
 
 
 def test_the_schedule_reconsiders_the_total_when_the_noise_scale_leaves_its_band():
     schedule = ReplanSchedule(8, adapt_every_n_steps=8)
     assert not schedule.total_due(None, 30) and schedule.total_due((300.0, 300.0), 30)  # the first bounds
-    schedule.adapted_at(40, True, (200.0, 800.0))
+    _adapted(schedule, 40, (200.0, 800.0))
     assert not schedule.total_due((500.0, 500.0), 60) and not schedule.total_due(None, 60)
     assert schedule.total_due((900.0, 900.0), 60) and schedule.total_due((150.0, 150.0), 60)
     assert not schedule.total_due((900.0, 900.0), 47), "no sooner than the floor after the last reconsideration"
     assert not ReplanSchedule(8).total_due((900.0, 900.0), 60), "adapt_every_n_steps=None: at epoch ends only"
-    schedule.noise_band = None  # a change of speed dropped the band: the total is reconsidered once
+    schedule.total_options = None  # a change of speed dropped the options: the total is reconsidered once
     assert schedule.total_due((500.0, 500.0), 60)
-    # bounds prove a move only where all of them lie beyond the band: growth under the lower, shrinking under the upper
-    schedule.adapted_at(60, True, (200.0, 800.0))
-    assert not schedule.total_due((150.0, 900.0), 70), "wider than the band on both sides: nothing is proven"
-    assert not schedule.total_due((100.0, 900.0), 70) and not schedule.total_due((700.0, float("inf")), 70)
-    assert schedule.total_due((850.0, float("inf")), 70), "the lower bound above the band: a larger total pays"
-    assert schedule.total_due((0.0, 150.0), 70), "the upper bound below it: a smaller total pays"
+    _adapted(schedule, 60, (200.0, 800.0))
+    assert not schedule.total_due((500.0, 500.0), 70) and schedule.total_due((850.0, float("inf")), 70)

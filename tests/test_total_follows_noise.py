@@ -24,6 +24,9 @@ from tests.noise_runs import run_engine, true_choice
 BASE, CAP, SEEDS = 64, 1024, 20
 MARGIN = CannikinSettings().adapt_margin
 FIXED_S, PER_SAMPLE_S = 0.02, 1e-4  # the known step time: 20 ms + 0.1 ms per sample (a larger batch is cheap)
+# the totals the policy chooses among (its 50 candidates): the truth is the best of them, as no other is on offer
+OFFERED = candidate_batch_sizes(BASE, CAP, 50).tolist()
+TIE = 1e-9  # the rule's own inequality, on the edge, differs from this one's arithmetic by rounding only
 
 
 def step_time(total):
@@ -44,7 +47,7 @@ def cheap_batches(monkeypatch):
 
 @pytest.mark.parametrize("noise_scale", [64.0, 250.0, 1000.0, 4000.0])
 def test_growth_that_pays_comes_within_a_few_dozen_measured_steps_and_never_overshoots(cheap_batches, noise_scale):
-    best, best_goodput, goodputs = true_choice(step_time, noise_scale, BASE, CAP, MARGIN)
+    best, best_goodput, goodputs = true_choice(step_time, noise_scale, BASE, CAP, OFFERED)
     assert best_goodput > (1 + MARGIN) * goodputs[BASE], "growth pays beyond the margin at every one of these"
     firsts = []
     for seed in range(SEEDS):
@@ -52,7 +55,7 @@ def test_growth_that_pays_comes_within_a_few_dozen_measured_steps_and_never_over
         firsts.append(run.first_growth())
         for step, total in enumerate(run.totals):
             # above the true choice only where that costs no more than the margin: the lower bound rarely overshoots
-            assert total <= best or goodputs[total] * (1 + MARGIN) >= best_goodput, (seed, step, total, best)
+            assert total <= best or goodputs[total] * (1 + MARGIN) >= best_goodput * (1 - TIE), (seed, step, total)
     within = [first for first in firsts if first is not None and first <= 60]
     assert len(within) >= 0.95 * SEEDS, sorted(f if f is not None else -1 for f in firsts)
 
@@ -66,15 +69,19 @@ def test_the_total_never_grows_where_throughput_is_flat_in_it(monkeypatch):
 
 def test_an_all_noise_estimate_moves_the_total_by_bounded_steps(cheap_batches):
     # |G|^2 = 0: the point estimate is infinite at times, and acting on it sends the total to the cap at once; the
-    # lower bound is finite and rises as the spread of |G|^2 shrinks, so the total climbs in steps it proves
+    # lower bound is finite and rises as the spread of |G|^2 shrinks, so the total climbs in steps it proves: never
+    # further than the margin of the best total at the lower bound (the infinite upper one sets nothing)
     for seed in range(SEEDS):
         run = run_engine(lambda step: math.inf, 60, seed, base=BASE, cap=CAP)
         first = run.first_growth()
         assert first is not None, seed
-        assert run.totals[first] <= CAP // 2, (seed, run.totals[first])
-        for step in range(first, len(run.totals)):  # no total beyond the choice under the finite lower bounds held
-            low = max(bounds[0] for bounds in run.bounds[:step] if bounds is not None)
-            assert math.isfinite(low) and run.totals[step] <= true_choice(step_time, low, BASE, CAP, MARGIN)[0]
+        assert run.totals[first] < CAP, (seed, run.totals[first])
+        for step in range(first, len(run.totals)):  # beyond the choice under the finite lower bounds held, only as
+            low = max(bounds[0] for bounds in run.bounds[:step] if bounds is not None)  # far as costs the margin there
+            best, best_goodput, goodputs = true_choice(step_time, low, BASE, CAP, OFFERED)
+            total = run.totals[step]
+            assert math.isfinite(low), (seed, step)
+            assert total <= best or goodputs[total] * (1 + MARGIN) >= best_goodput * (1 - TIE), (seed, step, total)
     pointwise = [run_engine(lambda step: math.inf, 60, seed, noise_bound_sigmas=0).totals for seed in range(3)]
     assert any(CAP in totals[:20] for totals in pointwise), "the check must be able to fail"
 
@@ -99,8 +106,7 @@ def test_a_grown_total_keeps_the_gain_its_bounds_support_as_precision_is_lost_an
         assert run.totals[-1] > run.totals[99] > BASE, "the total grew, and grew again with the noise scale"
         for step in range(1, len(run.totals)):
             total, bounds = run.totals[step], run.bounds[step - 1]
-            band = run.bands[step - 1] if run.band_totals[step - 1] == total else None
-            expected = lr_factor("adascale", total, BASE, gain_noise_scale(bounds, total, BASE, band))
+            expected = lr_factor("adascale", total, BASE, gain_noise_scale(bounds))
             assert run.factors[step] == pytest.approx(expected, rel=1e-12), (seed, step)
             assert total == BASE or run.factors[step] > 1.0, (seed, step)
     assert regained, "some run regained the precision it lost"

@@ -12,26 +12,21 @@ Pure: numpy and the project's maths modules only (no torch, no Lightning).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Protocol
 
 import numpy as np
 from numpy.typing import ArrayLike
 
-from lightning_cannikin.core.goodput import (
-    GoodputChoice,
-    adascale_gain,
-    adopted_at,
-    candidate_batch_sizes,
-    choose_batch_size,
-)
+from lightning_cannikin.core.goodput import adascale_gain, adopted_at, candidate_batch_sizes
+from lightning_cannikin.core.interval_choice import IntervalChoice, TotalOptions
 from lightning_cannikin.core.lr_scaling import lr_factor, validate_rule
 from lightning_cannikin.core.optperf import most_even_split
 from lightning_cannikin.core.plan import Plan, even_split
 
 # candidate micro-step globals, their accumulation steps, their predicted step times, the kept total's time
-TotalOptions = tuple[np.ndarray, np.ndarray, np.ndarray, float]
+Candidates = tuple[np.ndarray, np.ndarray, np.ndarray, float]
 # what is known of the noise scale: a value, the (low, high) bounds the statistics prove, or nothing yet
 NoiseEvidence = float | tuple[float, float] | None
 
@@ -135,15 +130,19 @@ class Decision:
         lr_factor: the multiplier of the base learning rate for the plan's total batch.
         gain: the AdaScale gain of a step at that total (B0-steps of progress per step).
         identified: whether every device's slope was measured when the decision was made.
-        noise_band: the noise scales ``(low, high)`` within which the total batch decided here stays the goodput
-            choice (within the margin), given the speeds just fitted; ``None`` when the total was not considered.
-            Every rank holds the same noise bounds, so each can tell on its own, and at the same step, when they
-            prove a move out of it (:meth:`~lightning_cannikin.core.schedule.ReplanSchedule.total_due`), and the
-            learning-rate gain of a grown total uses no less than its lower edge (:func:`gain_noise_scale`).
+        noise_band: the noise scales ``(low, high)`` at each of which the total batch decided here stays the
+            goodput choice (within the margin), given the speeds just fitted; ``None`` when the total was not
+            considered. Bounds inside it move nothing, whatever they narrow to: the statistics may then be measured
+            less often (:meth:`~lightning_cannikin.core.schedule.ReplanSchedule.settled`).
+        total_options: the candidate totals and step times the total decided here was chosen among (``None`` when
+            the total was not considered). Every rank holds the same noise bounds and these options, so each can tell
+            on its own, and at the same step, when the bounds call for a move
+            (:meth:`~lightning_cannikin.core.schedule.ReplanSchedule.total_due`).
         untimed: the plan puts some rank beyond the sizes it was timed at lately (a walk towards a knee): re-plan
             once it has been timed there, as after a change of total (``ReplanSchedule.replanned(total_changed=)``).
-        best_total: the total batch with the best predicted goodput (``None``: the total was not reconsidered).
-        total_gain: its predicted goodput's relative gain over keeping the total in force, against the margin
+        best_total: the total batch with the largest sure share of the best goodput over the noise bounds
+            (:mod:`~lightning_cannikin.core.interval_choice`; ``None``: the total was not reconsidered).
+        total_gain: its sure share's relative gain over keeping the total in force, against the margin
             (``PolicySettings.margin``) it had to beat to be adopted (``None``: not reconsidered).
         changing: the speed model had just followed a clear change of some rank's speed, or held a suspected one
             apart (``SpeedModel.changing``; set by the engine): a re-plan that a local change check asked for is
@@ -171,6 +170,7 @@ class Decision:
     changing: bool = False
     split_margin: float | None = None
     unconfirmed: bool = False
+    total_options: TotalOptions | None = None
 
 
 @lru_cache(maxsize=256)  # asked every step with the same few arguments (pure, small, immutable result)
@@ -195,20 +195,11 @@ def noise_bounds(noise: NoiseEvidence) -> tuple[float, float] | None:
     return low, high
 
 
-def gain_noise_scale(
-    bounds: tuple[float, float] | None, total_batch_size: int, base_batch_size: int, band: tuple[float, float] | None
-) -> float | None:
-    """The noise scale a step's AdaScale gain (and learning-rate factor) takes: the lower bound, so the gain is one
-    the statistics support; but while a total above the base is kept, at least the lower edge of its ``band`` (the
-    least noise scale for which that total is the goodput choice, :attr:`Decision.noise_band`), up to the upper
-    bound. The total and its gain then come from the same evidence: a total that was grown keeps a gain above 1 until
-    the bounds prove it too large (and the total shrinks), even while a noisier stretch widens them."""
-    if bounds is None:
-        return None
-    low, high = bounds
-    if band is not None and total_batch_size > base_batch_size:
-        low = max(low, min(band[0], high))
-    return low
+def gain_noise_scale(bounds: tuple[float, float] | None) -> float | None:
+    """The noise scale a step's AdaScale gain (and learning-rate factor) takes: the lower bound, so the gain is never
+    above what the statistics support. A total grown over the whole interval (:func:`decide`) may run with a gain
+    below the one its goodput was judged with: the learning rate errs on the side of a smaller step."""
+    return None if bounds is None else bounds[0]
 
 
 def decide(
@@ -233,10 +224,13 @@ def decide(
         adapt_total: whether the total batch may change now (``False`` mid-epoch, where the epoch's length is fixed).
         adam: whether the optimizer is Adam-family (the square root of the AdaScale gain).
 
-    The total grows only to the goodput choice under the *lower* bound, and shrinks only to the choice under the
-    *upper* bound; in between it is kept. The best total rises with the noise scale, so a move made is one the truth
-    calls for too (with the bounds' confidence), and it goes no further than the evidence: a total chosen under the
-    lower bound is at most the one the true noise scale would choose.
+    The total is chosen over the whole interval of noise scales the bounds allow
+    (:class:`~lightning_cannikin.core.interval_choice.TotalOptions`): the candidate whose least share of the best
+    goodput anywhere in the interval is largest (minimax regret), moved to only where that share gains more than the
+    margin, and only as far as stays within the margin of the best total at the end of the interval the move goes
+    away from (the lower bound for a larger total). A move thus costs at most the margin wherever the truth lies, and
+    an infinite upper bound never sets how far the total grows. With both bounds equal it is the goodput choice at
+    that noise scale.
 
     While some device's slope is not yet identified (one batch size seen), a balancing decision perturbs the current
     split instead, so that every rank runs a new batch size and the next re-plan can measure it; the total batch
@@ -248,9 +242,9 @@ def decide(
     choice, split_gain, split_margin = None, None, None
     adapt = adapt_total and settings.max_batch_size is not None and bounds is not None
     adapt = adapt and (model.identified or not settings.balance)  # the total waits for measured speeds
-    options = _total_options(model, current, settings, base_batch_size) if adapt else None
+    candidates = _candidates(model, current, settings, base_batch_size) if adapt else None
     if adapt:
-        global_batch, accumulation, choice = _choose_total(options, current, settings, bounds, base_batch_size)  # type: ignore[arg-type]
+        global_batch, accumulation, choice = _choose_total(candidates, current, settings, bounds, base_batch_size)  # type: ignore[arg-type]
     if settings.balance and not model.identified:
         # a slope guessed from one batch size can be far off (AdaptDL's prior puts half the time in the intercept):
         # rather than act on it, move every rank a little from where it is, so the next re-plan measures slopes
@@ -263,16 +257,17 @@ def decide(
     else:
         sizes = most_even_split(global_batch, model.world_size, model.lower, model.upper).local_batch_sizes
     plan = Plan(sizes, accumulation, predicted_step_time=float(model.predict(sizes)))
-    band = None
+    band, options = None, None
     if adapt:
         if (plan.global_batch_size, accumulation) != (current.global_batch_size, current.accumulation_steps):
-            options = _total_options(model, plan, settings, base_batch_size)  # the kept total's time is the new one's
-        band = _noise_band(options, plan, settings, base_batch_size)
-    phi = gain_noise_scale(bounds, plan.total_batch_size, base_batch_size, band)
+            candidates = _candidates(model, plan, settings, base_batch_size)  # the kept total's time is the new one's
+        band = _noise_band(candidates, plan, settings, base_batch_size)
+        options = _options(candidates, plan.total_batch_size, settings, base_batch_size)
+    phi = gain_noise_scale(bounds)
     factor, gain = learning_rate_scale(settings.lr_scaling, plan.total_batch_size, base_batch_size, phi, adam)
     timed = getattr(model, "timed", None)  # a model that knows which sizes it timed lately
     untimed = settings.balance and model.identified and timed is not None and not timed(plan.local_batch_sizes)
-    total_gain = None if choice is None else _relative_gain(choice.goodput, choice.current_goodput)
+    total_gain = None if choice is None else choice.gain
     best_total = None if choice is None else choice.batch_size
     return Decision(
         plan,
@@ -285,6 +280,7 @@ def decide(
         total_gain,
         split_gain,
         split_margin=None if split_gain is None else split_margin,
+        total_options=options,
     )
 
 
@@ -323,30 +319,36 @@ def _split(
     return tuple(best), min(gains, default=None)
 
 
+def _options(
+    candidates: Candidates | None, total: int, settings: PolicySettings, base_batch_size: int
+) -> TotalOptions | None:
+    """The interval rule's view of ``candidates`` (from :func:`_candidates`) with ``total`` in force."""
+    if candidates is None:
+        return None
+    micro, steps, times, kept = candidates
+    # Keeping the total batch means running it at its best split (re-splitting is free), not at the current split:
+    # a stale split must not credit a change of total batch with the gain of re-balancing.
+    totals = tuple(int(t) for t in micro * steps)
+    return TotalOptions(totals, tuple(float(t) for t in times), total, kept, base_batch_size, settings.margin)
+
+
 def _choose_total(
-    options: TotalOptions | None,
+    candidates: Candidates | None,
     current: Plan,
     settings: PolicySettings,
     bounds: tuple[float, float],
     base_batch_size: int,
-) -> tuple[int, int, GoodputChoice | None]:
-    """``(global batch, accumulation steps)`` to run next among ``options`` (from :func:`_total_options`), or the
-    current ones, and the choice that decided it (``None`` when no candidate fits): a larger total where it beats the
-    current one by the margin under the lower bound, a smaller one where it does so under the upper bound."""
-    if options is None:
+) -> tuple[int, int, IntervalChoice | None]:
+    """``(global batch, accumulation steps)`` to run next among ``candidates`` (from :func:`_candidates`), or the
+    current ones, and the choice over the noise interval that decided it (``None`` when no candidate fits)."""
+    options = _options(candidates, current.total_batch_size, settings, base_batch_size)
+    if options is None or candidates is None:
         return current.global_batch_size, current.accumulation_steps, None
-    micro, steps, times, kept = options
-    totals, total = micro * steps, current.total_batch_size
-    # Keeping the total batch means running it at its best split (re-splitting is free), not at the current split:
-    # a stale split must not credit a change of total batch with the gain of re-balancing.
-    low, high = bounds
-    choice = choose_batch_size(totals, times, low, base_batch_size, total, kept, margin=settings.margin)
-    if not (choice.adopted and choice.batch_size > total) and high != low:
-        down = choose_batch_size(totals, times, high, base_batch_size, total, kept, margin=settings.margin)
-        choice = down if down.adopted and down.batch_size < total else replace(choice, adopted=False)
+    choice = options.choose(*bounds)
     if not choice.adopted:
         return current.global_batch_size, current.accumulation_steps, choice
-    index = int(np.flatnonzero(totals == choice.batch_size)[0])
+    micro, steps, _, _ = candidates
+    index = int(np.flatnonzero(micro * steps == choice.batch_size)[0])
     return int(micro[index]), int(steps[index]), choice
 
 
@@ -358,18 +360,18 @@ _BAND_REFINE = 64
 
 
 def _noise_band(
-    options: TotalOptions | None, plan: Plan, settings: PolicySettings, base_batch_size: int
+    candidates: Candidates | None, plan: Plan, settings: PolicySettings, base_batch_size: int
 ) -> tuple[float, float] | None:
     """The noise scales for which ``plan``'s total stays the goodput choice (no other total gains more than the
     margin), from B0 / 64 to 64x the largest total, its edges found to within 0.14% (a coarse grid in steps of
     2**(1/8), each edge's step split 64 times): a coarser edge would have the bounds prove moves that the decision
-    then finds under the margin, one re-plan per step. The step times are the model's (``options``, from
-    :func:`_total_options` with ``plan`` in force). The set is an interval: a larger total gains more the larger the
+    then finds under the margin, one re-plan per step. The step times are the model's (``candidates``, from
+    :func:`_candidates` with ``plan`` in force). The set is an interval: a larger total gains more the larger the
     noise scale, a smaller one the smaller. Its ends are open at the grid's ends (0 or infinity); ``None`` when no
     candidate fits."""
-    if options is None:
+    if candidates is None:
         return None
-    micro, steps, times, kept = options
+    micro, steps, times, kept = candidates
     totals = micro * steps
 
     def stays(grid: np.ndarray) -> np.ndarray:
@@ -392,9 +394,9 @@ def _noise_band(
     return edges[0], edges[1]
 
 
-def _total_options(
+def _candidates(
     model: StepTimeModel, current: Plan, settings: PolicySettings, base_batch_size: int
-) -> TotalOptions | None:
+) -> Candidates | None:
     """The candidate totals (micro-step globals and their accumulation), their predicted step times and the time of
     keeping the current total; ``None`` when no candidate fits.
 

@@ -1,6 +1,6 @@
 """When to re-plan mid-epoch: every few steps while some device's speed is unmeasured, on a fixed cadence, when a
 rank's local check sees its speed change, and when to reconsider the total batch mid-epoch (when the noise scale's
-bounds prove a move out of the band the last choice holds in, not on a clock); and whether an epoch's end re-plans
+bounds call for a move under the rule the last choice was made by, not on a clock); and whether an epoch's end re-plans
 when nothing asks for it (less often while re-plans keep finding the plan in force).
 
 Pure Python: imports neither torch nor Lightning.
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from lightning_cannikin.core.interval_choice import TotalOptions
 
 __all__ = ["ROUTINE_GAP_CAP", "ReplanSchedule"]
 
@@ -27,8 +29,8 @@ class ReplanSchedule:
             the first re-plan probes a second batch size on every rank, the next one balances. Not used when the
             split is even (an even split probes nothing, so it would re-plan forever for no change).
         every_n_steps: also re-plan every this many steps (``None``: never on a cadence).
-        adapt_every_n_steps: mid-epoch, reconsider the total batch when the noise scale's bounds prove a move out
-            of the band of the last choice (:meth:`total_due`), but no sooner than this many steps after the last
+        adapt_every_n_steps: mid-epoch, reconsider the total batch when the noise scale's bounds call for a move
+            (:meth:`total_due`), but no sooner than this many steps after the last
             reconsideration (a floor, not a clock; ``None``: at epoch ends only).
         check_every_n_steps: ask every rank's :class:`~lightning_cannikin.core.change.LocalChangeCheck` after every
             this many steps (:meth:`check_due`, the same steps on every rank); a yes from any rank re-plans at that
@@ -44,8 +46,8 @@ class ReplanSchedule:
     adapted: bool = False  # a total batch was chosen with statistics that allow it (kept for checkpoints)
     settle_at: int | None = None  # a re-plan due once a new total batch has been timed at its new sizes
     check_every_n_steps: int | None = 4
-    noise_band: tuple[float, float] | None = None  # the noise scales the total in force was chosen for
-    band_total: int | None = None  # that total (the band says nothing of another one)
+    noise_band: tuple[float, float] | None = None  # the noise scales at each of which the total in force stays best
+    total_options: TotalOptions | None = None  # the candidates it was chosen among, and the rule's margin
     # steps an epoch end waits after the last re-plan when nothing asks for one: doubled by every re-plan that keeps
     # the plan in force (up to ROUTINE_GAP_CAP), none after one that changes it
     routine_gap: int = 0
@@ -71,22 +73,22 @@ class ReplanSchedule:
     def total_due(self, bounds: tuple[float, float] | None, step: int, epoch_end: bool = False) -> bool:
         """Whether to reconsider the total batch mid-epoch after ``step`` steps: the noise scale has bounds (``None``
         until the statistics have a spread, :meth:`~lightning_cannikin.core.noise_scale.NoiseScaleEstimator.bounds`),
-        at least ``adapt_every_n_steps`` steps passed since the last reconsideration, and either no band is held (no
-        total was chosen with bounds yet, or a resume or a change of speed dropped it) or the bounds prove a move: the
-        lower bound is above the band the total in force holds in (a larger total pays even there), or the upper bound
-        is below it (:attr:`~lightning_cannikin.core.policy.Decision.noise_band`, kept here by :meth:`adapted_at`).
-        Not while a re-plan waits for new sizes to be timed (:attr:`settle_at`): their times would be the model's
-        guesses. Every rank holds the same bounds and band, so every rank answers alike at the same step, with no
-        collective. At an ``epoch_end`` the floor does not apply (the epoch's end may change the total whatever
+        at least ``adapt_every_n_steps`` steps passed since the last reconsideration, and either no options are held
+        (no total was chosen with bounds yet, or a resume or a change of speed dropped them) or the last choice's
+        options call for a move at these bounds (:meth:`TotalOptions.moves
+        <lightning_cannikin.core.interval_choice.TotalOptions.moves>`, kept here by :meth:`adapted_at`). Not while a
+        re-plan waits for new sizes to be timed (:attr:`settle_at`): their times would be the model's guesses. Every
+        rank holds the same bounds and options, so every rank answers alike at the same step, with no collective. At
+        an ``epoch_end`` the floor does not apply (the epoch's end may change the total whatever
         ``adapt_every_n_steps`` says)."""
         floor = 0 if epoch_end else self.adapt_every_n_steps
         if bounds is None or floor is None or step - self.last_adapt_step < floor:
             return False
         if self.settle_at is not None and step < self.settle_at:
             return False  # some rank runs sizes its model has not timed yet: the settling re-plan reconsiders
-        if self.noise_band is None:
+        if self.total_options is None:
             return True
-        return bounds[0] > self.noise_band[1] or bounds[1] < self.noise_band[0]
+        return self.total_options.moves(bounds)
 
     def settled(self, bounds: tuple[float, float] | None) -> bool:
         """Whether the bounds lie inside the band of the total in force: no noise scale they allow moves the total, so
@@ -95,19 +97,19 @@ class ReplanSchedule:
         return bounds is not None and band is not None and band[0] <= bounds[0] and bounds[1] <= band[1]
 
     def adapted_at(
-        self, step: int, ready: bool, noise_band: tuple[float, float] | None = None, total: int | None = None
+        self,
+        step: int,
+        ready: bool,
+        noise_band: tuple[float, float] | None = None,
+        options: TotalOptions | None = None,
     ) -> None:
-        """The total batch was reconsidered after ``step`` steps (at an epoch end too); ``noise_band``: the
-        decision's :attr:`~lightning_cannikin.core.policy.Decision.noise_band`, for :meth:`total_due`, and ``total``
-        the total it was decided for (:meth:`band_of`)."""
+        """The total batch was reconsidered after ``step`` steps (at an epoch end too); ``noise_band`` and
+        ``options``: the decision's (:attr:`~lightning_cannikin.core.policy.Decision.noise_band`, for
+        :meth:`settled`, and :attr:`~lightning_cannikin.core.policy.Decision.total_options`, for :meth:`total_due`)."""
         self.last_adapt_step = step
         self.adapted = self.adapted or ready
-        if noise_band is not None:
-            self.noise_band, self.band_total = noise_band, total
-
-    def band_of(self, total: int) -> tuple[float, float] | None:
-        """The band held, where it was decided for ``total`` (a step already drawn may still run the previous total)."""
-        return self.noise_band if total == self.band_total else None
+        if options is not None:
+            self.noise_band, self.total_options = noise_band, options
 
     def after_step(
         self,
@@ -140,7 +142,7 @@ class ReplanSchedule:
         (:meth:`adapted_at`) and what the next re-plans wait for (:meth:`replanned`)."""
         plan = decision.plan
         if adapted:
-            self.adapted_at(step, adapt_ready, decision.noise_band, plan.total_batch_size)
+            self.adapted_at(step, adapt_ready, decision.noise_band, decision.total_options)
         total_changed = plan.total_batch_size != previous.total_batch_size
         # a new total, a walk to a device's knee, a split moved by a rescale that may be a passing stall, or a change of
         # speed the model followed: re-split once timed (a check fired by what the model does not see settles nothing)
@@ -198,9 +200,9 @@ class ReplanSchedule:
         self.routine_gap = min(gap, ROUTINE_GAP_CAP) if kept else 0
         self.last_replan_step = step
         if changed and self.last_adapt_step != step:
-            # the band held the noise scales for which the total was best on the old speeds: reconsider the total at
-            # the next step the floor allows (as after a resume), not when the noise scale happens to move
-            self.noise_band = None
+            # the band and options held the step times of the old speeds: reconsider the total at the next step the
+            # floor allows (as after a resume), not when the noise scale happens to move
+            self.noise_band = self.total_options = None
         settle = max(self.warmup_steps // 2, 1) if changed else self.warmup_steps
         self.unconfirmed_moved = unconfirmed and (self.unconfirmed_moved or not kept)
         # a change re-plan that kept the split left every rank at sizes it was timed at: nothing to settle

@@ -25,6 +25,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn 
 from lightning_cannikin.core.change import LocalChangeCheck
 from lightning_cannikin.core.change_vote import ChangeVote
 from lightning_cannikin.core.history import NoiseTrail, PlanHistory
+from lightning_cannikin.core.interval_choice import TotalOptions
 from lightning_cannikin.core.lr_scaling import Progress, check_family
 from lightning_cannikin.core.noise_scale import NoiseScaleEstimator
 from lightning_cannikin.core.plan import BatchBounds, Plan
@@ -470,14 +471,16 @@ class BalancingEngine:
         return self.estimator.noise_scale if self.estimator is not None else None
 
     def noise_bounds(self) -> tuple[float, float] | None:
-        """The noise scales the statistics cannot yet tell apart, ``(low, high)``
-        (:meth:`~lightning_cannikin.core.noise_scale.NoiseScaleEstimator.bounds`, ``noise_bound_sigmas`` wide);
-        ``None`` before ``min_noise_updates`` measured steps or before the statistics have a spread. The same on every
-        rank: every estimator receives the same numbers."""
-        estimator = self.estimator
-        if estimator is None or estimator.num_updates < self.settings.min_noise_updates:
+        """The noise scales the statistics cannot yet tell apart, ``(low, high)``: at ``noise_bound_level`` over the
+        run (:meth:`~lightning_cannikin.core.noise_scale.NoiseScaleEstimator.run_bounds`), or ``noise_bound_sigmas``
+        wide at each look where that is set; ``None`` before ``min_noise_updates`` measured steps or before the
+        statistics have a spread. The same on every rank: every estimator receives the same numbers."""
+        estimator, settings = self.estimator, self.settings
+        if estimator is None or estimator.num_updates < settings.min_noise_updates:
             return None
-        return estimator.bounds(self.settings.noise_bound_sigmas)
+        if settings.noise_bound_sigmas is not None:
+            return estimator.bounds(settings.noise_bound_sigmas)
+        return estimator.run_bounds(settings.noise_bound_level)
 
     def noise_every(self) -> int:
         """Optimizer steps per noise measurement now: every step while the bounds may still prove a move of the total,
@@ -489,13 +492,12 @@ class BalancingEngine:
 
     def scale(self, total_batch_size: int) -> tuple[float, float]:
         """``(lr factor, AdaScale gain)`` of a step at ``total_batch_size`` with what is known now (the same on every
-        rank): the gain the noise scale's lower bound supports, and while a grown total is kept at least that of its
-        band's lower edge (:func:`~lightning_cannikin.core.policy.gain_noise_scale`): the total and its gain come from
-        the same evidence."""
+        rank): the gain the noise scale's lower bound supports, never more
+        (:func:`~lightning_cannikin.core.policy.gain_noise_scale`)."""
         if self.estimator is None:
             return 1.0, 1.0
         base = self.estimator.base_batch_size
-        phi = gain_noise_scale(self.noise_bounds(), total_batch_size, base, self.schedule.band_of(total_batch_size))
+        phi = gain_noise_scale(self.noise_bounds())
         return learning_rate_scale(self.policy.lr_scaling, total_batch_size, base, phi, self.adam)
 
     @property
@@ -622,7 +624,7 @@ class BalancingEngine:
             "last_replan_step": schedule.last_replan_step,
             "routine_gap": schedule.routine_gap,
             "noise_band": schedule.noise_band,
-            "band_total": schedule.band_total,
+            "total_options": None if schedule.total_options is None else schedule.total_options.to_dict(),
             "noise_in_flight": self._observer.state_dict() if self._observer is not None else None,
         }
 
@@ -659,8 +661,9 @@ class BalancingEngine:
         schedule.last_replan_step = int(state["last_replan_step"])
         schedule.routine_gap = int(state["routine_gap"])
         band = state["noise_band"]
-        schedule.noise_band = None if band is None else (float(band[0]), float(band[1]))
-        schedule.band_total = state["band_total"]
+        options = state.get("total_options")  # absent from checkpoints older than the interval rule: reconsider
+        schedule.noise_band = None if band is None or options is None else (float(band[0]), float(band[1]))
+        schedule.total_options = None if options is None else TotalOptions.from_dict(options)
         if state["noise_in_flight"] is not None and self._observer is not None:
             self._observer.load_state_dict(state["noise_in_flight"])
         world_size = self.collective.world_size if self.collective is not None else 1

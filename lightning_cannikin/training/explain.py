@@ -40,8 +40,9 @@ def explain(step: int, decision: Decision, current: Plan, policy: PolicySettings
         verdict = f"{previous} -> {total}" if total != previous else f"{total} kept"
         side = "above" if decision.total_gain > policy.margin else "under"
         line += (
-            f"; total batch {verdict} (the best total, {decision.best_total}, is predicted to gain"
-            f" {_percent(decision.total_gain)} goodput, {side} the {_percent(policy.margin)} adapt margin)"
+            f"; total batch {verdict} (the best total over the noise bounds, {decision.best_total}, is predicted to"
+            f" raise the share of the best goodput it is sure of by {_percent(decision.total_gain)}, {side} the"
+            f" {_percent(policy.margin)} adapt margin)"
         )
     elif policy.max_batch_size is not None:
         line += f"; total batch {total} not reconsidered (mid-epoch, or no bounds on the noise scale yet)"

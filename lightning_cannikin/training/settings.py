@@ -36,7 +36,8 @@ class CannikinSettings:
     | ``min_noise_updates`` | 10 | measured steps of noise statistics before the total batch may change |
     | ``noise_every_n_steps`` | 8 | once the noise bounds settle the total, measure one optimizer step in this many |
     | ``noise_exchange_every`` | 4 | measured steps whose statistics share one all-reduce of a few floats |
-    | ``noise_bound_sigmas`` | 2.0 | width of the noise scale's bounds, in standard errors, that moves must clear |
+    | ``noise_bound_level`` | 0.05 | share of runs whose noise bounds may ever miss the truth, however often looked at |
+    | ``noise_bound_sigmas`` | None | a fixed width per look instead, in standard errors (``0``: the point estimate) |
     | ``check_every_n_steps`` | 4 | steps between the ranks' speed-change comparisons (``None``: off) |
     | ``progress_bar`` | False | show the total and rank zero's local batch on Lightning's progress bar |
 
@@ -49,8 +50,8 @@ class CannikinSettings:
             smaller than AdaptDL's 5% on a point estimate: on the gpu-mix time-to-accuracy run a 5% margin held the
             total at 480 for 170,000 samples while each larger one was predicted to gain 2-5%.
         adapt_every_n_steps: with ``max_batch_size``, also reconsider the total batch mid-epoch: once the noise scale
-            has bounds, then whenever they prove a move out of the band of noise scales within which the last choice
-            stays the goodput choice (a check on numbers every rank holds alike, no collective), but no sooner than
+            has bounds, then whenever they call for a move under the last choice's candidates (a check on numbers
+            every rank holds alike, no collective), but no sooner than
             this many training steps after the last reconsideration (a floor, not a clock; ``None``: at epoch ends
             only). The bounds move only when exchanged statistics are folded in (every ``noise_exchange_every``
             measured steps), so the default floor of 1 adds nothing to that; a larger one delays a total the
@@ -64,18 +65,22 @@ class CannikinSettings:
         min_noise_updates: measured steps of noise statistics required before the total batch may change or the
             AdaScale gain leave 1 (the bounds themselves wait for ten effective steps of spread).
         noise_every_n_steps: the statistics are measured on every optimizer step while their bounds may still prove
-            a move of the total; once the bounds lie inside the band of noise scales for which the total in force is
-            the goodput choice, on one step in this many, until they drift out. Every measurement weighs as the steps
+            a move of the total; once the bounds lie inside the band of noise scales at each of which the total in force
+            is the goodput choice, on one step in this many, until they drift out. Every measurement weighs as the steps
             it stands for, so the estimate keeps its expectation. A measured step costs a few hundred microseconds of
             host time (``benchmarks/results/README.md``): a large share of a 3 ms CPU step, under 1% of a 50 ms one.
         noise_exchange_every: measured steps whose statistics share one all-reduce of a few floats, never waited for
             (the same numbers, folded up to twice this many measured steps later).
-        noise_bound_sigmas: the total batch and the AdaScale gain act on bounds of the noise scale this many standard
-            errors wide (the statistics' own spread): the total grows to the goodput choice under the lower bound,
-            shrinks to the choice under the upper one, and is kept in between; the gain takes the lower bound (at
-            least the lower edge of the band a grown total was chosen in). The lower bound is finite even while
-            ``|G|^2`` may still be zero, so a larger total that pays is taken early, by no more than the evidence
-            shows. ``0``: act on the point estimate (which may be infinite) from ``min_noise_updates`` on.
+        noise_bound_level: the total batch and the AdaScale gain act on bounds ``(low, high)`` of the noise scale
+            that, over a whole run, however long and however often they are looked at, exclude the truth in at most
+            about this share of runs (:meth:`~lightning_cannikin.core.noise_scale.NoiseScaleEstimator.run_bounds`:
+            a Student-t width on the statistics' own spread, spent over the run's windows). The total is chosen over
+            the whole interval (:mod:`~lightning_cannikin.core.interval_choice`) and the gain takes ``low``. ``low``
+            is finite even while ``|G|^2`` may still be zero, so a larger total that pays is taken early.
+        noise_bound_sigmas: instead of ``noise_bound_level``, bounds a fixed number of standard errors wide at each
+            look (:meth:`~lightning_cannikin.core.noise_scale.NoiseScaleEstimator.bounds`): each look holds the truth
+            with the normal confidence, but a run that looks at every step acts on a bound that misses it in a third
+            of runs or more. ``0``: act on the point estimate (which may be infinite) from ``min_noise_updates`` on.
         check_every_n_steps: every rank checks its own step times for a clear change of speed (a co-tenant, a
             throttled device) at no cost; every this many steps the ranks compare the answers in one all-reduce of
             a single number that nobody waits for (read the next step on CPU, at the next check on CUDA), and
@@ -97,7 +102,8 @@ class CannikinSettings:
     noise_every_n_steps: int = 8
     noise_exchange_every: int = 4
     progress_bar: bool = False
-    noise_bound_sigmas: float = 2.0
+    noise_bound_level: float = 0.05
+    noise_bound_sigmas: float | None = None
     check_every_n_steps: int | None = ReplanSchedule.check_every_n_steps
 
     def __post_init__(self) -> None:
@@ -111,7 +117,10 @@ class CannikinSettings:
             raise ValueError(f"`min_noise_updates` must be an integer, got {self.min_noise_updates!r}.")
         if not self.half_life > 0:
             raise ValueError(f"`half_life` must be > 0, got {self.half_life}.")
-        if not (isinstance(self.noise_bound_sigmas, (int, float)) and 0 <= self.noise_bound_sigmas < float("inf")):
-            raise ValueError(f"`noise_bound_sigmas` must be a finite number >= 0, got {self.noise_bound_sigmas!r}.")
+        sigmas = self.noise_bound_sigmas
+        if sigmas is not None and not (isinstance(sigmas, (int, float)) and 0 <= sigmas < float("inf")):
+            raise ValueError(f"`noise_bound_sigmas` must be None or a finite number >= 0, got {sigmas!r}.")
+        if not (isinstance(self.noise_bound_level, (int, float)) and 0 < self.noise_bound_level < 1):
+            raise ValueError(f"`noise_bound_level` must lie in (0, 1), got {self.noise_bound_level!r}.")
         if not self.adapt_margin >= 0:
             raise ValueError(f"`adapt_margin` must be >= 0, got {self.adapt_margin}.")
