@@ -3,8 +3,9 @@ this machine enters a decision): what the tests of the adaptive total replay.
 
 Every call a frontend makes (the step API: ``begin_step``, ``backward``, ``optimizer_step``, ``end_step``) runs over
 a collective of one rank and an uneven sampler drawn one batch at a time, as a loader does; every step's statistics
-(two groups, 5/8 and 3/8 of the total, from Gaussian per-sample gradients) reach the engine's estimator as the
-exchange would; the step time is a known function of the total (``SpeedModel.predict`` is replaced by the caller).
+(groups of the total in given shares, by default 5/8 and 3/8, from Gaussian per-sample gradients) reach the engine's
+estimator as the exchange would; the step time is a known function of the total (``SpeedModel.predict`` is replaced
+by the caller).
 """
 
 from __future__ import annotations
@@ -44,10 +45,12 @@ def run_engine(
     dim: int = 64,
     grad_sqr: Callable[[int], float] | None = None,
     lr_scaling: str = "adascale",
+    shares: tuple[int, ...] = (5, 3),
     **settings: object,
 ) -> NoiseRun:
     """Drive an even-split ``BalancingEngine`` for ``steps`` steps on statistics whose true noise scale after ``step``
-    steps is ``noise_scale(step)`` (``inf``: no signal) and whose ``|G|^2`` is ``grad_sqr(step)`` (default 1)."""
+    steps is ``noise_scale(step)`` (``inf``: no signal) and whose ``|G|^2`` is ``grad_sqr(step)`` (default 1), from
+    groups (ranks) that hold ``shares`` of every total (by default 5/8 and 3/8)."""
     rng = np.random.default_rng(seed)
     direction = np.ones(dim) / np.sqrt(dim)
     engine = BalancingEngine(
@@ -68,12 +71,12 @@ def run_engine(
         with engine.backward(reduces=True, parameters=tuple):
             engine.gradient_ready()
         total = sum(sizes)
-        groups_b = np.array([total * 5 // 8, total - total * 5 // 8], dtype=float)
+        groups_b = np.asarray(shares, dtype=float) * total / sum(shares)
         phi = noise_scale(step)
         sqr = 1.0 if grad_sqr is None else grad_sqr(step)
         trace = phi * sqr if np.isfinite(phi) else 1.0
         mean = direction * np.sqrt(sqr if np.isfinite(phi) else 0.0)
-        groups = mean + rng.standard_normal((2, dim)) * np.sqrt(trace / dim / groups_b)[:, None]
+        groups = mean + rng.standard_normal((len(shares), dim)) * np.sqrt(trace / dim / groups_b)[:, None]
         reduced = (groups_b[:, None] * groups).sum(axis=0) / total
         engine.estimator.update((groups**2).sum(axis=1), groups_b, float(reduced @ reduced))
         run.totals.append(total)

@@ -2,9 +2,11 @@
 
 Synthetic gradient statistics of known noise scales at B0 = 64 (:mod:`tests.noise_runs`), a known step time, every
 step measured. The guarantees of ``docs/how-it-works.md``: the total grows within a few dozen measured steps where
-growth pays, never settles above the true goodput choice by more than the margin, never grows where throughput is
-flat in the total, moves on an all-noise estimate by bounded steps only, and a grown total keeps the learning-rate
-gain its bounds support.
+growth pays, never settles above the true goodput choice by more than the margin, is within 5% of the optimum once
+the bounds are narrower than 2x (for several uneven splits), never grows where throughput is flat in the total, moves
+on an all-noise estimate by bounded steps only, comes back after a falling noise scale within a stated number of
+samples, and a grown total keeps the learning-rate gain its bounds support. The truth is goodput written out and
+maximised by brute force here (:func:`tests.noise_runs.true_choice`), not the library's.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import numpy as np
 import pytest
 
 from lightning_cannikin import CannikinSettings
-from lightning_cannikin.core.goodput import candidate_batch_sizes, goodput
+from lightning_cannikin.core.goodput import candidate_batch_sizes
 from lightning_cannikin.core.lr_scaling import lr_factor
 from lightning_cannikin.core.policy import gain_noise_scale
 from lightning_cannikin.core.speed_model import SpeedModel
@@ -58,6 +60,27 @@ def test_growth_that_pays_comes_within_a_few_dozen_measured_steps_and_never_over
             assert total <= best or goodputs[total] * (1 + MARGIN) >= best_goodput * (1 - TIE), (seed, step, total)
     within = [first for first in firsts if first is not None and first <= 60]
     assert len(within) >= 0.95 * SEEDS, sorted(f if f is not None else -1 for f in firsts)
+
+
+@pytest.mark.parametrize("shares", [(5, 3), (1, 2, 4), (1, 1, 1, 5)], ids=["5-3", "1-2-4", "1-1-1-5"])
+@pytest.mark.parametrize("noise_scale", [64.0, 250.0, 1000.0, 4000.0])
+def test_once_the_bounds_are_narrower_than_2x_the_total_is_within_5_percent_of_the_optimum(
+    cheap_batches, noise_scale, shares
+):
+    # groups (ranks) of uneven shares; the optimum is brute force over every integer total, goodput written out. Up to
+    # 1,000 the bounds narrow below 2x within about 110 measured steps; at 4,000 the grown total (about 900 samples a
+    # step) leaves the moving average some 70 steps, and the bounds stay about 3x wide: there the total is held to
+    # the same 5% from step 200 on, as everywhere
+    _, best_goodput, goodputs = true_choice(step_time, noise_scale, BASE, CAP)
+    narrow = 0
+    for seed in range(4):
+        run = run_engine(lambda step: noise_scale, 300, seed, base=BASE, cap=CAP, shares=shares)
+        for step in range(1, len(run.totals)):
+            bounds = run.bounds[step - 1]  # those the total run at ``step`` was decided with
+            if step >= 200 or (bounds is not None and bounds[1] < 2.0 * bounds[0]):
+                narrow += step < 200
+                assert goodputs[run.totals[step]] >= 0.95 * best_goodput, (seed, step, run.totals[step], bounds)
+    assert (narrow > 0) is (noise_scale <= 1000.0), narrow
 
 
 def test_the_total_never_grows_where_throughput_is_flat_in_it(monkeypatch):
@@ -114,22 +137,32 @@ def test_a_grown_total_keeps_the_gain_its_bounds_support_as_precision_is_lost_an
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_total_follows_a_doubling_noise_scale_up_and_down(cheap_batches, seed):
-    # the true noise scale doubles every 100 steps, then falls back: the total rises with it and comes down once the
-    # upper bound proves a smaller total better; every total run is justified by the bounds held when it started
+    # the true noise scale doubles every 100 steps to 3,200, then falls 32x to 100 at step 500: the total rises with it
+    # and comes down once the upper bound proves a smaller total better; every new total lies between the goodput
+    # choices at the two ends of the bounds it was decided with. After the fall the averages still hold the old
+    # statistics, weighing decay ** (samples / B0): the lower bound, and with it the gain, is back at or below the new
+    # truth within ln(32) / (1 - decay) base batches of samples (about 3,470; 3,280-3,330 measured), and from there on
+    # the total is within 5% of the new optimum
     def noise_scale(step):
         return 200.0 * 2.0 ** min(step // 100, 4) if step < 500 else 100.0
 
     run = run_engine(noise_scale, 1500, seed, base=BASE, cap=4096)
-    candidates = candidate_batch_sizes(BASE, 4096, 50)
-    times = step_time(candidates)
+    offered = candidate_batch_sizes(BASE, 4096, 50).tolist()
     assert run.totals[499] > run.totals[99] > BASE, "the total follows the noise scale up"
     assert run.totals[-1] < run.totals[499], "and down once the upper bound proves it too large"
     for step in range(1, len(run.totals)):
         bounds, total = run.bounds[step - 1], run.totals[step]
         if bounds is None or total == run.totals[step - 1]:
             continue
-        # a new total is the goodput choice at some noise scale the bounds allow
         low, high = bounds
-        grid = np.geomspace(max(low, 1.0), min(high, 1e7), 200)
-        best = candidates[np.argmax(goodput(candidates[None, :], times[None, :], grid[:, None], BASE), axis=1)]
-        assert best.min() <= total <= best.max(), (step, total, bounds)
+        at_low = true_choice(step_time, low, BASE, 4096, offered)[0]
+        at_high = true_choice(step_time, min(high, 1e9), BASE, 4096, offered)[0]
+        assert at_low <= total <= at_high, (step, total, bounds)
+    decay = run.engine.estimator.decay
+    stated = math.log(3200.0 / 100.0) / (1.0 - decay) * BASE  # samples after the fall
+    samples = np.cumsum(run.totals[500:])
+    back = next(i for i, bounds in enumerate(run.bounds[500:]) if bounds is not None and bounds[0] <= 100.0)
+    assert samples[back] <= stated, (samples[back] / BASE, stated / BASE)
+    _, best_goodput, goodputs = true_choice(step_time, 100.0, BASE, 4096, offered)
+    after = run.totals[500 + back + 1 :]
+    assert all(goodputs[total] >= 0.95 * best_goodput for total in after), sorted(set(after))
