@@ -49,14 +49,17 @@ class NoisyRegression(pl.LightningModule):
 
 
 class Totals(Callback):
-    """Rank zero writes the total of every step, the noise bounds last held and whether the comm hook reduced."""
+    """Rank zero writes the total of every step, the lower noise bound held after each, the bounds last held and
+    whether the comm hook reduced."""
 
     def __init__(self, path: Path) -> None:
-        self.path, self.totals, self.busy = path, [], []
+        self.path, self.totals, self.busy, self.lows = path, [], [], []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         engine = self._cannikin(trainer)[0].engine
         self.totals.append(engine.plan.total_batch_size)
+        bounds = engine.noise_bounds()
+        self.lows.append(None if bounds is None else bounds[0])
         latest = engine.latest_record  # this step's record: the reductions' own time, every bucket seen
         if latest is not None:
             self.busy.append(latest.comm_busy)
@@ -72,6 +75,7 @@ class Totals(Callback):
             record = {
                 "totals": self.totals,
                 "bounds": bounds,
+                "lows": self.lows,
                 "uses_comm_hook": trainer.strategy.uses_comm_hook,
                 "comm_busy": self.busy,
             }
@@ -103,8 +107,10 @@ def test_the_total_grows_within_the_first_epoch_where_a_larger_batch_is_nearly_f
     assert result["uses_comm_hook"] is True, "with noise statistics the comm hook reduces"
     busy = result["comm_busy"]
     assert busy and all(b is not None and b > 0 for b in busy), "every step's reductions are timed bucket by bucket"
-    low = result["bounds"][0]
-    assert low > 2 * PER_RANK, result["bounds"]
+    # the statistics proved a noise scale above the base; at the grown total (2 ranks, so two groups, each step's
+    # variance a small difference) the run-level bounds may widen to (0, inf) again by the end
+    lows = [low for low in result["lows"] if low is not None]
+    assert lows and max(lows) > 2 * PER_RANK, (max(lows, default=None), result["bounds"])
     # the noise bounds, which the decisions read, reach the logger at Lightning's default logging cadence; the point
     # estimate may be infinite at the epoch's one logging step (|G|^2's estimate dips below zero at a total of 1,024)
     # and is then left out, so its column is checked where every step logs (tests/models.py's CANNIKIN_METRICS)

@@ -20,8 +20,6 @@ STATE_KEYS = {
     "balancer",
     "estimator",
     "progress",
-    "lr_factor",
-    "gain",
     "plan",
     "history",
     "step",

@@ -195,7 +195,6 @@ def test_the_simulator_and_the_callback_decide_alike(phi: float, max_batch: int)
     assert live.plan.accumulation_steps == projected.plan.accumulation_steps == 1
     assert live.plan.predicted_step_time == pytest.approx(projected.plan.predicted_step_time, rel=1e-9)
     assert live.lr_factor == pytest.approx(projected.lr_factor, rel=1e-12)
-    assert live.gain == pytest.approx(projected.gain, rel=1e-12)
     if phi > 1e5 and max_batch > base:
         assert projected.plan.total_batch_size > base, "all noise: the decision must grow the batch"
     assert math.isfinite(live.lr_factor)

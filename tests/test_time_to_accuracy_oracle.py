@@ -53,7 +53,7 @@ def test_a_fixed_run_keeps_its_total_and_scales_the_lr_from_b0() -> None:
     for bounds in ((1.0, 2.0), (5000.0, 6000.0)):
         decision = decide(model, pinned, PolicySettings(max_batch_size=None), bounds, 96)
         assert decision.plan.total_batch_size == 384
-    assert decide(model, pinned, PolicySettings(max_batch_size=None), (5000.0, 6000.0), 96).gain > 3.0
+    assert decide(model, pinned, PolicySettings(max_batch_size=None), (5000.0, 6000.0), 96).lr_factor > 3.0
     # why not a cap of 384 with base 96: a small noise scale shrinks the total toward B0
     capped = decide(model, pinned, PolicySettings(max_batch_size=384), (1.0, 2.0), 96)
     assert capped.plan.total_batch_size < 384

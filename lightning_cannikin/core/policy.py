@@ -127,8 +127,8 @@ class Decision:
 
     Attributes:
         plan: the plan to run next, with its predicted step time.
-        lr_factor: the multiplier of the base learning rate for the plan's total batch.
-        gain: the AdaScale gain of a step at that total (B0-steps of progress per step).
+        lr_factor: the multiplier of the base learning rate for the plan's total batch, at the noise bounds of the
+            decision (for the history and the report: each step computes its own from the bounds it starts with).
         identified: whether every device's slope was measured when the decision was made.
         noise_band: the noise scales ``(low, high)`` at each of which the total batch decided here stays the
             goodput choice (within the margin), given the speeds just fitted; ``None`` when the total was not
@@ -160,7 +160,6 @@ class Decision:
 
     plan: Plan
     lr_factor: float
-    gain: float
     identified: bool
     noise_band: tuple[float, float] | None = None
     untimed: bool = False
@@ -264,7 +263,7 @@ def decide(
         band = _noise_band(candidates, plan, settings, base_batch_size)
         options = _options(candidates, plan.total_batch_size, settings, base_batch_size)
     phi = gain_noise_scale(bounds)
-    factor, gain = learning_rate_scale(settings.lr_scaling, plan.total_batch_size, base_batch_size, phi, adam)
+    factor, _ = learning_rate_scale(settings.lr_scaling, plan.total_batch_size, base_batch_size, phi, adam)
     timed = getattr(model, "timed", None)  # a model that knows which sizes it timed lately
     untimed = settings.balance and model.identified and timed is not None and not timed(plan.local_batch_sizes)
     total_gain = None if choice is None else choice.gain
@@ -272,7 +271,6 @@ def decide(
     return Decision(
         plan,
         factor,
-        gain,
         model.identified,
         band,
         bool(untimed),

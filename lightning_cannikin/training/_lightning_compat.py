@@ -35,7 +35,7 @@ from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 
 # `_MultiProcessingLauncher`, `_SubprocessScriptLauncher`: the launchers DDPStrategy builds in `_configure_launcher`
 # (start methods fork/spawn, and popen); Cannikin subclasses both to check a fit's arguments before they spawn.
-# ModelParallelStrategy knows only the second, and "cannikin_fsdp_fork" needs the first (`launcher_for`)
+# ModelParallelStrategy knows only the second, and "cannikin_fsdp_fork" needs the first (`checked_launcher`)
 # `_WorkerOutput` and `_MultiProcessingLauncher._collect_rank_zero_results`: what rank zero of a forked fit sends back
 # (its weights through a temporary file); a sharded model's weights are gathered whole first (`_ShardedLauncher`)
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
@@ -61,7 +61,6 @@ __all__ = [
     "foreach_sub",
     "fsdp_predivide_factor",
     "fsdp_sharded_parameters",
-    "launcher_for",
     "register_ddp_comm_hook",
     "scaler_scale",
     "sync_epoch_length",
@@ -147,14 +146,6 @@ def sync_epoch_length(trainer: pl.Trainer, batches: int) -> bool:
         # Lightning's own rule for a fractional interval; an integer interval is the user's batch count and stays
         trainer.val_check_batch = max(1, int(batches * trainer.val_check_interval))
     return True
-
-
-def launcher_for(strategy: Any, start_method: str) -> Any:
-    """The launcher DDPStrategy would build for ``start_method`` ("popen": a script per rank; "fork"/"spawn": Python
-    multiprocessing), for a strategy whose own Lightning base has only the script launcher."""
-    if start_method == "popen":
-        return _SubprocessScriptLauncher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
-    return _ShardedLauncher(strategy, start_method=start_method)
 
 
 class _ShardedLauncher(_MultiProcessingLauncher):

@@ -613,8 +613,6 @@ class BalancingEngine:
             "balancer": self.speed_model.state_dict() if self.speed_model is not None else None,
             "estimator": self.estimator.state_dict() if self.estimator is not None else None,
             "progress": self.progress.state_dict(),
-            "lr_factor": self.lr_factor,
-            "gain": self.gain,
             "plan": self.plan.to_dict() if self.plan is not None else None,
             "history": self.history.entries,
             "step": self.step,
