@@ -23,6 +23,7 @@ Pure numpy: imports neither torch nor Lightning.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -115,8 +116,8 @@ class TotalOptions:
         return IntervalChoice(size, top, current_sure, top > (1.0 + self.margin) * current_sure)
 
     def moves(self, bounds: tuple[float, float]) -> bool:
-        """Whether noise bounds ``(low, high)`` call for a move of the total in force."""
-        return self.choose(*bounds).adopted
+        """Whether noise bounds ``(low, high)`` call for a move of the total in force (asked after every step)."""
+        return _moves(self, float(bounds[0]), float(bounds[1]))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain Python values (a checkpoint's)."""
@@ -140,3 +141,8 @@ class TotalOptions:
             int(state["base_batch_size"]),
             float(state["margin"]),
         )
+
+
+@lru_cache(maxsize=32)  # asked after every step (about 85 us a choice); the bounds change only as statistics are folded
+def _moves(options: TotalOptions, low: float, high: float) -> bool:
+    return options.choose(low, high).adopted
