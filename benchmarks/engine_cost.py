@@ -79,7 +79,7 @@ def run_block(steps: int, fixed: bool, total: int = 96) -> float:
     ranks = EmulatedRanks()
     engine = BalancingEngine(save_profile=False)
     engine.bind(ranks, fixed_split=fixed)
-    plan = engine.first_plan(total, ranks.world_size)
+    plan = engine.bounds.first_plan(total)
     sampler = UnevenBatchSampler(total * (steps + 1), rank=0, plan=plan, shuffle=False)
     engine.use_loader(plan, sampler)
     parameter = torch.nn.Parameter(torch.zeros(4))
@@ -95,8 +95,7 @@ def run_block(steps: int, fixed: bool, total: int = 96) -> float:
         ranks.sizes[engine.step] = sizes
         engine.begin_step(position, sizes, optimizer_step=step)
         engine.forward_started()
-        engine.weigh(loss)
-        with engine.backward(reduces=True, parameters=tuple):
+        with engine.backward(loss, reduces=True, parameters=tuple):
             time.sleep(compute_s(0, sizes[0]))  # the device computes: no CPU of this thread
             engine.gradient_ready()  # DDP's parameter hooks: the first and the last gradient ready
             engine.gradient_ready()

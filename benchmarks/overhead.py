@@ -188,7 +188,7 @@ class Clock(Callback):
         thread = [thread_end - start for start in self.thread_starts]
         (self.out / f"cpu{trainer.global_rank}.json").write_text(json.dumps({"process": cpu, "thread": thread}))
         if trainer.is_global_zero:
-            engine = next((cb.engine for cb in trainer.callbacks if hasattr(cb, "engine")), None)
+            engine = getattr(trainer.strategy, "engine", None)  # a Cannikin strategy's (DDP has none)
             replans = len(engine.history.entries) if engine is not None else 0  # plans adopted (one per step)
             result = {"starts": self.starts, "end": end, "samples": self.samples, "splits": self.splits}
             result["steps"] = self.steps

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from lightning_cannikin import CannikinSettings
 from lightning_cannikin.training.engine import BalancingEngine
@@ -54,10 +55,14 @@ def run_engine(
     rng = np.random.default_rng(seed)
     direction = np.ones(dim) / np.sqrt(dim)
     engine = BalancingEngine(
-        cap, lr_scaling=lr_scaling, base_batch_size=base, balance=False, settings=CannikinSettings(**settings)
+        max_batch_size=cap,
+        lr_scaling=lr_scaling,
+        base_batch_size=base,
+        balance=False,
+        settings=CannikinSettings(**settings),
     )
     engine.bind(OneRank())
-    plan = engine.first_plan(base, 1)
+    plan = engine.bounds.first_plan(base)
     sampler = UnevenBatchSampler(cap * (steps + 2), rank=0, plan=plan, shuffle=False)
     engine.use_loader(plan, sampler)
     engine.start()
@@ -68,7 +73,7 @@ def run_engine(
         sizes = sampler.sizes_at(position)
         engine.begin_step(position, sizes, optimizer_step=step)
         engine.forward_started()
-        with engine.backward(reduces=True, parameters=tuple):
+        with engine.backward(torch.tensor(1.0), reduces=True, parameters=tuple):
             engine.gradient_ready()
         total = sum(sizes)
         groups_b = np.asarray(shares, dtype=float) * total / sum(shares)

@@ -1,15 +1,16 @@
 """The callback's re-plan protocol replayed without Lightning: emulated devices, the speed model and ``decide``.
 
 Each step every rank's compute is what the emulated devices cost (jitter and warm-up included); the records reach
-the speed model at each re-plan, on the cadence the callback uses (``ReplanSchedule``), and ``decide`` picks the next
-plan. What is due after a step and what a re-plan leaves for the next ones are the schedule's own calls, as the
-engine makes them (``ReplanSchedule.after_step``, ``followed``), and every rank's vote is the engine's ``ChangeVote``:
-the balancing behaviour under noise, warm-up and plan changes is tested in milliseconds on the real decisions.
+the speed model at each re-plan, and ``decide`` picks the next plan. Every "when" is the engine's own ``Replanner``
+(what is due after a step or at an epoch's end, when the ranks vote, what a re-plan leaves for the next ones), and
+every rank's vote is the engine's ``ChangeVote``: the balancing behaviour under noise, warm-up and plan changes is
+tested in milliseconds on the real decisions. This module only emulates the devices and carries the records.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -19,7 +20,7 @@ from lightning_cannikin.core.change_vote import ChangeVote
 from lightning_cannikin.core.optperf import optimal_split
 from lightning_cannikin.core.plan import BatchBounds, Plan, even_split
 from lightning_cannikin.core.policy import Decision, PolicySettings, decide, noise_bounds
-from lightning_cannikin.core.schedule import ReplanSchedule
+from lightning_cannikin.core.replanner import Replanner
 from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings, StepRecord
 from lightning_cannikin.simulation.emulated_devices import EmulatedDevices
 
@@ -38,6 +39,7 @@ class Replay:
     changes: list[int] = field(default_factory=list)  # steps at which a rank's local check asked for a re-plan
     votes: int = 0  # the ranks' comparisons of their checks (collectives of one number)
     model: SpeedModel | None = None
+    states: list[dict] = field(default_factory=list)  # the replanner's state after every step
 
     def clean_step_time(self, plan: Plan, step: int = 0) -> float:
         """The plan's step time on the devices without jitter or warm-up (seconds)."""
@@ -103,6 +105,16 @@ class _Ballot:
         return lambda: max(cast)
 
 
+def _resumed(replanner: Replanner) -> Replanner:
+    """A new replanner with the run's settings, loaded from ``replanner``'s state as a checkpoint carries it."""
+    state = json.loads(json.dumps(replanner.state_dict()))
+    settings = ("warmup_steps", "every_n_steps", "adapt_every_n_steps", "check_every_n_steps", "noise_every_n_steps")
+    fresh = Replanner(**{name: getattr(replanner, name) for name in settings})
+    fresh.balance, fresh.adaptive = replanner.balance, replanner.adaptive
+    fresh.load_state_dict(state)
+    return fresh
+
+
 def replay(
     devices: EmulatedDevices,
     world_size: int,
@@ -111,7 +123,7 @@ def replay(
     epoch_steps: int | None = None,
     warmup_steps: int = 8,
     replan_every_n_steps: int | None = None,
-    check_every_n_steps: int | None = ReplanSchedule.check_every_n_steps,
+    check_every_n_steps: int | None = Replanner.check_every_n_steps,
     totals: dict[int, int] | None = None,
     bounds: BatchBounds | None = None,
     settings: SpeedModelSettings | None = None,
@@ -119,6 +131,7 @@ def replay(
     noise: Callable[[int], float | None] | None = None,
     change_check: Callable[[float], LocalChangeCheck] = LocalChangeCheck,
     read_next_step: bool = True,
+    resume_at: Collection[int] = (),
 ) -> Replay:
     """Run ``steps`` steps from an even split of ``total``.
 
@@ -137,25 +150,26 @@ def replay(
         settings: the speed model's settings.
         policy: the policy settings (default ``PolicySettings()``: the total batch is kept).
         noise: the known noise scale after each step (``None`` while there is none; both of its bounds), as every
-            rank holds it: with ``policy.max_batch_size`` the total is reconsidered whenever it leaves the band of the
-            last choice (``ReplanSchedule.total_due``), and at epoch ends.
+            rank holds it: with ``policy.max_batch_size`` the total is reconsidered whenever the last choice's options
+            call for a move (``Replanner.total_due``), and at epoch ends.
         change_check: each rank's local change check, from the speed model's drift tolerance.
         read_next_step: the ranks' vote (:class:`ChangeVote`) is read the step after it is cast (CPU), else at the
             next check (CUDA).
+        resume_at: after each of these steps, the replanner is replaced by a new one that loads the old one's state
+            through JSON, as a resumed run's would be (the speed model and the votes run on).
 
     """
     out = Replay(devices, world_size)
     model = SpeedModel(world_size, settings, bounds)
     out.model = model
-    schedule = ReplanSchedule(
-        warmup_steps, replan_every_n_steps, adapt_every_n_steps=1, check_every_n_steps=check_every_n_steps
-    )
+    policy = policy or PolicySettings()
+    every = (warmup_steps, replan_every_n_steps, 1, check_every_n_steps)
+    replanner = Replanner(*every, balance=policy.balance, adaptive=policy.max_batch_size is not None)
     ballot = _Ballot(world_size)
     tolerance = model.settings.drift_tolerance
     votes = [ChangeVote(change_check(tolerance), ballot, read_next_step, True) for _ in range(world_size)]
     checks = [vote.check for vote in votes]
     plan = Plan(even_split(total, world_size))
-    identified = False
     pending: list[StepRecord] = []
     for step in range(steps):
         out.plans.append(plan)
@@ -169,34 +183,29 @@ def replay(
             check.observe(b, seconds)  # each rank, on its own times
         done = step + 1
         epoch_end = epoch_steps is not None and done % epoch_steps == 0
-        # the ranks' one-bit answers are cast on the steps the schedule names, and read as the engine reads them
-        changed = any([vote.poll(schedule.check_due(done)) for vote in votes])
+        # the ranks' one-bit answers are cast on the steps the replanner names, and read as the engine reads them
+        replanner.voted(any([vote.poll(replanner.check_due(done)) for vote in votes]))
         phi = noise(done) if noise is not None else None
-        adapt_ready = policy is not None and policy.max_batch_size is not None and identified
-        due, adapt = schedule.after_step(done, identified, True, changed, noise_bounds(phi), adapt_ready)
-        # an epoch end re-plans as the engine's does (a forced total is goodput's choice: always due)
-        noise_due = noise_bounds(phi) if adapt_ready else None
-        due_end = done in (totals or {}) or schedule.epoch_end_due(done, identified, changed, noise_due)
-        epoch_end = epoch_end and due_end
-        if not (epoch_end or due):
-            continue
-        if changed:
-            out.changes.append(done)
-            for vote in votes:
-                vote.reset()
-        model.add(pending)
-        pending = []
-        if model.drifts:
-            out.drifts.append((done, list(model.drifts)))
-        current = plan
         forced = (totals or {}).get(done) if epoch_end else None
-        if forced is not None:
-            current = Plan(even_split(forced, world_size))  # the total goodput chose; decide splits it
-        decision = decide(model, current, policy or PolicySettings(), phi, total, adapt_total=epoch_end or adapt)
-        # what the engine's decision carries of the speed model (its `decide`)
-        decision = replace(decision, changing=model.changing, unconfirmed=model.watch.unconfirmed)
-        out.decisions.append((done, decision))
-        schedule.followed(done, plan, decision, True, changed, epoch_end or adapt, phi is not None)
-        plan, identified = decision.plan, decision.identified
+        due, adapt = replanner.after_step(done, noise_bounds(phi), epoch_end=epoch_end)
+        if due or forced is not None:  # a forced total is goodput's choice: always due
+            if replanner.changed:
+                out.changes.append(done)
+                for vote in votes:
+                    vote.reset()
+            model.add(pending)
+            pending = []
+            if model.drifts:
+                out.drifts.append((done, list(model.drifts)))
+            current = plan if forced is None else Plan(even_split(forced, world_size))  # decide splits a forced total
+            decision = decide(model, current, policy, phi, total, adapt_total=adapt)
+            # what the engine's decision carries of the speed model (its `decide`)
+            decision = replace(decision, changing=model.changing, unconfirmed=model.watch.unconfirmed)
+            out.decisions.append((done, decision))
+            replanner.followed(done, plan, decision, adapt, noise_bounds(phi))
+            plan = decision.plan
+        out.states.append(replanner.state_dict())
+        if done in resume_at:
+            replanner = _resumed(replanner)
     out.votes = ballot.rounds
     return out

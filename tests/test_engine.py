@@ -16,22 +16,7 @@ from lightning_cannikin.training.lightning_hooks import BalancingCallback
 from lightning_cannikin.training.sampler import UnevenBatchSampler
 
 # what a checkpoint keeps of the engine
-STATE_KEYS = {
-    "balancer",
-    "estimator",
-    "progress",
-    "plan",
-    "history",
-    "step",
-    "identified",
-    "last_adapt_step",
-    "adapted",
-    "noise_in_flight",
-    "last_replan_step",
-    "routine_gap",
-    "noise_band",
-    "total_options",
-}
+STATE_KEYS = {"balancer", "estimator", "progress", "plan", "history", "step", "replanner", "noise_in_flight"}
 
 
 class OneRank:
@@ -59,34 +44,53 @@ def test_the_settings_are_given_in_one_object_and_checked():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         callback = Cannikin(max_batch_size=64, settings=CannikinSettings(warmup_steps=4))
-    assert callback.engine.schedule.warmup_steps == 4 and callback.max_batch_size == 64
+    assert callback.settings.warmup_steps == 4 and callback.max_batch_size == 64
     with pytest.raises(TypeError, match="warmup_steps"):
         Cannikin(max_batch_size=64, warmup_steps=4)  # a setting is no keyword of the callback
     with pytest.raises(ValueError, match="warmup_steps"):
         CannikinSettings(warmup_steps=0)
 
 
-def test_the_checkpoint_keeps_the_callbacks_key_and_restores_the_schedule_and_band_exactly():
-    callback = BalancingCallback()
-    assert callback.state_key == Cannikin().state_key == "Cannikin"
-    engine = callback.engine
+def test_the_checkpoint_keeps_the_callbacks_key_and_restores_the_replanner_exactly():
+    assert BalancingCallback().state_key == Cannikin().state_key == "Cannikin"
+    engine = BalancingEngine()
     engine.bind(OneRank())
     engine.set_plan(Plan((5, 3)))
-    engine.step, engine.identified = 9, True
+    engine.step = 9
+    replanner = engine._replanner
+    replanner.identified, replanner.changed, replanner.settle_at, replanner.unconfirmed_moved = True, True, 12, True
     options = TotalOptions((8, 16, 32), (0.1, 0.15, 0.25), 8, 0.1, 8, 0.02)
-    engine.schedule.total_options = options
-    engine.schedule.last_adapt_step, engine.schedule.adapted, engine.schedule.routine_gap = 7, True, 16
-    engine.schedule.noise_band = (120.0, float("inf"))
+    replanner.total_options = options
+    replanner.last_adapt_step, replanner.adapted, replanner.routine_gap = 7, True, 16
+    replanner.noise_band = (120.0, float("inf"))
     state = engine.state_dict()
     assert set(state) == STATE_KEYS
-    fresh = BalancingCallback().engine
+    fresh = BalancingEngine()
     fresh.bind(OneRank())
     assert fresh.load_state_dict(state) == Plan((5, 3)).resized(1)  # resumed on one rank: the global batch kept
     fresh.start()
-    assert fresh.step == 9 and fresh.schedule.total_options == options
-    assert fresh.schedule.noise_band == (120.0, float("inf"))
-    assert (fresh.schedule.last_adapt_step, fresh.schedule.adapted, fresh.schedule.routine_gap) == (7, True, 16)
-    assert fresh.identified, "the same devices: their speeds were measured"
+    assert fresh.step == 9 and fresh._replanner.total_options == options
+    assert fresh._replanner.state_dict() == replanner.state_dict()
+    assert fresh._replanner.identified, "the same devices: their speeds were measured"
+
+
+def test_a_checkpoint_from_before_the_replanner_still_resumes():
+    engine = BalancingEngine()
+    engine.bind(OneRank())
+    engine.set_plan(Plan((4,)))
+    state = engine.state_dict()
+    del state["replanner"]
+    band = [120.0, 480.0]  # saved without the options it was chosen among: reconsidered at the next step
+    old = {"identified": True, "last_adapt_step": 7, "adapted": True, "last_replan_step": 8, "routine_gap": 16}
+    state |= old | {"noise_band": band}
+    fresh = BalancingEngine()
+    fresh.bind(OneRank())
+    fresh.load_state_dict(state)
+    fresh.start()
+    replanner = fresh._replanner
+    assert (replanner.last_adapt_step, replanner.last_replan_step, replanner.routine_gap) == (7, 8, 16)
+    assert replanner.identified and replanner.adapted
+    assert replanner.noise_band is None and replanner.total_options is None and replanner.settle_at is None
 
 
 def _stepped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -102,7 +106,7 @@ def test_the_optimizer_family_comes_from_what_it_holds():
     def family(optimizer, **engine_kwargs):
         engine = BalancingEngine(**engine_kwargs)
         engine.start(optimizer)
-        return engine.adam, engine._family
+        return engine._adam, engine._family
 
     assert family(torch.optim.SGD([parameter], lr=0.1)) == (False, None), "nothing held before the first step"
     assert family(_stepped(torch.optim.SGD([parameter], lr=0.1, momentum=0.9))) == (False, "sgd")
@@ -135,7 +139,7 @@ def test_the_zero_redundancy_optimizer_is_unwrapped(tmp_path):
         zero = _stepped(ZeroRedundancyOptimizer([parameter], optimizer_class=torch.optim.Adam, lr=0.1))
         engine = BalancingEngine()
         engine.start(zero)
-        assert engine.adam
+        assert engine._adam
     finally:
         dist.destroy_process_group()
 
@@ -147,7 +151,7 @@ def _sampler(plan: Plan) -> UnevenBatchSampler:
 def test_each_step_runs_at_the_lr_factor_of_the_plan_it_runs_not_the_newest_one():
     # a plan decided now starts at a later batch (the loader prefetched the ones before): its factor starts with it
     engine = BalancingEngine()
-    engine.scale = lambda total: (total / 8, 2.0 * total)  # the learning-rate rule, known
+    engine._scale = lambda total: (total / 8, 2.0 * total)  # the learning-rate rule, known
     first, second = Plan((6, 2)), Plan((18, 6))
     sampler = _sampler(first)
     engine.use_loader(first, sampler)
@@ -155,7 +159,7 @@ def test_each_step_runs_at_the_lr_factor_of_the_plan_it_runs_not_the_newest_one(
     factors = []
     for position in range(5):
         engine.begin_step(position, sampler.sizes_at(position), optimizer_step=position)
-        factors.append((engine.lr_factor, engine.gain))
+        factors.append((engine.lr_factor, engine._gain))
     assert engine.plan == second, "the newest plan is in force for what comes next"
     assert factors == [(1.0, 16.0)] * 3 + [(3.0, 48.0)] * 2
 
@@ -171,23 +175,23 @@ def test_the_step_weight_covers_the_accumulation_window_and_its_partial_end():
     hook, _ = engine.comm_hook()
     assert hook.weight == pytest.approx(6 / 24) and hook.micro_weight == pytest.approx(1 / 3)
     # the loss carries the micro share and undoes Lightning's 1/3 (the hook sums: the rank weight is on its buckets)
-    assert engine.weigh(torch.tensor(1.0)).item() == pytest.approx(3 * (1 / 3))
+    assert engine._weigh(torch.tensor(1.0)).item() == pytest.approx(3 * (1 / 3))
     last = sampler.sizes_at(3)
     engine.begin_step(3, last, optimizer_step=1, accumulation=3)
     assert engine._window == (last,) and sum(last) == 4, "the noise groups: the window's one partial micro-batch"
     assert hook.weight == pytest.approx(last[1] / 4) and hook.micro_weight == 1.0
     engine.reduce_with(loss_carries_weight=True, averaged_over=2)  # DDP's own all-reduce: n * b_i / B on the loss
     engine.begin_step(3, last, optimizer_step=1, accumulation=3)
-    assert engine.weigh(torch.tensor(1.0)).item() == pytest.approx(3 * 1.0 * 2 * last[1] / 4)
+    assert engine._weigh(torch.tensor(1.0)).item() == pytest.approx(3 * 1.0 * 2 * last[1] / 4)
 
 
 def test_the_first_plan_respects_the_bounds_for_every_frontend():
     engine = BalancingEngine(local_batch_bounds=(None, [4, 40]))
     engine.bind(TwoRanksSecond())
     assert engine.bounds == BatchBounds.parse((None, [4, 40]), 2)
-    assert engine.first_plan(24, 2).local_batch_sizes == (4, 20)
+    assert engine.bounds.first_plan(24).local_batch_sizes == (4, 20)
     with pytest.raises(ValueError, match="local_batch_bounds"):
-        engine.first_plan(50, 2)
+        engine.bounds.first_plan(50)
 
 
 def test_a_suspected_change_makes_every_rank_vote_at_every_step_until_it_counts_or_ends():
@@ -319,12 +323,12 @@ def test_the_engine_acts_on_the_lower_bound_never_on_an_infinite_estimate():
         bounded.estimator = counted.estimator = estimator
         bounds = bounded.noise_bounds()
         if bounds is None:  # before min_noise_updates, and until the average spans ten effective steps
-            assert estimator.num_updates <= 12 and bounded.scale(960) == (1.0, 1.0), estimator.num_updates
+            assert estimator.num_updates <= 12 and bounded._scale(960) == (1.0, 1.0), estimator.num_updates
             continue
         infinite += counted.noise_bounds()[0] == float("inf")
         assert bounds[0] <= 1.5 * 20_000, (estimator.num_updates, bounds)
         gain = adascale_gain(bounds[0], 960, 96)
-        assert bounded.scale(960) == (pytest.approx(gain), pytest.approx(gain)) and gain < 10.0
+        assert bounded._scale(960) == (pytest.approx(gain), pytest.approx(gain)) and gain < 10.0
     assert infinite > 0, "the check must be able to fail: the point estimate lets an infinite one through"
 
 
@@ -335,11 +339,17 @@ def test_an_epochs_last_batch_leaves_its_replan_to_the_epoch_end():
 
     engine = BalancingEngine()
     engine._timer = SimpleNamespace(reduced=True)  # a step whose gradients were reduced
-    engine.step = engine.schedule.warmup_steps
-    assert engine.replan_due() == (True, False)
-    assert engine.replan_due(epoch_ends=True) == (False, False)
+    engine._finish_step = lambda: None  # the step is counted by hand here
+    replans = []
+    engine._replan = lambda mid_epoch, adapt_total, epoch=0: replans.append((engine.step, mid_epoch, adapt_total))
+    engine.step = engine._replanner.warmup_steps
+    engine.end_step(epoch_ends=True)
+    assert replans == [], "the epoch end decides"
+    engine.end_step()
+    assert replans == [(engine.step, True, False)], "mid-epoch the warm-up re-plan is due"
     engine.step += 1
-    assert engine.replan_due(epoch_ends=False) == (False, False)
+    engine.end_step()
+    assert len(replans) == 1
 
 
 def test_statistics_that_can_never_bound_the_noise_scale_are_said_once_with_the_fix():

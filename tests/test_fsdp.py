@@ -403,7 +403,7 @@ def test_a_checkpoint_of_three_ranks_resumes_on_two_with_its_total_and_noise_sta
     assert "resuming a 3-rank run on 2 ranks" in told.read_text()
     # the global batch of 24 is kept, split across two ranks; the speed models restart (the devices changed)
     assert sum(saved["plan"]) == sum(restored["plan"]) == 24 and len(restored["plan"]) == 2
-    assert restored["engine"]["identified"] is False and restored["engine"]["balancer"]["world_size"] == 2
+    assert restored["engine"]["replanner"]["identified"] is False and restored["engine"]["balancer"]["world_size"] == 2
     assert restored["engine"]["estimator"] == saved["engine"]["estimator"]
     assert restored["engine"]["progress"] == saved["engine"]["progress"]
     # the interrupted epoch continues on two ranks: every sample once over the two fits

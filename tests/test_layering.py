@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "lightning_cannikin"
 NAME = "lightning_cannikin"
 
@@ -214,31 +216,50 @@ def _behind_the_engine(source: str, public: set[str]) -> set[str]:
     return found
 
 
-def test_the_frontends_drive_the_engine_through_its_public_step_api_only():
-    from lightning_cannikin.training.engine import BalancingEngine
+def test_the_frontends_drive_the_engine_through_its_declared_api_only():
+    from lightning_cannikin.training.engine import ENGINE_API, BalancingEngine
 
     public = {name for name in dir(BalancingEngine) if not name.startswith("_")}
     public |= {name for name in vars(BalancingEngine()) if not name.startswith("_")}  # plan, step_sizes, ...
-    for frontend in FRONTENDS:
-        found = _behind_the_engine((PACKAGE / frontend).read_text(), public)
+    assert public == ENGINE_API, f"undeclared: {public - ENGINE_API}; declared, absent: {ENGINE_API - public}"
+    used = set()
+    for frontend in (*FRONTENDS, "training/launch_checks.py"):
+        source = (PACKAGE / frontend).read_text()
+        found = _behind_the_engine(source, set(ENGINE_API))
         assert not found, f"{frontend} reaches behind the engine's step API: {sorted(found)}"
+        used |= _on_the_engine(source)
+    assert used <= ENGINE_API and len(used) >= len(ENGINE_API) - 4, sorted(ENGINE_API - used)
     # the check can fail: what the strategies of the last release did
     old = "runtime.timer.will_reduce(True)\nruntime.hook.weight_in_loss = True\nself._engine._timer.start()"
-    assert _behind_the_engine(old, public) >= {"timer", "weight_in_loss", "will_reduce", "engine._timer"}
+    assert _behind_the_engine(old, set(ENGINE_API)) >= {"timer", "weight_in_loss", "will_reduce", "engine._timer"}
+    assert _behind_the_engine("self.engine.replanner.every_n_steps", set(ENGINE_API)) == {"engine.replanner"}
 
 
-def test_the_lightning_callback_and_the_fabric_strategy_drive_the_same_engine_class():
-    from lightning_cannikin import Cannikin, CannikinFabricStrategy
+def _on_the_engine(source: str) -> set[str]:
+    """The attributes ``source`` names on an engine (``engine.x``, ``self.engine.x``, ``self._engine.x``)."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute):
+            owner = node.value
+            if (owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", "")) in ("engine", "_engine"):
+                names.add(node.attr)
+    return names
+
+
+def test_the_strategies_own_the_engine_and_the_callback_reads_the_strategys():
+    from lightning_cannikin import Cannikin, CannikinFabricStrategy, CannikinStrategy
     from lightning_cannikin.training.engine import BalancingEngine
-    from lightning_cannikin.training.lightning_hooks import BalancingCallback
 
-    callback, fabric = Cannikin(max_batch_size=64), CannikinFabricStrategy()
-    default = BalancingCallback()  # what `strategy="cannikin"` adds without a user callback
-    for engine in (callback.engine, fabric.engine, default.engine):
+    callback, fabric, strategy = Cannikin(max_batch_size=64), CannikinFabricStrategy(), CannikinStrategy()
+    for engine in (fabric.engine, strategy.engine):
         assert type(engine) is BalancingEngine
+    with pytest.raises(RuntimeError, match="no engine before a fit"):
+        callback.engine  # noqa: B018 (the callback builds none: it configures the strategy's)
+    assert callback.plan is None and callback.history == [] and callback.lr_factor == 1.0
     graph = _graph()
-    for frontend in ("training.lightning_hooks", "training.fabric"):
+    for frontend in ("training.uneven_strategy", "training.fabric"):
         assert f"{NAME}.training.engine" in graph[f"{NAME}.{frontend}"], frontend
+    assert f"{NAME}.training.engine" not in graph[f"{NAME}.training.callback"], "the callback builds no engine"
 
 
 def test_the_strategy_does_not_import_the_callback_even_indirectly():

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from lightning_cannikin.core.lr_scaling import RULES, Progress, is_adam_family, lr_factor, validate_rule
+from lightning_cannikin.core.lr_scaling import RULES, Progress, lr_factor, validate_rule
 
 B0 = 128
 PHI = 1280.0  # AdaptDL's reference: grad_sqr 1, grad_var 10 per B0-batch
@@ -71,19 +71,6 @@ def test_validate_rule_normalises() -> None:
 def test_lr_factor_rejects_bad_batch_sizes() -> None:
     with pytest.raises(ValueError, match="positive"):
         lr_factor("linear", 0, B0, PHI)
-
-
-@pytest.mark.parametrize(
-    "name",
-    ["Adam", "AdamW", "Adamax", "NAdam", "RAdam", "SparseAdam", "Adafactor", "FusedLAMB", "Lamb", "PagedAdamW8bit"],
-)
-def test_adam_family(name: str) -> None:
-    assert is_adam_family(name)
-
-
-@pytest.mark.parametrize("name", ["SGD", "ASGD", "LBFGS", "Rprop", "Adagrad", "LARS"])
-def test_not_adam_family(name: str) -> None:
-    assert not is_adam_family(name)
 
 
 def test_progress_sums_gains_and_round_trips() -> None:

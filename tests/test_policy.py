@@ -147,11 +147,12 @@ def test_an_even_split_never_grows_past_the_smallest_cap():
 def test_the_simulator_and_the_callback_decide_alike(phi: float, max_batch: int) -> None:
     import math
 
-    from lightning_cannikin import Cannikin, CannikinSettings
+    from lightning_cannikin import CannikinSettings
     from lightning_cannikin.core.noise_scale import NoiseScaleEstimator
     from lightning_cannikin.simulation import ClusterModel, load_job, parse_cluster
     from lightning_cannikin.simulation.engine import replan
     from lightning_cannikin.simulation.gpu_profiles import ProfileStore
+    from lightning_cannikin.training.engine import BalancingEngine
 
     cluster = parse_cluster("2xV100,2xT4")
     job = load_job("imagenet", cluster.gpu_types, ProfileStore(use_sia=False))
@@ -159,14 +160,12 @@ def test_the_simulator_and_the_callback_decide_alike(phi: float, max_batch: int)
     base = job.base_batch_size
     current = simulated.plan("cannikin", base)
 
-    # the callback: the same devices measured at two splits, the same noise scale, rank zero's decision
+    # the callback's engine: the same devices measured at two splits, the same noise scale, rank zero's decision
     # the noise scale is given, as the simulator is given it (no spread to bound it with: sigmas 0)
-    callback = Cannikin(max_batch_size=max_batch, settings=CannikinSettings(noise_bound_sigmas=0))
+    engine = BalancingEngine(max_batch_size=max_batch, settings=CannikinSettings(noise_bound_sigmas=0))
     bounds = BatchBounds(tuple(int(b) for b in simulated.lower), tuple(int(b) for b in simulated.upper))
     seen = [current.local_batch_sizes, simulated.plan("cannikin", base + 40).local_batch_sizes]
-    callback.engine.speed_model = _fitted_on(
-        simulated.slopes, simulated.offsets, BatchBounds(bounds.lower, bounds.upper), []
-    )
+    engine.speed_model = _fitted_on(simulated.slopes, simulated.offsets, BatchBounds(bounds.lower, bounds.upper), [])
     records = []
     for step, sizes in enumerate(seen * 3):
         compute = [a * b + a0 for a, a0, b in zip(simulated.slopes, simulated.offsets, sizes, strict=True)]
@@ -186,8 +185,8 @@ def test_the_simulator_and_the_callback_decide_alike(phi: float, max_batch: int)
             "spread_known": True,
         }
     )
-    callback.engine.estimator = estimator
-    live = callback.engine.decide(records, current, mid_epoch=False)
+    engine.estimator = estimator
+    live = engine._decide(records, current, mid_epoch=False)
 
     projected = replan(simulated, "cannikin", current, phi, max_batch)
     assert live is not None and live.identified and projected.identified

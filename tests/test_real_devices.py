@@ -7,7 +7,6 @@ emulated devices), over several seeds.
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import numpy as np
@@ -18,25 +17,8 @@ from lightning_cannikin.core.goodput import candidate_batch_sizes, goodput
 from lightning_cannikin.core.noise_scale import NoiseScaleEstimator
 from lightning_cannikin.core.optperf import optimal_split
 from lightning_cannikin.core.policy import PolicySettings
-from lightning_cannikin.core.schedule import ROUTINE_GAP_CAP, ReplanSchedule
 from lightning_cannikin.simulation.emulated_devices import EmulatedDevices
 from tests.replay import replay
-
-
-class BandRule:
-    """A stand-in for the decision's ``TotalOptions`` in the schedule's tests: a move wherever the bounds lie wholly
-    outside a band (the rule itself is tested in tests/test_interval_choice.py; here, when the schedule asks it)."""
-
-    def __init__(self, low: float, high: float) -> None:
-        self.low, self.high = low, high
-
-    def moves(self, bounds: tuple[float, float]) -> bool:
-        return bounds[0] > self.high or bounds[1] < self.low
-
-
-def _adapted(schedule: ReplanSchedule, step: int, band: tuple[float, float]) -> None:
-    schedule.adapted_at(step, True, band, BandRule(*band))  # type: ignore[arg-type]
-
 
 WARMUP = {"warmup_steps": 4, "warmup_factor": 3.0}
 SEEDS = range(4)
@@ -136,67 +118,6 @@ def test_periodic_stalls_and_a_glitch_are_not_changes_of_speed(seed):
     assert max(run.regret(step) for step in range(108, 300)) <= 0.03, run.decisions
 
 
-def test_epoch_ends_replan_less_often_while_replans_keep_the_plan():
-    schedule = ReplanSchedule(8)
-    schedule.replanned(16, total_changed=False, balance=True)  # the balancing re-plan: a new split
-    assert schedule.epoch_end_due(128, True, False, None)
-    schedule.replanned(128, total_changed=False, balance=True, kept=True)
-    ends = []
-    for end in range(256, 128 * 40, 128):  # 128-step epochs whose re-plans keep the plan
-        if schedule.epoch_end_due(end, True, False, None):
-            ends.append(end)
-            schedule.replanned(end, total_changed=False, balance=True, kept=True)
-    assert ends[:4] == [256, 512, 1024, 1920], ends  # the gap doubles from the 112 steps since the last re-plan
-    assert all(b - a == ROUTINE_GAP_CAP for a, b in itertools.pairwise(ends[3:])), ends
-    # whatever the gap, an epoch end re-plans when something asks for it
-    skipped = ends[-1] + 128
-    assert not schedule.epoch_end_due(skipped, True, False, None)
-    assert schedule.epoch_end_due(skipped, True, True, None), "a rank's check saw a change"
-    assert schedule.epoch_end_due(skipped, False, False, None), "a device is not timed at two sizes yet"
-    assert schedule.epoch_end_due(skipped, True, False, (500.0, 500.0)), "noise bounds and no band: the total"
-    _adapted(schedule, skipped, (400.0, 600.0))
-    assert not schedule.epoch_end_due(skipped + 128, True, False, (500.0, 500.0)), "inside the band the total stays"
-    assert schedule.epoch_end_due(skipped + 128, True, False, (700.0, 700.0)), "out of it"
-    schedule.replanned(skipped + 128, total_changed=False, balance=True)  # a re-plan that moved the split
-    assert schedule.epoch_end_due(skipped + 256, True, False, None), "the next epoch end re-plans again"
-
-
-def test_the_schedule_replans_when_a_check_says_so_and_settles_after():
-    schedule = ReplanSchedule(8)
-    assert schedule.check_due(16) and schedule.check_due(12) and not schedule.check_due(14)  # every 4 steps
-    assert schedule.due(16, True, True, changed=True) and not schedule.due(16, True, True)
-    schedule.replanned(16, total_changed=False, balance=True, changed=True)
-    # after a change of speed the rescaled model's split is re-split once half the warm-up has timed it
-    assert schedule.due(20, True, True) and not schedule.due(19, True, True)
-    schedule.replanned(20, total_changed=True, balance=True)  # a new total (or untimed sizes): the whole warm-up
-    assert schedule.due(28, True, True) and not schedule.due(27, True, True)
-    schedule.replanned(28, total_changed=False, balance=True, changed=True, kept=True)
-    assert schedule.settle_at is None and not schedule.due(32, True, True), "a kept split has nothing to settle"
-    with pytest.raises(ValueError, match="check_every_n_steps"):
-        ReplanSchedule(8, check_every_n_steps=0)
-
-
-def test_an_unconfirmed_rescale_is_rejudged_every_warmup_only_while_the_split_it_moved_is_in_force():
-    schedule = ReplanSchedule(8)
-    # a rescale (perhaps a passing stall) that left the split as it was: no rank runs a share the rescale gave it,
-    # so no re-plan is run just to judge it (on identical CPU ranks each kept re-plan was rank zero's fit, in vain)
-    schedule.replanned(16, total_changed=False, balance=True, changed=True, kept=True, unconfirmed=True)
-    assert schedule.settle_at is None and not any(schedule.due(step, True, True) for step in range(17, 64))
-    # a later re-plan moved the split while it is unconfirmed: re-judged every warm-up from then, kept splits too
-    schedule.replanned(64, total_changed=False, balance=True, unconfirmed=True)
-    assert schedule.due(72, True, True) and not schedule.due(71, True, True)
-    schedule.replanned(72, total_changed=False, balance=True, kept=True, unconfirmed=True)
-    assert schedule.due(80, True, True) and not schedule.due(79, True, True)
-    # confirmed (or undone): nothing more to judge
-    schedule.replanned(80, total_changed=False, balance=True, kept=True, unconfirmed=False)
-    assert schedule.settle_at is None and not schedule.unconfirmed_moved
-    # a change re-plan that moved the split: settled after half the warm-up, then every warm-up while unconfirmed
-    schedule.replanned(96, total_changed=False, balance=True, changed=True, unconfirmed=True)
-    assert schedule.settle_at == 100
-    schedule.replanned(100, total_changed=False, balance=True, kept=True, unconfirmed=True)
-    assert schedule.settle_at == 108
-
-
 @pytest.mark.parametrize("seed", SEEDS)
 def test_a_rank_balanced_into_its_flat_region_is_not_given_an_extrapolated_split(seed):
     # flat below 160/64/24 samples (GPU saturation), B = 192: once balanced, rank 2 sits in its flat region where a
@@ -287,34 +208,3 @@ def test_a_rising_noise_scale_is_followed_without_a_clock():
             assert goodput(total, run.optimum(total), phi_at(step), 48) >= (1 - policy.margin) * best, (seed, step)
         adapted = [step for step, d in run.decisions if d.noise_band is not None]
         assert {100, 200} <= set(adapted), adapted  # at the step the estimate moved, not on a clock
-
-
-def test_a_change_of_speed_drops_the_noise_band_and_the_settling_replan_reconsiders_the_total():
-    # the band held the noise scales for which the total was best on the old speeds; after a change it says nothing
-    schedule = ReplanSchedule(8, adapt_every_n_steps=1)
-    _adapted(schedule, 40, (200.0, 800.0))
-    assert not schedule.total_due((500.0, 500.0), 60)
-    schedule.replanned(60, total_changed=False, balance=True, changed=True)  # a device's speed changed
-    assert schedule.noise_band is None and schedule.total_options is None
-    assert not schedule.total_due((500.0, 500.0), 63), "not while the new split is untimed"
-    assert schedule.total_due((500.0, 500.0), 64) and schedule.due(64, True, True), (
-        "the settling re-plan reconsiders it"
-    )
-    # a re-plan that reconsidered the total at the change keeps the band it just chose
-    _adapted(schedule, 64, (300.0, 900.0))
-    schedule.replanned(64, total_changed=False, balance=True, changed=True)
-    assert schedule.noise_band == (300.0, 900.0) and schedule.total_options is not None
-
-
-def test_the_schedule_reconsiders_the_total_when_the_noise_scale_leaves_its_band():
-    schedule = ReplanSchedule(8, adapt_every_n_steps=8)
-    assert not schedule.total_due(None, 30) and schedule.total_due((300.0, 300.0), 30)  # the first bounds
-    _adapted(schedule, 40, (200.0, 800.0))
-    assert not schedule.total_due((500.0, 500.0), 60) and not schedule.total_due(None, 60)
-    assert schedule.total_due((900.0, 900.0), 60) and schedule.total_due((150.0, 150.0), 60)
-    assert not schedule.total_due((900.0, 900.0), 47), "no sooner than the floor after the last reconsideration"
-    assert not ReplanSchedule(8).total_due((900.0, 900.0), 60), "adapt_every_n_steps=None: at epoch ends only"
-    schedule.total_options = None  # a change of speed dropped the options: the total is reconsidered once
-    assert schedule.total_due((500.0, 500.0), 60)
-    _adapted(schedule, 60, (200.0, 800.0))
-    assert not schedule.total_due((500.0, 500.0), 70) and schedule.total_due((850.0, float("inf")), 70)

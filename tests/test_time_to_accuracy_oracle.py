@@ -47,7 +47,7 @@ def test_a_fixed_run_keeps_its_total_and_scales_the_lr_from_b0() -> None:
     strategy, (callback,) = configure("fixed-384", 1024, 96)
     assert strategy == "cannikin_fork"
     assert callback.max_batch_size is None and callback.base_batch_size == 96 and callback.lr_scaling == "adascale"
-    assert callback.engine.track_noise_scale and callback.settings.noise_every_n_steps == 1
+    assert callback.options.track_noise_scale and callback.settings.noise_every_n_steps == 1
     model, pinned = fitted_model(), Plan((128, 128, 128))
     # no cap: the total stays at 384 whatever the noise scale says, and the gain is AdaScale's for 384 over 96
     for bounds in ((1.0, 2.0), (5000.0, 6000.0)):

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lightning_cannikin.core.goodput import candidate_batch_sizes
+from lightning_cannikin.core.goodput import ADAPT_MARGIN, candidate_batch_sizes
 from lightning_cannikin.core.profile import build_profile, save_profile
 from lightning_cannikin.core.speed_model import SpeedModel
 from lightning_cannikin.tools.cli import main
@@ -117,8 +117,8 @@ def test_the_adaptive_batch_uses_the_profiles_noise_scale_and_margin(profile_pat
     result = _what_if(capsys, profile_path, "-b", str(BASE), "--max-batch-size", "600")
     assert result["noise_scale"] == pytest.approx(_noise_history()[-1]["noise_scale"])
     row = result["adaptive"][0]
-    # the 5% hysteresis: a change of total is adopted only for more than 5% more goodput
-    assert row["total_batch_size"] == BASE or row["goodput"] > 1.05 * row["fixed_goodput"]
+    # the hysteresis (the one default margin, 2%): a change of total is adopted only for more goodput than that
+    assert row["total_batch_size"] == BASE or row["goodput"] > (1 + ADAPT_MARGIN) * row["fixed_goodput"]
 
 
 def test_tables_without_json(profile_path, capsys):

@@ -10,7 +10,7 @@ smaller change is judged the same way over a longer window; the recency-weighted
 asks for.
 
 :class:`LocalChangeCheck` is the cheap, local half: each rank feeds it its own compute time every step (a few
-floats, no collective) and asks it on the steps :class:`~lightning_cannikin.core.schedule.ReplanSchedule` says (the
+floats, no collective) and asks it on the steps :class:`~lightning_cannikin.core.replanner.Replanner` says (the
 same steps on every rank); only when some rank answers yes do the ranks need to meet and re-plan. A rank whose latest
 few times are already far beyond its reference answers *suspected*: the ranks then ask again at every step until the
 change counts or the run ends, so a large change is acted on at the step its window fills, not at the next scheduled
@@ -28,15 +28,20 @@ from typing import Any
 
 __all__ = [
     "CHANGED",
+    "CLEAR_SHARE",
     "DEFAULT_WINDOW",
     "DRIFT_TOLERANCE",
+    "FAST_BAND",
     "FAST_WINDOW",
     "MAD_TO_SD",
+    "RETURN_HORIZON",
+    "SPREAD_FLOOR",
     "SUSPECTED",
     "ChangeWatch",
     "LocalChangeCheck",
     "clear_change",
     "large_change",
+    "sure_band",
 ]
 
 # the relative change of a device's step time that counts as a change of speed (the band; the speed model's default)
@@ -44,6 +49,14 @@ DRIFT_TOLERANCE = 0.25
 # a median absolute deviation times this is a standard deviation for Gaussian jitter: the robust spread, everywhere
 MAD_TO_SD = 1.4826
 DEFAULT_WINDOW = 16  # steps of recent times judged at once: a change fills 3/4 of them within 12 steps
+# the share of a window that must lie beyond the band, on one side, for a change: a stall every second step fills half
+# of it, one every third step a third, a one-window glitch less than a window
+CLEAR_SHARE = 3 / 4
+# the large band, in multiples of the band: a change beyond it is judged over FAST_WINDOW steps, after SUSPECT_RUN of
+# them is suspected, and beyond its square (``sure_band``) counts after SURE_RUN in a row
+FAST_BAND = 2.0
+# a band is never narrower than this many of the reference's own robust spreads: jitter alone never fills a window
+SPREAD_FLOOR = 2.0
 # steps judged for a change beyond twice the band: 3/4 of them (9) outlast an 8-step glitch, never filled by stalls
 FAST_WINDOW = 12
 # the latest steps beyond twice the band that make a change suspected: a device that is clearly slower now, but not for
@@ -56,6 +69,9 @@ SURE_RUN = 6
 # the latest records of a rescaled rank back at its old model's times (and faster than the rescaled one by the band)
 # that undo the rescale: the change was a passing stall that outlasted the window
 RETURN_RUN = 4
+# records after a rescale during which a return to the old speed undoes it: two windows, longer than any stall the
+# window took for a change (a stall that long is a change)
+RETURN_HORIZON = 2 * DEFAULT_WINDOW
 SUSPECTED, CHANGED = 1, 2  # :meth:`LocalChangeCheck.verdict` (0: neither)
 _PARKED = 3  # other batch sizes whose watch is kept (an epoch's last batch, the sizes of a probe)
 # how far beyond a rank's largest timed batch size its model is still trusted to judge a change of speed
@@ -80,7 +96,7 @@ def clear_change(ratios: Sequence[float], band: float, window: int = DEFAULT_WIN
     recent = ratios[-window:]
     high, low = 1.0 + band, 1.0 / (1.0 + band)
     for beyond in ([r for r in recent if r > high], [r for r in recent if r < low]):
-        if 4 * len(beyond) >= 3 * window:
+        if len(beyond) >= CLEAR_SHARE * window:
             return _median(beyond)
     return None
 
@@ -92,6 +108,11 @@ def _median(values: Sequence[float]) -> float:
     return float(ordered[middle]) if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2.0
 
 
+def sure_band(band: float) -> float:
+    """The band beyond which a run of ``SURE_RUN`` ratios counts at once: the large band's factor, squared."""
+    return (1.0 + FAST_BAND * band) ** 2 - 1.0
+
+
 def large_change(ratios: Sequence[float], band: float, window: int = DEFAULT_WINDOW) -> float | None:
     """:func:`clear_change` over ``window`` ratios, or, sooner, beyond twice the band over ``FAST_WINDOW`` of them:
     a device that takes twice as long (or half) is acted on after 9 steps, a glitch of 8 steps still never counts;
@@ -99,9 +120,9 @@ def large_change(ratios: Sequence[float], band: float, window: int = DEFAULT_WIN
     slower is acted on after 6 steps, a glitch of 4 steps at 4x still never counts."""
     ratio = clear_change(ratios, band, window)
     if ratio is None:
-        ratio = clear_change(ratios, 2.0 * band, min(FAST_WINDOW, window))
+        ratio = clear_change(ratios, FAST_BAND * band, min(FAST_WINDOW, window))
     run = min(SURE_RUN, window)
-    if ratio is None and trailing_run(ratios, (1.0 + 2.0 * band) ** 2 - 1.0) >= run:
+    if ratio is None and trailing_run(ratios, sure_band(band)) >= run:
         ratio = _median(ratios[-run:])
     return ratio
 
@@ -157,7 +178,7 @@ class LocalChangeCheck:
         skip: int = 2,
         small_band: float = 0.08,
         small_window: int = 48,
-        noise_floor: float = 2.0,
+        noise_floor: float = SPREAD_FLOOR,
     ) -> None:
         if not (band > 0 and small_band > 0) or min(int(window), int(reference), int(small_window)) < 1 or skip < 0:
             raise ValueError(
@@ -221,12 +242,12 @@ class LocalChangeCheck:
         expected = _median(self._reference)
         ratios = [t / expected for t in self._recent]
         spread = MAD_TO_SD * _median([abs(t / expected - 1.0) for t in self._reference])
-        small = max(self.small_band, 2.0 * spread)
+        small = max(self.small_band, SPREAD_FLOOR * spread)
         band = max(self.band, self.noise_floor * spread)  # the large band, never inside the jitter
         large = large_change(ratios, band, self.window)
         if large is not None or clear_change(ratios, small, self.small_window) is not None:
             return CHANGED
-        return SUSPECTED if trailing_run(ratios, 2.0 * band) >= SUSPECT_RUN else 0
+        return SUSPECTED if trailing_run(ratios, FAST_BAND * band) >= SUSPECT_RUN else 0
 
 
 class ChangeWatch:
@@ -278,7 +299,7 @@ class ChangeWatch:
 
         A stall that outlasts the window is rescaled like a change, and the rank moved to a share it was not timed at;
         once the stall ends, its times there match its old model, and nothing else would compare them with it (the fit
-        takes them in, anchored at the old size by the stall's samples). So for ``2 * DEFAULT_WINDOW`` records after a
+        takes them in, anchored at the old size by the stall's samples). So for ``RETURN_HORIZON`` records after a
         rescale, its latest ``RETURN_RUN`` records at any size back within the tolerance of the old model and beyond it
         from the rescaled one undo the rescale (the ratio returned is its inverse).
         """
@@ -330,7 +351,7 @@ class ChangeWatch:
             self._recent[rank].clear()
             return 1.0 / ratio
         seen += len(records)
-        if seen >= 2 * DEFAULT_WINDOW:
+        if seen >= RETURN_HORIZON:
             del self._before[rank]  # the change held
         else:
             self._before[rank] = (old, ratio, seen)

@@ -2,7 +2,7 @@
 
 Each rank feeds its :class:`~lightning_cannikin.core.change.LocalChangeCheck` its own compute times as the step timer
 reads them: a few floats, no collective. On the steps the schedule names
-(:meth:`~lightning_cannikin.core.schedule.ReplanSchedule.check_due`, the same on every rank) the ranks share the
+(:meth:`~lightning_cannikin.core.replanner.Replanner.check_due`, the same on every rank) the ranks share the
 answers, one integer each, in a maximum that nobody waits for (a :class:`Ballot`: the training side's
 ``Collective.max_later``), read by every rank at the same later step: on CPU at the next step (every rank issued the
 vote before that step's gradient all-reduce on the same process group, which runs collectives in order, so the vote is

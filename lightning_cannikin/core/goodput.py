@@ -22,6 +22,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 __all__ = [
+    "ADAPT_MARGIN",
     "GoodputChoice",
     "adascale_gain",
     "adopted_at",
@@ -30,6 +31,11 @@ __all__ = [
     "efficiency",
     "goodput",
 ]
+
+# the relative goodput gain a change of total must exceed (hysteresis), the one default of every rule and tool that
+# chooses a total: 2%, smaller than AdaptDL's 5% on a point estimate, since the bounds already keep the choice from
+# chasing noise (the gpu-mix time-to-accuracy run, CannikinSettings.adapt_margin)
+ADAPT_MARGIN = 0.02
 
 
 def _scalar_or_array(x: np.ndarray) -> float | np.ndarray:
@@ -198,7 +204,7 @@ def choose_batch_size(
     base_batch_size: float,
     current_batch_size: int,
     current_step_time: float | None,
-    margin: float = 0.05,
+    margin: float = ADAPT_MARGIN,
 ) -> GoodputChoice:
     """Pick the goodput-maximising candidate, switching only when it clearly beats the current batch size.
 
@@ -246,7 +252,7 @@ def adopted_at(
     base_batch_size: float,
     current_batch_size: int,
     current_step_time: float,
-    margin: float = 0.05,
+    margin: float = ADAPT_MARGIN,
 ) -> np.ndarray:
     """:func:`choose_batch_size`'s ``adopted`` at each of many noise scales, in one pass (where a choice holds)."""
     sizes = np.asarray(candidates, dtype=np.int64).reshape(-1)

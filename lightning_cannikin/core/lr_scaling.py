@@ -31,14 +31,9 @@ import math
 
 from lightning_cannikin.core.goodput import adascale_gain
 
-__all__ = ["RULES", "Progress", "check_family", "is_adam_family", "lr_factor", "optimizer_family", "validate_rule"]
+__all__ = ["RULES", "Progress", "check_family", "lr_factor", "optimizer_family", "validate_rule"]
 
 RULES: tuple[str, ...] = ("adascale", "sqrt", "linear", "none")
-
-# Lower-cased substrings of optimizer class names that precondition by a running second moment, like Adam:
-# Adam, AdamW, Adamax, NAdam, RAdam, SparseAdam, FusedAdam, Adam8bit, PagedAdamW, DeepSpeedCPUAdam, LAMB, FusedLAMB,
-# Adafactor, AdaBelief.
-_ADAM_MARKERS = ("adam", "lamb", "adafactor", "adabelief")
 
 
 def validate_rule(rule: str) -> str:
@@ -52,16 +47,6 @@ def validate_rule(rule: str) -> str:
     if name not in RULES:
         raise ValueError(f"`lr_scaling` must be one of {', '.join(repr(r) for r in RULES)}; got {rule!r}.")
     return name
-
-
-def is_adam_family(optimizer_class_name: str) -> bool:
-    """Whether an optimizer (by class name, e.g. ``type(opt).__name__``) normalises updates like Adam.
-
-    Such optimizers get the square root of the AdaScale gain, and their noise scale is measured on preconditioned
-    gradients.
-    """
-    name = optimizer_class_name.lower()
-    return any(marker in name for marker in _ADAM_MARKERS)
 
 
 # per-parameter state that marks a preconditioner other than Adam's second moment
@@ -113,8 +98,8 @@ def lr_factor(rule: str, batch_size: int, base_batch_size: int, noise_scale: flo
         base_batch_size: B0, the batch the base learning rate was tuned for.
         noise_scale: ``phi`` in samples; used by ``"adascale"`` only. None (no statistics yet) gives 1.0: without a
             noise estimate the safe assumption is that a larger batch buys no extra progress per step.
-        adam: whether the optimizer is Adam-family (see :func:`is_adam_family`); takes the square root of the
-            AdaScale gain. The fixed rules ignore it.
+        adam: whether the optimizer is Adam-family (:func:`optimizer_family` says ``"adam"``); takes the square root
+            of the AdaScale gain. The fixed rules ignore it.
 
     Returns:
         The factor, 1.0 at B = B0 for every rule.

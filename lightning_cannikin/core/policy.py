@@ -19,7 +19,7 @@ from typing import Protocol
 import numpy as np
 from numpy.typing import ArrayLike
 
-from lightning_cannikin.core.goodput import adascale_gain, adopted_at, candidate_batch_sizes
+from lightning_cannikin.core.goodput import ADAPT_MARGIN, adascale_gain, adopted_at, candidate_batch_sizes
 from lightning_cannikin.core.interval_choice import IntervalChoice, TotalOptions
 from lightning_cannikin.core.lr_scaling import lr_factor, validate_rule
 from lightning_cannikin.core.optperf import most_even_split
@@ -95,7 +95,7 @@ class PolicySettings:
 
     max_batch_size: int | None = None
     balance: bool = True
-    margin: float = 0.05
+    margin: float = ADAPT_MARGIN
     lr_scaling: str = "adascale"
     candidates: int = 50
     accumulate: bool = False
@@ -133,13 +133,13 @@ class Decision:
         noise_band: the noise scales ``(low, high)`` at each of which the total batch decided here stays the
             goodput choice (within the margin), given the speeds just fitted; ``None`` when the total was not
             considered. Bounds inside it move nothing, whatever they narrow to: the statistics may then be measured
-            less often (:meth:`~lightning_cannikin.core.schedule.ReplanSchedule.settled`).
+            less often (:meth:`~lightning_cannikin.core.replanner.Replanner.settled`).
         total_options: the candidate totals and step times the total decided here was chosen among (``None`` when
             the total was not considered). Every rank holds the same noise bounds and these options, so each can tell
             on its own, and at the same step, when the bounds call for a move
-            (:meth:`~lightning_cannikin.core.schedule.ReplanSchedule.total_due`).
+            (:meth:`~lightning_cannikin.core.replanner.Replanner.total_due`).
         untimed: the plan puts some rank beyond the sizes it was timed at lately (a walk towards a knee): re-plan
-            once it has been timed there, as after a change of total (``ReplanSchedule.replanned(total_changed=)``).
+            once it has been timed there, as after a change of total (``Replanner.replanned(total_changed=)``).
         best_total: the total batch with the largest sure share of the best goodput over the noise bounds
             (:mod:`~lightning_cannikin.core.interval_choice`; ``None``: the total was not reconsidered).
         total_gain: its sure share's relative gain over keeping the total in force, against the margin
@@ -149,7 +149,7 @@ class Decision:
             followed by a settling one once the new plan is timed; without it there is nothing to settle.
         unconfirmed: some rank was rescaled lately and may yet return to its old speed (a passing stall; set by the
             engine from ``SpeedModel.watch``): once a re-plan has moved the split since, re-plan again every warm-up
-            until it is confirmed or undone (``ReplanSchedule.replanned``).
+            until it is confirmed or undone (``Replanner.replanned``).
         split_gain: the best split's predicted relative step-time gain over the split kept in its place (the most
             even one or the one in force; the smallest such gain when none is kept), against ``split_margin``
             (``None``: no split was weighed, e.g. a probe or an even split).
@@ -174,9 +174,16 @@ class Decision:
 
 @lru_cache(maxsize=256)  # asked every step with the same few arguments (pure, small, immutable result)
 def learning_rate_scale(
-    rule: str, total_batch_size: int, base_batch_size: int, noise_scale: float | None, adam: bool = False
+    rule: str,
+    total_batch_size: int,
+    base_batch_size: int,
+    bounds: tuple[float, float] | None,
+    adam: bool = False,
 ) -> tuple[float, float]:
-    """``(lr factor, AdaScale gain)`` of a step at ``total_batch_size`` (both 1 at B0 or without statistics)."""
+    """``(lr factor, AdaScale gain)`` of a step at ``total_batch_size`` with the noise scale's ``bounds`` (both 1 at
+    B0 or without statistics): at the noise scale :func:`gain_noise_scale` takes. The one computation of both: a
+    decision's factor (:attr:`Decision.lr_factor`) and every step's (the engine's, from the bounds it starts with)."""
+    noise_scale = gain_noise_scale(bounds)
     factor = lr_factor(rule, total_batch_size, base_batch_size, noise_scale, adam)
     return factor, float(adascale_gain(noise_scale, total_batch_size, base_batch_size))
 
@@ -262,8 +269,7 @@ def decide(
             candidates = _candidates(model, plan, settings, base_batch_size)  # the kept total's time is the new one's
         band = _noise_band(candidates, plan, settings, base_batch_size)
         options = _options(candidates, plan.total_batch_size, settings, base_batch_size)
-    phi = gain_noise_scale(bounds)
-    factor, _ = learning_rate_scale(settings.lr_scaling, plan.total_batch_size, base_batch_size, phi, adam)
+    factor, _ = learning_rate_scale(settings.lr_scaling, plan.total_batch_size, base_batch_size, bounds, adam)
     timed = getattr(model, "timed", None)  # a model that knows which sizes it timed lately
     untimed = settings.balance and model.identified and timed is not None and not timed(plan.local_batch_sizes)
     total_gain = None if choice is None else choice.gain

@@ -16,6 +16,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from lightning_cannikin.core.goodput import ADAPT_MARGIN
 from lightning_cannikin.simulation.cluster import Cluster, parse_cluster
 from lightning_cannikin.simulation.comparison import Comparison, compare
 from lightning_cannikin.simulation.engine import POLICIES, ClusterModel
@@ -62,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, help="DDP's fixed (and every policy's starting) total batch")
     parser.add_argument("--max-batch-size", type=int, help="cap of the adaptive policies (default: largest validated)")
     parser.add_argument("--replans", type=int, default=100, help="re-plans over the run (default: %(default)s)")
-    parser.add_argument("--margin", type=float, default=0.05, help="goodput hysteresis (default: %(default)s)")
+    parser.add_argument("--margin", type=float, default=ADAPT_MARGIN, help="goodput hysteresis (default: %(default)s)")
     parser.add_argument(
         "--network-scaling",
         choices=NETWORK_SCALINGS,

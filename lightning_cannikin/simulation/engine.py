@@ -46,7 +46,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from lightning_cannikin.core import optperf as planner
-from lightning_cannikin.core.goodput import adascale_gain, candidate_batch_sizes
+from lightning_cannikin.core.goodput import ADAPT_MARGIN, adascale_gain, candidate_batch_sizes
 from lightning_cannikin.core.plan import Plan, even_split
 from lightning_cannikin.core.policy import Decision, PolicySettings, decide
 from lightning_cannikin.simulation.cluster import Cluster
@@ -284,7 +284,7 @@ def replan(
     plan: Plan,
     noise_scale: float,
     max_batch_size: int,
-    margin: float = 0.05,
+    margin: float = ADAPT_MARGIN,
     candidates: int = 50,
 ) -> Decision:
     """One re-plan of an adaptive policy: the library's :func:`~lightning_cannikin.core.policy.decide` on the model.
@@ -311,7 +311,7 @@ def simulate(
     replans: int = 100,
     cells_per_replan: int = 10,
     candidates: int = 50,
-    margin: float = 0.05,
+    margin: float = ADAPT_MARGIN,
 ) -> PolicyResult:
     """Run one policy to the job's target.
 

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
-from lightning_cannikin.core.goodput import efficiency
+from lightning_cannikin.core.goodput import ADAPT_MARGIN, efficiency
 from lightning_cannikin.core.optperf import most_even_split, optimal_split, optperf, step_time, with_micro_steps
 from lightning_cannikin.core.plan import Plan
 from lightning_cannikin.core.policy import PolicySettings, decide
@@ -63,7 +63,7 @@ def what_if_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--noise-scale", type=float, help="the gradient noise scale (default: the profile's last)")
     parser.add_argument("--base-batch-size", type=int, help="B0, the LR's total batch (default: the profile's)")
-    parser.add_argument("--margin", type=float, default=0.05, help="goodput hysteresis (default: %(default)s)")
+    parser.add_argument("--margin", type=float, default=ADAPT_MARGIN, help="goodput hysteresis (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")
     return parser
 
@@ -171,7 +171,7 @@ def evaluate(
     max_batch_size: int | None = None,
     noise_scale: float | None = None,
     base_batch_size: int | None = None,
-    margin: float = 0.05,
+    margin: float = ADAPT_MARGIN,
 ) -> dict[str, list[dict[str, Any]]]:
     """Every named cluster at every total: the OptPerf split and the even split, and with ``max_batch_size`` the
     adaptive decision from that total.

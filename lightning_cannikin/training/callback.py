@@ -1,7 +1,8 @@
 """``Cannikin``: the callback users hold, with the decisions that are theirs; the engine's settings are one object.
 
 It is :class:`~lightning_cannikin.training.lightning_hooks.BalancingCallback` (Lightning's hooks wired to the
-:class:`~lightning_cannikin.training.engine.BalancingEngine`) built from the user's arguments.
+:class:`~lightning_cannikin.training.engine.BalancingEngine`) with the user's arguments, which the strategy builds
+its engine from.
 """
 
 from __future__ import annotations
@@ -9,9 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_cannikin.training.engine import BalancingEngine
 from lightning_cannikin.training.lightning_hooks import BalancingCallback
-from lightning_cannikin.training.settings import CannikinSettings
+from lightning_cannikin.training.settings import CannikinSettings, EngineOptions
 
 __all__ = ["Cannikin"]
 
@@ -55,47 +55,39 @@ class Cannikin(BalancingCallback):
         save_profile: bool = True,
         settings: CannikinSettings | None = None,
     ) -> None:
-        engine = BalancingEngine(
-            max_batch_size,
-            local_batch_bounds,
-            lr_scaling,
-            base_batch_size,
-            balance,
-            replan_every_n_steps,
-            save_profile=save_profile,
-            settings=settings,
-        )
-        super().__init__(engine)
+        every = replan_every_n_steps
+        choices = (max_batch_size, local_batch_bounds, lr_scaling, base_batch_size, balance, every, save_profile)
+        super().__init__(EngineOptions(*choices, settings))  # type: ignore[arg-type]
 
     @property
     def settings(self) -> CannikinSettings:
         """The engine's tuning settings."""
-        return self.engine.settings
+        return self.options.settings
 
     @property
     def max_batch_size(self) -> int | None:
-        return self.engine.policy.max_batch_size
+        return self.options.max_batch_size
 
     @property
     def local_batch_bounds(self) -> Any:
-        return self.engine.local_batch_bounds
+        return self.options.local_batch_bounds
 
     @property
     def lr_scaling(self) -> str:
-        return self.engine.policy.lr_scaling
+        return self.options.lr_scaling
 
     @property
     def base_batch_size(self) -> int | None:
-        return self.engine.base_batch_size
+        return self.options.base_batch_size
 
     @property
     def balance(self) -> bool:
-        return self.engine.policy.balance
+        return self.options.balance
 
     @property
     def replan_every_n_steps(self) -> int | None:
-        return self.engine.schedule.every_n_steps
+        return self.options.replan_every_n_steps
 
     @property
     def save_profile(self) -> bool:
-        return self.engine.save_profile
+        return self.options.save_profile

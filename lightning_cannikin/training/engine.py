@@ -2,18 +2,18 @@
 
 A frontend (Lightning's DDP and FSDP2 strategies with their callback, Fabric's strategy) says where a step's pieces
 happen through the step API (:meth:`~BalancingEngine.bind`, :meth:`~BalancingEngine.begin_step`,
-:meth:`~BalancingEngine.weigh`, :meth:`~BalancingEngine.backward`, :meth:`~BalancingEngine.optimizer_step`,
+:meth:`~BalancingEngine.backward`, :meth:`~BalancingEngine.optimizer_step`,
 :meth:`~BalancingEngine.end_step`, :meth:`~BalancingEngine.end_epoch` and the reductions' seams; the table is in
 ``docs/architecture.md``). The step timer, the all-reduce's state, the noise observer, the loader's sampler and the
 speed-change vote are its private parts (``tests/test_layering.py`` checks that no frontend reaches them). It owns
-what a run learns and the one re-plan protocol (:meth:`BalancingEngine.replan`: gather, rank zero decides with
-:func:`~lightning_cannikin.core.policy.decide`, broadcast, set the plan); when one is due is
-:class:`~lightning_cannikin.core.schedule.ReplanSchedule`'s call.
+what a run learns and the one re-plan protocol (:meth:`BalancingEngine._replan`: gather, rank zero decides with
+:func:`~lightning_cannikin.core.policy.decide`, broadcast, set the plan); every "when" (a re-plan, the total, a change
+check, a noise measurement) is its :class:`~lightning_cannikin.core.replanner.Replanner`'s call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -21,31 +21,51 @@ from typing import Any
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn  # Lightning's and Fabric's
+from torch.utils.data import DataLoader
 
 from lightning_cannikin.core.change import LocalChangeCheck
 from lightning_cannikin.core.change_vote import ChangeVote
 from lightning_cannikin.core.history import NoiseTrail, PlanHistory
-from lightning_cannikin.core.interval_choice import TotalOptions
 from lightning_cannikin.core.lr_scaling import Progress, check_family
 from lightning_cannikin.core.noise_scale import NoiseScaleEstimator
 from lightning_cannikin.core.plan import BatchBounds, Plan
-from lightning_cannikin.core.policy import Decision, PolicySettings, decide, gain_noise_scale, learning_rate_scale
+from lightning_cannikin.core.policy import Decision, decide, learning_rate_scale
 from lightning_cannikin.core.profile import PROFILE_FILENAME, build_profile, save_profile
-from lightning_cannikin.core.schedule import ReplanSchedule
+from lightning_cannikin.core.replanner import Replanner
 from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings, StepRecord
 from lightning_cannikin.training.collective import Collective
 from lightning_cannikin.training.comm_hook import WeightedAllReduceState, weighted_allreduce_hook
-from lightning_cannikin.training.cost_aware_sampler import CostTimeFit, with_time_models
+from lightning_cannikin.training.cost_aware_sampler import CostTimeFit, SampleCosts, with_time_models
 from lightning_cannikin.training.explain import explain
 from lightning_cannikin.training.grad_stats import GradientNormObserver
+from lightning_cannikin.training.loader import UnevenDataLoader, loader_batch_size, rebuild_uneven
 from lightning_cannikin.training.loss_weights import LossScaleCheck, WindowWeights
 from lightning_cannikin.training.optimizers import optimizer_family_of, unwrapped
 from lightning_cannikin.training.sampler import UnevenBatchSampler
-from lightning_cannikin.training.settings import CannikinSettings
+from lightning_cannikin.training.settings import EngineOptions
 from lightning_cannikin.training.sharded_grad_stats import NoiseReduceScatter, ShardedGradientNormObserver
 from lightning_cannikin.training.step_timer import HostClock, StepTimer, step_timer_for
 
-__all__ = ["BalancingEngine"]
+__all__ = ["ENGINE_API", "BalancingEngine"]
+
+# Everything a frontend may call, read or set on the engine (``tests/test_layering.py`` checks every frontend against
+# it, and that the engine has nothing else public); the table in ``docs/architecture.md`` says where each is called.
+ENGINE_API = frozenset(
+    {
+        # the frontend's facts and the loader
+        "options", "bind", "use_device", "start", "training_loader", "use_loader", "set_plan",
+        # a step
+        "begin_next_step", "begin_step", "forward_started", "backward", "optimizer_step", "end_step", "end_epoch",
+        # the reductions' seams
+        "comm_hook", "reduce_with", "gradient_ready", "host_waited", "reduction_done", "reduce_scatter_for",
+        # what a frontend reads (the step in progress, what the run learnt) and sets
+        "plan", "bounds", "collective", "step", "step_plan", "step_sizes", "lr_factor", "epoch_length",
+        "latest_record", "measures_noise", "host_clock", "noise_scale", "noise_bounds", "estimator", "speed_model",
+        "history", "progress", "on_adopt", "profile_dir",
+        # checkpoints
+        "state_dict", "load_state_dict",
+    }
+)  # fmt: skip
 
 AdoptHook = Callable[[Plan, "Plan | None", bool], None]
 
@@ -53,56 +73,39 @@ AdoptHook = Callable[[Plan, "Plan | None", bool], None]
 class BalancingEngine:
     """Balance a heterogeneous cluster and, optionally, adapt the total batch size for goodput.
 
-    The arguments are :class:`~lightning_cannikin.Cannikin`'s (``save_profile`` writes where the frontend sets
-    :attr:`profile_dir`); ``settings`` are the tuning settings. :attr:`on_adopt` is the frontend's side of a plan every
-    rank adopted (``(plan, previous, mid_epoch)``).
+    Args:
+        options: the user's choices (:class:`~lightning_cannikin.training.settings.EngineOptions`: a Cannikin
+            callback's, which the strategy builds its engine from); ``save_profile`` writes where the frontend sets
+            :attr:`profile_dir`. :attr:`on_adopt` is the frontend's side of a plan every rank adopted.
+        **choices: the options' fields instead (``max_batch_size=4096``, ``settings=...``).
+
     """
 
-    def __init__(
-        self,
-        max_batch_size: int | None = None,
-        local_batch_bounds: Any = None,
-        lr_scaling: str = "adascale",
-        base_batch_size: int | None = None,
-        balance: bool = True,
-        replan_every_n_steps: int | None = None,
-        save_profile: bool = True,
-        settings: CannikinSettings | None = None,
-    ) -> None:
-        if base_batch_size is not None and base_batch_size < 1:
-            raise ValueError(f"`base_batch_size` must be a positive integer or None, got {base_batch_size}.")
-        BatchBounds.check(local_batch_bounds)
-        settings = settings or CannikinSettings()
-        self.settings = settings
-        margin, checks = settings.adapt_margin, settings.check_every_n_steps
-        self.policy = PolicySettings(max_batch_size, balance, margin, lr_scaling, accumulate=settings.accumulate)
-        every = (settings.warmup_steps, replan_every_n_steps, settings.adapt_every_n_steps)
-        self.schedule = ReplanSchedule(*every, check_every_n_steps=checks)
-        self.local_batch_bounds = local_batch_bounds
-        self.base_batch_size = base_batch_size
-        track = settings.track_noise_scale
-        if track is None:
-            track = max_batch_size is not None or (self.policy.lr_scaling == "adascale" and base_batch_size is not None)
-        self.track_noise_scale = track
-        self.save_profile = save_profile
+    def __init__(self, options: EngineOptions | None = None, **choices: Any) -> None:
+        options = options if options is not None else EngineOptions(**choices)
+        self.options = options
+        settings = self._settings = options.settings
+        self._policy = options.policy
+        every = (settings.warmup_steps, options.replan_every_n_steps, settings.adapt_every_n_steps)
+        cadence = (settings.check_every_n_steps, settings.noise_every_n_steps)
+        self._replanner = Replanner(*every, *cadence, options.balance, options.max_batch_size is not None)
         self.profile_dir: str | None = None  # where rank zero writes the profile (set by the frontend)
-        self.on_adopt: AdoptHook | None = None
+        self.on_adopt: AdoptHook | None = None  # (plan, previous, mid_epoch)
         self.progress = Progress()
         self.history = PlanHistory()
-        self.noise_trail = NoiseTrail()  # the estimate and its bounds over the fit, for the run profile
+        self._noise_trail = NoiseTrail()  # the estimate and its bounds over the fit, for the run profile
         self.speed_model: SpeedModel | None = None
         self.estimator: NoiseScaleEstimator | None = None
         self.collective: Collective | None = None
-        self.step = 0  # optimizer steps and micro-steps run this fit (as the schedule counts them)
-        self.identified = False  # rank zero's word, broadcast: every rank's slope has been measured
-        self.adam = False
-        self.fixed_split = False  # the user fixed the split: nothing re-plans it
+        self.step = 0  # optimizer steps and micro-steps run this fit (as the replanner counts them)
+        self._adam = False
+        self._fixed_split = False  # the user fixed the split: nothing re-plans it
         # the step in progress
         self.plan: Plan | None = None  # the newest plan (steps already prefetched may still run the one before it)
         self.step_sizes: tuple[int, ...] | None = None  # every rank's samples in the step in progress
         self.step_plan: Plan | None = None  # the plan the step in progress runs
         self.lr_factor = 1.0  # the learning-rate factor of the step in progress: that of the plan it runs
-        self.gain = 1.0  # its AdaScale gain (B0-steps of progress it makes)
+        self._gain = 1.0  # its AdaScale gain (B0-steps of progress it makes)
         # private parts: no frontend reaches them
         self._hook = WeightedAllReduceState()
         self._timer = StepTimer()
@@ -110,6 +113,7 @@ class BalancingEngine:
         self._observer: GradientNormObserver | None = None
         self._observer_type: type[GradientNormObserver] = GradientNormObserver
         self._sampler: UnevenBatchSampler | None = None
+        self._loader: UnevenDataLoader | None = None  # the training loader, where the engine built it
         self._weights = WindowWeights()
         self._losses = LossScaleCheck()
         self._cost_fit = CostTimeFit()  # this rank's compute time over its exact summed cost (cost-aware sampler)
@@ -117,7 +121,6 @@ class BalancingEngine:
         self._loss_factor = 1.0
         self._position: int | None = None
         self._vote: ChangeVote | None = None  # this rank's speed-change check and the ranks' vote on it
-        self._changed = False  # the vote of this step: some rank's speed changed clearly
         self._optimizer: Any = None
         self._inner: Any = None  # the optimizer that holds the state, once read
         self._family: str | None = None
@@ -143,21 +146,22 @@ class BalancingEngine:
 
         """
         world_size = collective.world_size
-        self.collective, self.fixed_split = collective, fixed_split
+        self.collective, self._fixed_split = collective, fixed_split
         self._weights = WindowWeights(normalisation)
         self._losses.normalisation = normalisation
         if sharded:
             self._observer_type = ShardedGradientNormObserver
         if self.speed_model is None:
-            bounds = BatchBounds.parse(self.local_batch_bounds, world_size)
-            self.speed_model = SpeedModel(world_size, SpeedModelSettings(half_life=self.settings.half_life), bounds)
-        if self._observer is None and world_size > 1 and self.track_noise_scale:
-            every = (self.settings.noise_exchange_every, self.settings.noise_every_n_steps)
+            bounds = BatchBounds.parse(self.options.local_batch_bounds, world_size)
+            self.speed_model = SpeedModel(world_size, SpeedModelSettings(half_life=self._settings.half_life), bounds)
+        if self._observer is None and world_size > 1 and self.options.track_noise_scale:
+            every = (self._settings.noise_exchange_every, self._settings.noise_every_n_steps)
             self._observer = self._observer_type(collective.rank, world_size, None, *every)
-            self._observer.cadence = self.noise_every
+            self._observer.cadence = lambda: self._replanner.noise_every(self.noise_bounds())
             self._hook.observers.append(self._observer)
         self._vote = None
-        if world_size > 1 and self.policy.balance and not fixed_split and self.schedule.check_every_n_steps is not None:
+        checks = self._replanner.check_every_n_steps
+        if world_size > 1 and self._policy.balance and not fixed_split and checks is not None:
             check = LocalChangeCheck(self.speed_model.settings.drift_tolerance)
             self._vote = ChangeVote(check, collective, not collective.host_runs_ahead, cast_before_backward=True)
             self._timer.listeners[:] = [self._vote.check.observe]  # its own times, as the timer reads them
@@ -190,11 +194,11 @@ class BalancingEngine:
         ``scaler``: the ``GradScaler`` of ``16-mixed`` (its scale is divided out of the statistics);
         ``accumulation_allowed``: the engine may change the accumulation (the frontend accumulates for it)."""
         plan = self.plan
-        if plan is not None and not self.fixed_split:
-            self.policy.check_initial(plan)  # every rank sees the same plan: all raise, before any collective
-        if self.policy.accumulate and not accumulation_allowed:
-            self.policy = replace(self.policy, accumulate=False)
-        base = self.base_batch_size or (plan.total_batch_size if plan is not None else 1)
+        if plan is not None and not self._fixed_split:
+            self._policy.check_initial(plan)  # every rank sees the same plan: all raise, before any collective
+        if self._policy.accumulate and not accumulation_allowed:
+            self._policy = replace(self._policy, accumulate=False)
+        base = self.options.base_batch_size or (plan.total_batch_size if plan is not None else 1)
         if self.estimator is None:
             self.estimator = NoiseScaleEstimator(base)
             if self.measures_noise and plan is not None:  # said once, where the statistics are measured
@@ -218,25 +222,47 @@ class BalancingEngine:
             return  # it still holds nothing (plain SGD never does): as read last time, at no cost each step
         inner = self._inner = unwrapped(self._optimizer)
         self._family = optimizer_family_of(inner)
-        if self.track_noise_scale:
-            check_family(self._family, self.policy.lr_scaling, type(inner).__name__)
-        self.adam = self._family == "adam"
+        if self.options.track_noise_scale:
+            check_family(self._family, self._policy.lr_scaling, type(inner).__name__)
+        self._adam = self._family == "adam"
         if self._observer is not None:  # the noise of the direction Adam steps in (AdaptDL's rule)
-            self._observer.optimizer = inner if self.adam else None
+            self._observer.optimizer = inner if self._adam else None
 
     # -- the plan and the loader ---------------------------------------------------------------------------------------
 
-    def first_plan(self, global_batch_size: int, world_size: int, accumulation: int = 1) -> Plan:
-        """The plan a fit starts from: ``global_batch_size`` as even as the bounds allow (the same total)."""
-        bounds = self.bounds or BatchBounds((1,) * world_size)
-        return bounds.first_plan(global_batch_size, accumulation)
-
     def use_loader(self, plan: Plan | None, sampler: UnevenBatchSampler | None) -> None:
-        """The training loader the frontend built with ``plan`` (``None``: the fit ended; the plan stays)."""
+        """The training sampler built with ``plan`` (``None``: the fit ended; the plan stays)."""
         self.plan, self._sampler = plan if plan is not None else self.plan, sampler
+        self._loader = None
+
+    def training_loader(
+        self,
+        dataloader: DataLoader,
+        accumulation: int = 1,
+        fixed: Sequence[int] | None = None,
+        sample_costs: SampleCosts | None = None,
+    ) -> UnevenDataLoader:
+        """``dataloader`` rebuilt around the uneven sampler, with the plan this fit starts from: the ``fixed`` split,
+        else the plan in force (an earlier fit's, a checkpoint's) at this ``accumulation``, else the loader's
+        ``batch_size`` on every rank, moved inside the bounds (the same total). Its steps begin with
+        :meth:`begin_next_step`; a step's input is timed from the loop's request for it."""
+        assert self.collective is not None, "bind() first"
+        world_size = self.collective.world_size
+        if fixed is not None:
+            plan = Plan(tuple(fixed), accumulation)
+        elif self.plan is not None:
+            plan = replace(self.plan, accumulation_steps=accumulation)
+        else:
+            bounds = self.bounds or BatchBounds((1,) * world_size)
+            plan = bounds.first_plan(loader_batch_size(dataloader) * world_size, accumulation)
+        loader = rebuild_uneven(dataloader, plan, self.collective.rank, sample_costs=sample_costs)
+        self.use_loader(plan, loader.uneven_sampler)
+        loader.on_fetch = self._input_starts
+        self._loader = loader
+        return loader
 
     @property
-    def batches_yielded(self) -> int:
+    def _batches_yielded(self) -> int:
         """Global batches the training sampler has handed out this epoch (a mid-epoch plan starts at or after it)."""
         return self._sampler.yielded if self._sampler is not None else 0
 
@@ -246,31 +272,17 @@ class BalancingEngine:
         return len(self._sampler) if self._sampler is not None else None
 
     def set_plan(self, plan: Plan, from_batch: int | None = None, interleave: tuple[Plan, int] | None = None) -> None:
-        """Put ``plan`` in force.
-
-        Args:
-            plan: the new split; it must split across as many ranks as the plan in force.
-            from_batch: apply it to the current epoch from this global batch on. ``None`` leaves the running epoch
-                alone: the plan takes effect when the training DataLoader is next built.
-            interleave: ``(other, steps)``: for ``steps`` global batches from ``from_batch`` alternate ``plan`` and
-                ``other`` (same global batch), then keep ``plan``. A probe interleaved with the split it left is
-                timed beside it, so a trend in the device's speed (its first steps) cannot read as a slope.
-
-        """
+        """Put ``plan`` (as many ranks as the plan in force) in force: in the running epoch from global batch
+        ``from_batch`` on (``interleave``: :meth:`UnevenBatchSampler.set_plan
+        <lightning_cannikin.training.sampler.UnevenBatchSampler.set_plan>`'s), or, with ``None``, when the training
+        DataLoader is next built."""
         if self.plan is not None and plan.world_size != self.plan.world_size:
             raise ValueError(
                 f"The plan splits across {plan.world_size} ranks, but the world size is {self.plan.world_size}."
             )
         self.plan = plan
-        sampler = self._sampler
-        if from_batch is None or sampler is None:
-            return
-        other, steps = interleave if interleave is not None else (plan, 0)
-        if other.global_batch_size != plan.global_batch_size:
-            steps = 0  # the epoch's layout would change length: never for a probe, which keeps the total
-        for offset in range(steps):  # increasing batches: each entry keeps the ones before it
-            sampler.set_plan(plan if offset % 2 == 0 else other, from_batch + offset)
-        sampler.set_plan(plan, from_batch + steps)
+        if from_batch is not None and self._sampler is not None:
+            self._sampler.set_plan(plan, from_batch, interleave)
 
     # -- a training step -----------------------------------------------------------------------------------------------
 
@@ -319,7 +331,19 @@ class BalancingEngine:
         plan = self._sampler.plan_at(position) if self._sampler is not None else self.plan
         total = plan.total_batch_size if plan is not None else sum(sizes) * accumulation
         self.step_plan = plan
-        self.lr_factor, self.gain = self.scale(total)
+        self.lr_factor, self._gain = self._scale(total)
+
+    def begin_next_step(
+        self, optimizer_step: int, accumulation: int = 1, end: int = -1, units: tuple[float, ...] | None = None
+    ) -> tuple[int, tuple[int, ...]] | None:
+        """:meth:`begin_step` with the next batch the :meth:`training_loader` handed out (a step outside the uneven
+        loader where it handed out none). Returns the batch's position in the epoch and every rank's sample count in
+        it (``None`` outside the loader)."""
+        pending = self._loader.pending_steps if self._loader is not None else None
+        step = pending.popleft() if pending else None
+        position, sizes = step if step is not None else (None, None)
+        self.begin_step(position, sizes, optimizer_step, accumulation, end, units)
+        return step
 
     @property
     def _rank(self) -> int:
@@ -334,24 +358,28 @@ class BalancingEngine:
         else:
             self._timer.forward_start()
 
-    def weigh(self, loss: torch.Tensor) -> torch.Tensor:
+    def _weigh(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss about to be backpropagated, recorded for the check against the declared normalisation, times the
         step's factor (the rank's weight where the loss carries it, and the micro-batch's share of its window)."""
         self._losses.record(self.step_sizes, loss)
         return loss * self._loss_factor if self._loss_factor != 1.0 else loss
 
     @contextmanager
-    def backward(self, reduces: bool, parameters: Callable[[], Iterable[torch.Tensor]]) -> Iterator[None]:
-        """Around one backward; ``reduces``: the gradients are reduced in it (not an accumulation micro-step);
-        ``parameters``: the model's parameters (read afterwards where the noise statistics need them).
+    def backward(
+        self, loss: torch.Tensor, reduces: bool, parameters: Callable[[], Iterable[torch.Tensor]]
+    ) -> Iterator[torch.Tensor]:
+        """Around one backward of ``loss``; yields the loss to backpropagate (:meth:`_weigh`); ``reduces``: the
+        gradients are reduced in it (not an accumulation micro-step); ``parameters``: the model's parameters (read
+        afterwards where the noise statistics need them).
 
         The answer the last change check decided goes out as the backward starts (:meth:`ChangeVote.cast`): its round
         runs beside the backward, ahead of the gradient reduction queued behind it. Afterwards an accumulation
         micro-step's gradient is a noise group of its own, and a sharded window's reduced shards close its block."""
+        weighted = self._weigh(loss)
         self._timer.will_reduce(reduces)
         if self._vote is not None:
             self._vote.cast()
-        yield
+        yield weighted
         timer, observer = self._timer, self._observer
         timer.backward_done()
         if observer is None:
@@ -366,7 +394,7 @@ class BalancingEngine:
         """Around the optimizer's step: the step counts at its gain (before a scheduler that may read the progress
         after it), and the learning rates are times the step's factor for this step only, restored afterwards, so any
         LR scheduler keeps its own values (a factor of 1, most steps, touches nothing)."""
-        self.progress.add(self.gain)
+        self.progress.add(self._gain)
         factor = self.lr_factor
         if factor == 1.0:
             yield
@@ -385,10 +413,16 @@ class BalancingEngine:
         due (``resizable``: the epoch may change length; ``epoch_ends``: it was the epoch's last batch, whose end
         decides: :meth:`end_epoch`). Returns the decision of a re-plan, if one ran."""
         self._finish_step()
-        due, adapt = self.replan_due(resizable, epoch_ends)
-        return self.replan(mid_epoch=True, adapt_total=adapt, epoch=epoch) if due else None
+        if not self._timer.reduced or self._fixed_split:
+            return None  # no re-plan mid-window: a window's micro-batches share one layout
+        replanner = self._replanner
+        replanner.voted(self._vote is not None and self._vote.poll(replanner.check_due(self.step)))
+        if epoch_ends:
+            return None  # the epoch's end decides (the vote kept for it)
+        due, adapt = replanner.after_step(self.step, self.noise_bounds(), resizable)
+        return self._replan(mid_epoch=True, adapt_total=adapt, epoch=epoch) if due else None
 
-    def input_starts(self) -> None:
+    def _input_starts(self) -> None:
         """The loop asks the training loader for its next batch (the loader calls it): the next step's input span
         starts here, after whatever else ran between the steps (a re-plan, logging, validation, a checkpoint)."""
         self._timer.input_starts()
@@ -397,9 +431,10 @@ class BalancingEngine:
         """The epoch ended on every rank alike: re-plan for the next one when due (the total too); ``rebuilds_loader``:
         the frontend builds the next epoch's loader with the plan in force (Lightning), else the plan applies to the
         running loader from its next global batch (a Fabric loop's). Returns the decision, if any."""
-        if self.fixed_split or not self.epoch_end_due():
+        if self._fixed_split:
             return None
-        return self.replan(mid_epoch=not rebuilds_loader, adapt_total=True, epoch=epoch)
+        due, adapt = self._replanner.after_step(self.step, self.noise_bounds(), epoch_end=True)
+        return self._replan(mid_epoch=not rebuilds_loader, adapt_total=adapt, epoch=epoch) if due else None
 
     def _finish_step(self) -> None:
         timer, rank = self._timer, self._rank
@@ -409,7 +444,7 @@ class BalancingEngine:
             observer, estimator = self._observer, self.estimator
             # every rank folds the same exchanged numbers: the factor is identical everywhere, no collective
             if observer is not None and estimator is not None and observer.fold_into(estimator, self._window):
-                self.noise_trail.add(self.step, estimator.noise_scale, self.noise_bounds())
+                self._noise_trail.add(self.step, estimator.noise_scale, self.noise_bounds())
         self.step += 1
 
     def _timed_size(self, rank: int) -> int | None:
@@ -475,58 +510,25 @@ class BalancingEngine:
         run (:meth:`~lightning_cannikin.core.noise_scale.NoiseScaleEstimator.run_bounds`), or ``noise_bound_sigmas``
         wide at each look where that is set; ``None`` before ``min_noise_updates`` measured steps or before the
         statistics have a spread. The same on every rank: every estimator receives the same numbers."""
-        estimator, settings = self.estimator, self.settings
+        estimator, settings = self.estimator, self._settings
         if estimator is None or estimator.num_updates < settings.min_noise_updates:
             return None
         if settings.noise_bound_sigmas is not None:
             return estimator.bounds(settings.noise_bound_sigmas)
         return estimator.run_bounds(settings.noise_bound_level)
 
-    def noise_every(self) -> int:
-        """Optimizer steps per noise measurement now: every step while the bounds may still prove a move of the total,
-        one in ``noise_every_n_steps`` once they lie inside the band of the total in force and only a drift of the
-        noise scale could move it, or where the total is fixed (alike on every rank: the same bounds and band)."""
-        if self.policy.max_batch_size is None or self.schedule.settled(self.noise_bounds()):
-            return self.settings.noise_every_n_steps
-        return 1
-
-    def scale(self, total_batch_size: int) -> tuple[float, float]:
+    def _scale(self, total_batch_size: int) -> tuple[float, float]:
         """``(lr factor, AdaScale gain)`` of a step at ``total_batch_size`` with what is known now (the same on every
         rank): the gain the noise scale's lower bound supports, never more
         (:func:`~lightning_cannikin.core.policy.gain_noise_scale`)."""
         if self.estimator is None:
             return 1.0, 1.0
         base = self.estimator.base_batch_size
-        phi = gain_noise_scale(self.noise_bounds())
-        return learning_rate_scale(self.policy.lr_scaling, total_batch_size, base, phi, self.adam)
-
-    @property
-    def adapt_ready(self) -> bool:
-        """The noise scale has bounds, and the speeds are measured (or the split is even)."""
-        return self.noise_bounds() is not None and (self.identified or not self.policy.balance)
+        return learning_rate_scale(self._policy.lr_scaling, total_batch_size, base, self.noise_bounds(), self._adam)
 
     # -- re-plans ------------------------------------------------------------------------------------------------------
 
-    def replan_due(self, resizable: bool = True, epoch_ends: bool = False) -> tuple[bool, bool]:
-        """``(re-plan now, reconsider the total too)`` after the step; ``resizable``: the epoch may change length;
-        ``epoch_ends``: it was the epoch's last batch, whose end decides (:meth:`epoch_end_due`; the vote kept)."""
-        if not self._timer.reduced or self.fixed_split:
-            return False, False  # no re-plan mid-window: a window's micro-batches share one layout
-        vote = self._vote
-        self._changed = vote is not None and vote.poll(self.schedule.check_due(self.step))
-        if epoch_ends:
-            return False, False
-        # the total moves where the noise bounds prove it out of the band rank zero broadcast: alike on every rank
-        ready = self.policy.max_batch_size is not None and resizable and (self.identified or not self.policy.balance)
-        balance, bounds = self.policy.balance, self.noise_bounds()
-        return self.schedule.after_step(self.step, self.identified, balance, self._changed, bounds, ready)
-
-    def epoch_end_due(self) -> bool:
-        """Whether the epoch's end re-plans (:meth:`ReplanSchedule.epoch_end_due`; every rank alike)."""
-        noise = self.noise_bounds() if self.policy.max_batch_size is not None else None  # None: no total due
-        return self.schedule.epoch_end_due(self.step, self.identified or not self.policy.balance, self._changed, noise)
-
-    def decide(
+    def _decide(
         self, records: list[StepRecord], current: Plan | None, mid_epoch: bool, adapt_total: bool | None = None
     ) -> Decision | None:
         """Rank zero: fold in every rank's records and decide (``None`` while some rank has no timing yet)."""
@@ -541,13 +543,13 @@ class BalancingEngine:
             return None
         # the accumulation changes at epoch ends only (as Lightning's GradientAccumulationScheduler does it): a
         # mid-epoch window must not straddle two values
-        policy = replace(self.policy, accumulate=False) if mid_epoch else self.policy
+        policy = replace(self._policy, accumulate=False) if mid_epoch else self._policy
         adapt_total = not mid_epoch if adapt_total is None else adapt_total
         noise, base = self.noise_bounds(), self.estimator.base_batch_size
-        decision = decide(self.speed_model, current, policy, noise, base, adapt_total=adapt_total, adam=self.adam)
+        decision = decide(self.speed_model, current, policy, noise, base, adapt_total=adapt_total, adam=self._adam)
         return replace(decision, changing=self.speed_model.changing, unconfirmed=self.speed_model.watch.unconfirmed)
 
-    def replan(self, mid_epoch: bool, adapt_total: bool, epoch: int = 0) -> Decision | None:
+    def _replan(self, mid_epoch: bool, adapt_total: bool, epoch: int = 0) -> Decision | None:
         """Gather, decide on rank zero, broadcast, adopt; every rank calls it after the same step. ``mid_epoch``: the
         plan applies from the next global batch no rank has drawn yet (else from the next epoch); ``adapt_total``: the
         total batch may change now; ``epoch``: for the history. Returns the decision adopted (``None`` while some rank
@@ -556,7 +558,7 @@ class BalancingEngine:
         assert collective is not None
         # the step records are read now: on CUDA the last ones wait for the device (the gather synchronises anyway)
         mine = self._timer.records(wait=True)  # with a cost-aware sampler, this rank's time over its exact cost too
-        mine_all = (mine, self.batches_yielded, self._losses.take(), self._cost_fit.add(mine))
+        mine_all = (mine, self._batches_yielded, self._losses.take(), self._cost_fit.add(mine))
         gathered = collective.all_gather(mine_all)
         from_batch = max(entry[1] for entry in gathered) if mid_epoch else 0
         current = self.plan
@@ -564,18 +566,18 @@ class BalancingEngine:
         if collective.rank == 0:
             self._losses.judge([entry[2] for entry in gathered])  # the loss against its declared normalisation
             records = [record for rank_records, *_ in gathered for record in rank_records]
-            decision = with_time_models(self.decide(records, current, mid_epoch, adapt_total), [e[3] for e in gathered])
+            decision = self._decide(records, current, mid_epoch, adapt_total)
+            decision = with_time_models(decision, [e[3] for e in gathered])
         decision = collective.broadcast(decision, src=0)
+        replanner = self._replanner
         if decision is None or current is None:
-            self.schedule.replanned(self.step, total_changed=False, balance=self.policy.balance)
+            replanner.nothing_adopted(self.step)
             return None
-        plan, balance = decision.plan, self.policy.balance
-        self.schedule.followed(self.step, current, decision, balance, self._changed, adapt_total, self.adapt_ready)
-        if self._changed and self._vote is not None:
+        plan = decision.plan
+        if replanner.changed and self._vote is not None:
             self._vote.reset()
-        self._changed = False
-        self.identified = decision.identified
-        probe_steps = 0 if decision.identified else self.schedule.warmup_steps
+        replanner.followed(self.step, current, decision, adapt_total, self.noise_bounds())
+        probe_steps = 0 if decision.identified else replanner.warmup_steps
         self._adopt(plan, current, mid_epoch, from_batch, probe_steps)
         self._record(plan, current, decision, epoch, collective.rank == 0)
         return decision
@@ -597,18 +599,17 @@ class BalancingEngine:
         self.history.append(self.step, epoch, plan, decision.lr_factor, self.noise_scale, changed)
         if not rank_zero:
             return
-        if self.save_profile and self.profile_dir and self.speed_model is not None:
+        if self.options.save_profile and self.profile_dir and self.speed_model is not None:
             base = self.estimator.base_batch_size if self.estimator is not None else None
-            trail = self.noise_trail.points or None  # None: from the history (no statistics measured)
+            trail = self._noise_trail.points or None  # None: from the history (no statistics measured)
             profile = build_profile(self.speed_model, self.history.entries, base, trail)
             save_profile(Path(self.profile_dir) / PROFILE_FILENAME, profile)
-        rank_zero_info(explain(self.step, decision, current, self.policy))  # what was decided, and why
+        rank_zero_info(explain(self.step, decision, current, self._policy))  # what was decided, and why
 
     # -- checkpoints ---------------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resume needs."""
-        schedule = self.schedule
         return {
             "balancer": self.speed_model.state_dict() if self.speed_model is not None else None,
             "estimator": self.estimator.state_dict() if self.estimator is not None else None,
@@ -616,13 +617,7 @@ class BalancingEngine:
             "plan": self.plan.to_dict() if self.plan is not None else None,
             "history": self.history.entries,
             "step": self.step,
-            "identified": self.identified,
-            "last_adapt_step": schedule.last_adapt_step,
-            "adapted": schedule.adapted,
-            "last_replan_step": schedule.last_replan_step,
-            "routine_gap": schedule.routine_gap,
-            "noise_band": schedule.noise_band,
-            "total_options": None if schedule.total_options is None else schedule.total_options.to_dict(),
+            "replanner": self._replanner.state_dict(),
             "noise_in_flight": self._observer.state_dict() if self._observer is not None else None,
         }
 
@@ -631,7 +626,7 @@ class BalancingEngine:
         estimator needs B0). Returns the plan put in force, if any."""
         self._restored = dict(state)
         saved = state.get("plan")
-        if saved is None or self.fixed_split or self.collective is None:
+        if saved is None or self._fixed_split or self.collective is None:
             return None
         world_size = self.collective.world_size
         plan = Plan.from_dict(saved).resized(world_size)
@@ -653,17 +648,10 @@ class BalancingEngine:
         self.progress.load_state_dict(state["progress"])
         self.history.entries = list(state["history"])
         self.step = int(state["step"])
-        schedule = self.schedule
-        schedule.last_adapt_step = int(state["last_adapt_step"])
-        schedule.adapted = bool(state["adapted"])
-        schedule.last_replan_step = int(state["last_replan_step"])
-        schedule.routine_gap = int(state["routine_gap"])
-        band = state["noise_band"]
-        options = state.get("total_options")  # absent from checkpoints older than the interval rule: reconsider
-        schedule.noise_band = None if band is None or options is None else (float(band[0]), float(band[1]))
-        schedule.total_options = None if options is None else TotalOptions.from_dict(options)
+        # checkpoints older than the Replanner kept some of its state at the top level
+        self._replanner.load_state_dict(state.get("replanner", state))
         if state["noise_in_flight"] is not None and self._observer is not None:
             self._observer.load_state_dict(state["noise_in_flight"])
         world_size = self.collective.world_size if self.collective is not None else 1
         same_devices = state["balancer"] is not None and state["balancer"]["world_size"] == world_size
-        self.identified = bool(state["identified"]) and same_devices
+        self._replanner.identified = self._replanner.identified and same_devices

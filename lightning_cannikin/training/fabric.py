@@ -28,8 +28,8 @@ from typing_extensions import override
 from lightning_cannikin.core.plan import Plan
 from lightning_cannikin.training.collective import StrategyCollective
 from lightning_cannikin.training.engine import BalancingEngine
-from lightning_cannikin.training.loader import UnevenDataLoader, loader_batch_size, rebuild_uneven
-from lightning_cannikin.training.settings import CannikinSettings
+from lightning_cannikin.training.loader import UnevenDataLoader
+from lightning_cannikin.training.settings import CannikinSettings, EngineOptions
 
 __all__ = ["CannikinFabricStrategy"]
 
@@ -85,15 +85,8 @@ class CannikinFabricStrategy(DDPStrategy):
         self._fixed = None if local_batch_sizes is None else Plan(tuple(local_batch_sizes), self._accumulation)
         # the loop's accumulation is the user's: the engine never changes it
         settings = replace(settings or CannikinSettings(), accumulate=False)
-        self.engine = BalancingEngine(
-            max_batch_size,
-            local_batch_bounds,
-            lr_scaling,
-            base_batch_size,
-            replan_every_n_steps=replan_every_n_steps,
-            save_profile=False,
-            settings=settings,
-        )
+        choices = (max_batch_size, local_batch_bounds, lr_scaling, base_batch_size, True, replan_every_n_steps, False)
+        self.engine = BalancingEngine(EngineOptions(*choices, settings))
         self._loader: UnevenDataLoader | None = None
         self._ddp: DistributedDataParallel | None = None
         self._optimizer: Any = None
@@ -144,13 +137,8 @@ class CannikinFabricStrategy(DDPStrategy):
             )
         if self.engine.collective is None:
             self.engine.bind(StrategyCollective(self), fixed_split=self._fixed is not None)
-        plan = self._fixed or self.engine.plan
-        if plan is None:  # the loader's batch size on every rank, inside the bounds
-            total = loader_batch_size(dataloader) * self.world_size
-            plan = self.engine.first_plan(total, self.world_size, self._accumulation)
-        loader = rebuild_uneven(dataloader, plan, self.global_rank)
-        self.engine.use_loader(plan, loader.uneven_sampler)
-        loader.on_fetch = self.engine.input_starts  # a step's input, timed from the loop's request for it
+        fixed = self._fixed.local_batch_sizes if self._fixed is not None else None
+        loader = self.engine.training_loader(dataloader, self._accumulation, fixed)
         self._loader = loader
         if self.engine.estimator is None:
             self.engine.start(self._optimizer, accumulation_allowed=False)
@@ -169,8 +157,7 @@ class CannikinFabricStrategy(DDPStrategy):
         loader = self._loader
         if loader is None or not loader.pending_steps:
             raise RuntimeError("`step()` needs a batch drawn from the loader that `uneven_dataloader` returned.")
-        position, sizes = loader.pending_steps.popleft()
-        self.engine.begin_step(position, sizes, self._optimizer_steps, self._accumulation)
+        position, sizes = self.engine.begin_next_step(self._optimizer_steps, self._accumulation)  # type: ignore[misc]
         self.engine.forward_started()
         yield sizes
         epoch_end = position == len(loader.uneven_sampler) - 1
@@ -180,9 +167,8 @@ class CannikinFabricStrategy(DDPStrategy):
 
     @override
     def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
-        tensor = self.engine.weigh(tensor)
         # an accumulation micro-step runs under `no_backward_sync`: no all-reduce, its compute ends at backward
         reduces = getattr(self._ddp, "require_backward_grad_sync", True) if self._ddp is not None else True
         parameters = self._ddp.parameters if self._ddp is not None else tuple
-        with self.engine.backward(reduces, parameters):
-            super().backward(tensor, module, *args, **kwargs)
+        with self.engine.backward(tensor, reduces, parameters) as weighted:
+            super().backward(weighted, module, *args, **kwargs)

@@ -190,13 +190,12 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        closure_loss = self._engine.weigh(closure_loss)
         if self._reduce is not None:
             self._reduce.calls = 0
         try:
             # a reducing backward's shards are the window's reduced gradient: the engine's noise statistics read them
-            with self._engine.backward(not self._accumulating, self.model.parameters):
-                loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+            with self._engine.backward(closure_loss, not self._accumulating, self.model.parameters) as weighted:
+                loss = super().backward(weighted, optimizer, *args, **kwargs)
         except torch.cuda.OutOfMemoryError as error:
             self._out_of_memory(error)
         if self._reduce is not None and self._reduce.calls == 0 and not self._accumulating:

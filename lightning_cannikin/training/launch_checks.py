@@ -75,16 +75,16 @@ def check_before_launch(
         return  # the loader comes from a datamodule or the model: the ranks check it
     if loader is not None:
         check_trainable(loader, global_batch)
-    engine = next((cb.engine for cb in trainer.callbacks if isinstance(cb, BalancingCallback)), None)
-    if engine is None or ckpt_path is not None:
+    options = next((cb.options for cb in trainer.callbacks if isinstance(cb, BalancingCallback)), None)
+    if options is None or ckpt_path is not None:
         return  # a resumed fit starts from the checkpoint's plan, which the ranks check
     accumulation = trainer.accumulate_grad_batches
     if fixed_sizes is not None:
         plan = Plan(fixed_sizes, accumulation)
     else:
-        bounds = BatchBounds.parse(engine.local_batch_bounds, world_size)
+        bounds = BatchBounds.parse(options.local_batch_bounds, world_size)
         plan = bounds.first_plan(global_batch, accumulation)  # the bounds can hold it
-    engine.policy.check_initial(plan)  # `max_batch_size` is not below it
+    options.policy.check_initial(plan)  # `max_batch_size` is not below it
 
 
 Check = Callable[[pl.Trainer, tuple[Any, ...]], None]

@@ -2,9 +2,10 @@
 
 Hook wiring only: where a step ends, when an epoch ends, what the checkpoint holds, what is logged, and what adopting
 a plan means on Lightning's side (the accumulation set on the Trainer at epoch ends, the loader rebuilt for a new total,
-the running epoch's length). The strategy drives the step's other pieces (its start, loss, backward and optimizer
-step); the protocol and its state are the engine's. :class:`~lightning_cannikin.Cannikin` is
-this callback with the user's arguments; ``strategy="cannikin"`` without one adds this callback with the defaults.
+the running epoch's length). The strategy owns the engine (built from this callback's options) and drives the step's
+other pieces (its start, loss, backward and optimizer step); the protocol and its state are the engine's.
+:class:`~lightning_cannikin.Cannikin` is this callback with the user's arguments; ``strategy="cannikin"`` without one
+adds this callback with the defaults.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_cannikin.core.lr_scaling import Progress
 from lightning_cannikin.core.plan import Plan
 from lightning_cannikin.core.policy import Decision
 from lightning_cannikin.core.profile import PROFILE_FILENAME
@@ -32,55 +34,68 @@ from lightning_cannikin.training.metrics import (
     log_step,
     metrics_are_seen,
 )
+from lightning_cannikin.training.settings import EngineOptions
 from lightning_cannikin.training.strategy_checks import wrong_strategy_error
 
 __all__ = ["BalancingCallback"]
 
 
 class BalancingCallback(Callback):
-    """Drive a balancing engine from a Lightning fit (``strategy="cannikin"``).
+    """Drive the strategy's balancing engine from a Lightning fit (``strategy="cannikin"``).
 
     Args:
-        engine: the engine to drive (default: one with the default settings).
+        options: what the strategy builds its engine from (default: the defaults).
 
     """
 
-    def __init__(self, engine: BalancingEngine | None = None) -> None:
-        self.engine = engine if engine is not None else BalancingEngine()
+    def __init__(self, options: EngineOptions | None = None) -> None:
+        self.options = options if options is not None else EngineOptions()
+        self._engine: BalancingEngine | None = None
         self._trainer: pl.Trainer | None = None
         self._user_accumulation: int | None = None
         self._length_checked: int | None = None
         self._logging = True  # whether logged values reach a logger or the progress bar
 
     @property
+    def engine(self) -> BalancingEngine:
+        """The engine of the strategy this callback drives (once the fit is set up)."""
+        if self._engine is None:
+            raise RuntimeError("The Cannikin callback has no engine before a fit with `strategy='cannikin'` sets up.")
+        return self._engine
+
+    def use_engine(self, engine: BalancingEngine) -> None:
+        """The strategy built its ``engine`` from :attr:`options`: this callback drives and reads it from now on."""
+        self._engine = engine
+
+    @property
     def plan(self) -> Plan | None:
-        """The split in force."""
-        return self.engine.plan
+        """The split in force (``None`` before a fit)."""
+        return self._engine.plan if self._engine is not None else None
 
     @property
     def noise_scale(self) -> float | None:
         """The gradient noise scale ``tr(Sigma) / |G|^2`` in samples (equal on every rank; ``None`` until measured)."""
-        return self.engine.noise_scale
+        return self._engine.noise_scale if self._engine is not None else None
 
     @property
     def speed_model(self) -> SpeedModel | None:
         """The per-device timing models (``None`` before fitting starts)."""
-        return self.engine.speed_model
+        return self._engine.speed_model if self._engine is not None else None
 
     @property
     def history(self) -> list[dict[str, Any]]:
         """One entry per adopted plan: sizes, predicted and measured step time, LR factor, noise scale."""
-        return self.engine.history.entries
+        return self._engine.history.entries if self._engine is not None else []
 
     @property
-    def progress(self) -> Any:
-        """Training progress in base-batch steps (the sum of the AdaScale gains)."""
-        return self.engine.progress
+    def progress(self) -> Progress:
+        """Training progress in base-batch steps (the sum of the AdaScale gains; none before a fit)."""
+        return self._engine.progress if self._engine is not None else Progress()
 
     @property
     def lr_factor(self) -> float:
-        """The learning-rate factor of the step in progress (or the last one)."""
-        return self.engine.lr_factor
+        """The learning-rate factor of the step in progress (or the last one; 1 before a fit)."""
+        return self._engine.lr_factor if self._engine is not None else 1.0
 
     @property
     def state_key(self) -> str:
@@ -88,8 +103,8 @@ class BalancingCallback(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        # the strategy took this callback's engine and bound it at its `setup_environment`
-        if getattr(trainer.strategy, "engine", None) is not self.engine:
+        # the strategy built its engine from this callback's options and bound it at its `setup_environment`
+        if self._engine is None or getattr(trainer.strategy, "engine", None) is not self._engine:
             raise ValueError(wrong_strategy_error(trainer.strategy))
         self._trainer = trainer
         if self._user_accumulation is None:  # before any change of ours (a resume restores ours afterwards)
@@ -117,8 +132,8 @@ class BalancingCallback(Callback):
         # 16-mixed: the gradients carry the GradScaler's scale, which the statistics divide out
         self.engine.start(optimizer, getattr(trainer.precision_plugin, "scaler", None), accumulation)
         # the logger's folder for this run (W&B and MLflow included); rank zero writes the profile, and alone asks
-        self.engine.profile_dir = run_log_dir(trainer) if self.engine.save_profile and trainer.is_global_zero else None
-        self._logging = metrics_are_seen(trainer, self.engine.settings.progress_bar)
+        self.engine.profile_dir = run_log_dir(trainer) if self.options.save_profile and trainer.is_global_zero else None
+        self._logging = metrics_are_seen(trainer, self.options.settings.progress_bar)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -151,7 +166,7 @@ class BalancingCallback(Callback):
         decision = engine.end_step(epoch_resizable(trainer), last, trainer.current_epoch)
         if self._logging and engine.step % trainer.log_every_n_steps == 0:
             if (record := engine.latest_record) is not None:
-                bar = self.engine.settings.progress_bar
+                bar = self.options.settings.progress_bar
                 log_step(pl_module, record, engine.step_plan, engine.lr_factor, engine.step_sizes, bar)
                 if trainer.is_global_zero and (error := engine.history.prediction_error) is not None:
                     log_prediction_error(pl_module, error)
@@ -170,7 +185,7 @@ class BalancingCallback(Callback):
     def _log(self, trainer: pl.Trainer, decision: Decision | None) -> None:
         """Rank zero: what a re-plan decided, and why, to the loggers."""
         if decision is not None and self._logging:
-            log_decision(trainer, decision_values(decision, self.engine.policy))
+            log_decision(trainer, decision_values(decision, self.options.policy))
 
     @override
     def state_dict(self) -> dict[str, Any]:

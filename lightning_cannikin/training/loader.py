@@ -39,10 +39,11 @@ class UnevenDataLoader(DataLoader):
 
     Attributes:
         pending_steps: ``(global batch index, every rank's sizes)`` of batches handed out but not yet trained on,
-            oldest first; the strategy pops one per training step.
-        on_fetch: called when the loop asks for a batch after the epoch's first (the engine's
-            :meth:`~lightning_cannikin.training.engine.BalancingEngine.input_starts`: the input's share of a step is
-            timed from here).
+            oldest first; the engine pops one per training step
+            (:meth:`~lightning_cannikin.training.engine.BalancingEngine.begin_next_step`).
+        on_fetch: called when the loop asks for a batch after the epoch's first (set by the engine's
+            :meth:`~lightning_cannikin.training.engine.BalancingEngine.training_loader`: the input's share of a step
+            is timed from here).
 
     """
 

@@ -93,15 +93,23 @@ class UnevenBatchSampler(Sampler[list[int]]):
     def num_samples(self) -> int:
         return self.sampler.num_samples
 
-    def set_plan(self, plan: Plan, from_batch: int = 0) -> None:
-        """Put ``plan`` in force from global batch ``from_batch`` of the epoch on (later entries are replaced)."""
+    def set_plan(self, plan: Plan, from_batch: int = 0, interleave: tuple[Plan, int] | None = None) -> None:
+        """Put ``plan`` in force from global batch ``from_batch`` of the epoch on (later entries are replaced);
+        ``interleave``: ``(other, steps)``: for ``steps`` global batches alternate ``plan`` and ``other`` (the same
+        global batch) first. A probe interleaved with the split it left is timed beside it, so a trend in the device's
+        speed (its first steps) cannot read as a slope."""
         if plan.world_size != self.schedule[0].world_size:
             raise ValueError(
                 f"The new plan splits across {plan.world_size} ranks but this sampler serves"
                 f" {self.schedule[0].world_size}."
             )
+        other, steps = interleave if interleave is not None else (plan, 0)
+        if other.global_batch_size != plan.global_batch_size:
+            steps = 0  # the epoch's layout would change length: never for a probe, which keeps the total
         self.schedule = {k: v for k, v in self.schedule.items() if k < from_batch}
-        self.schedule[from_batch] = plan
+        for offset in range(steps + 1):  # increasing batches: each entry keeps the ones before it
+            self.schedule[from_batch + offset] = other if offset % 2 else plan
+        self.schedule[from_batch + steps] = plan
         if 0 not in self.schedule:
             self.schedule[0] = plan
 

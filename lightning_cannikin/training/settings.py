@@ -1,19 +1,24 @@
-"""``CannikinSettings``: the balancing engine's tuning settings, in one frozen, documented place.
+"""What a balancing run is configured with: the user's choices (:class:`EngineOptions`, the arguments of
+:class:`~lightning_cannikin.Cannikin`) and the engine's tuning settings (:class:`CannikinSettings`), each frozen and
+checked when given.
 
 What users decide (the largest total batch, the bounds, how the learning rate follows the total, whether to balance,
 where to re-plan, whether to save the profile) are arguments of :class:`~lightning_cannikin.Cannikin`; how the engine
-measures and reacts lives here. The defaults are the measured ones (see ``docs/reliability.md`` and
+measures and reacts lives in the settings. The defaults are the measured ones (see ``docs/reliability.md`` and
 ``benchmarks/results/overhead.md``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from lightning_cannikin.core.schedule import ReplanSchedule
+from lightning_cannikin.core.plan import BatchBounds
+from lightning_cannikin.core.policy import PolicySettings
+from lightning_cannikin.core.replanner import Replanner
 from lightning_cannikin.core.timing import HALF_LIFE
 
-__all__ = ["CannikinSettings"]
+__all__ = ["CannikinSettings", "EngineOptions"]
 
 
 def _positive(name: str, value: object) -> None:
@@ -92,9 +97,9 @@ class CannikinSettings:
     """
 
     # the core's defaults, defined once there
-    warmup_steps: int = ReplanSchedule.warmup_steps
+    warmup_steps: int = Replanner.warmup_steps
     half_life: float = HALF_LIFE
-    adapt_margin: float = 0.02
+    adapt_margin: float = PolicySettings.margin
     adapt_every_n_steps: int | None = 1
     accumulate: bool = True
     track_noise_scale: bool | None = None
@@ -104,7 +109,7 @@ class CannikinSettings:
     progress_bar: bool = False
     noise_bound_level: float = 0.05
     noise_bound_sigmas: float | None = None
-    check_every_n_steps: int | None = ReplanSchedule.check_every_n_steps
+    check_every_n_steps: int | None = Replanner.check_every_n_steps
 
     def __post_init__(self) -> None:
         _positive("warmup_steps", self.warmup_steps)
@@ -124,3 +129,47 @@ class CannikinSettings:
             raise ValueError(f"`noise_bound_level` must lie in (0, 1), got {self.noise_bound_level!r}.")
         if not self.adapt_margin >= 0:
             raise ValueError(f"`adapt_margin` must be >= 0, got {self.adapt_margin}.")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The user's choices for a balancing run: the :class:`~lightning_cannikin.Cannikin` callback's arguments (see
+    there), checked when given, before any process is launched. The strategy builds its engine from them."""
+
+    max_batch_size: int | None = None
+    local_batch_bounds: Any = None
+    lr_scaling: str = "adascale"
+    base_batch_size: int | None = None
+    balance: bool = True
+    replan_every_n_steps: int | None = None
+    save_profile: bool = True
+    settings: CannikinSettings = field(default_factory=CannikinSettings)
+
+    def __post_init__(self) -> None:
+        if self.settings is None:  # as the callback's argument: the defaults
+            object.__setattr__(self, "settings", CannikinSettings())
+        if self.base_batch_size is not None and self.base_batch_size < 1:
+            raise ValueError(f"`base_batch_size` must be a positive integer or None, got {self.base_batch_size}.")
+        every = self.replan_every_n_steps
+        if every is not None and int(every) < 1:
+            raise ValueError(f"`replan_every_n_steps` must be a positive integer or None, got {every}.")
+        BatchBounds.check(self.local_batch_bounds)
+        self.policy  # noqa: B018 (the policy's own checks: max_batch_size, lr_scaling)
+
+    @property
+    def policy(self) -> PolicySettings:
+        """The decision policy these choices make (the margin is the settings' ``adapt_margin``)."""
+        settings = self.settings
+        return PolicySettings(
+            self.max_batch_size, self.balance, settings.adapt_margin, self.lr_scaling, accumulate=settings.accumulate
+        )
+
+    @property
+    def track_noise_scale(self) -> bool:
+        """Whether the noise statistics are measured: the settings say so, else where the total adapts or AdaScale
+        scales from a given base batch."""
+        track = self.settings.track_noise_scale
+        if track is not None:
+            return track
+        adascale_from_base = self.policy.lr_scaling == "adascale" and self.base_batch_size is not None
+        return self.max_batch_size is not None or adascale_from_base

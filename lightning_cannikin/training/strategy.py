@@ -137,12 +137,11 @@ class CannikinStrategy(UnevenBatchesMixin, DDPStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        closure_loss = self._engine.weigh(closure_loss)
         # an accumulation micro-step runs under DDP's `no_sync`: no all-reduce, whichever path reduces
         reduces = getattr(self.model, "require_backward_grad_sync", True)
         try:
-            with self._engine.backward(reduces, self.lightning_module.parameters):
-                loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+            with self._engine.backward(closure_loss, reduces, self.lightning_module.parameters) as weighted:
+                loss = super().backward(weighted, optimizer, *args, **kwargs)
         except torch.cuda.OutOfMemoryError as error:
             self._out_of_memory(error)
         finally:

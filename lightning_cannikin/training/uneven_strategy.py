@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any, NoReturn
 
 import torch
@@ -25,7 +24,7 @@ from lightning_cannikin.training.cost_aware_sampler import SampleCosts
 from lightning_cannikin.training.device_memory import LocalBatchOutOfMemoryError, out_of_memory_error
 from lightning_cannikin.training.engine import BalancingEngine
 from lightning_cannikin.training.lightning_hooks import BalancingCallback
-from lightning_cannikin.training.loader import UnevenDataLoader, loader_batch_size, rebuild_uneven
+from lightning_cannikin.training.loader import UnevenDataLoader, loader_batch_size
 from lightning_cannikin.training.loss_weights import check_normalisation, every_ranks_units
 from lightning_cannikin.training.strategy_checks import (
     MULTIPLE_LOADERS_ERROR,
@@ -72,13 +71,14 @@ class UnevenBatchesMixin:
             )
         self._sample_costs, self._batch_units = sample_costs, batch_units
         self._normalisation = loss_normalisation
-        # the engine of the user's Cannikin callback replaces this one at setup; this one serves without a callback
+        # this strategy's engine: built again from a Cannikin callback's options at setup, if the fit has one
         self._engine = BalancingEngine()
         self._train_loader: UnevenDataLoader | None = None
 
     @property
     def engine(self) -> BalancingEngine:
-        """The balancing engine this strategy drives (the Cannikin callback's, once the fit is set up)."""
+        """The balancing engine this strategy owns and drives (built from the Cannikin callback's options, once the fit
+        is set up)."""
         return self._engine
 
     @property
@@ -130,9 +130,9 @@ class UnevenBatchesMixin:
             )
 
     def _take_engine(self) -> None:
-        """The engine this fit drives: the user's Cannikin callback's, else this strategy's own, which a balancing
-        callback drives unless the split is fixed (``strategy="cannikin..."`` alone still balances). Raised on every
-        rank alike, before the process group exists."""
+        """This fit's engine: built from the user's Cannikin callback's options, else this strategy's own, which a
+        balancing callback drives unless the split is fixed (``strategy="cannikin..."`` alone still balances). The
+        strategy owns it; the callback reads it. Raised on every rank alike, before the process group exists."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         if fitting and not uses_distributed_sampler(trainer):
@@ -140,12 +140,17 @@ class UnevenBatchesMixin:
         if trainer is None:
             return
         callback = next((cb for cb in trainer.callbacks if isinstance(cb, BalancingCallback)), None)
-        if callback is None and not self.fixed_split:
-            trainer.callbacks.append(BalancingCallback(self._engine))
-        elif callback is not None and callback.engine is not self._engine:
-            if callback.engine.plan is None and self._engine.plan is not None:
-                callback.engine.set_plan(self._engine.plan)  # a plan set on this strategy before the fit
-            self._engine = callback.engine
+        if callback is None:
+            if self.fixed_split:
+                return
+            callback = BalancingCallback(self._engine.options)
+            trainer.callbacks.append(callback)
+        if callback.options is not self._engine.options:  # the user's options: an engine built from them
+            engine = BalancingEngine(callback.options)
+            if self._engine.plan is not None:
+                engine.set_plan(self._engine.plan)  # a plan set on this strategy before the fit
+            self._engine = engine
+        callback.use_engine(self._engine)
 
     def _bind_engine(self, sharded: bool = False) -> None:
         """The engine learns this strategy's facts (after the process group exists, before the callbacks' setup)."""
@@ -189,19 +194,10 @@ class UnevenBatchesMixin:
             # Lightning processes every training loader of a fit before it draws a batch from any: a loader built
             # earlier in this fit and never iterated means that this one is a second loader of the same fit
             raise ValueError(MULTIPLE_LOADERS_ERROR)
-        accumulation = trainer.accumulate_grad_batches
         if self._fixed_sizes is not None:
-            plan = Plan(self._fixed_sizes, accumulation)
             warn_about_fixed_total(self._fixed_sizes, loader_batch_size(dataloader), self.world_size)
-        elif self.plan is not None:
-            plan = replace(self.plan, accumulation_steps=accumulation)
-        else:
-            # the user's batch size on every rank, moved inside the bounds (same total) if it violates them
-            total = loader_batch_size(dataloader) * self.world_size
-            plan = self._engine.first_plan(total, self.world_size, accumulation)
-        loader = rebuild_uneven(dataloader, plan, self.global_rank, sample_costs=self._sample_costs)
-        self._engine.use_loader(plan, loader.uneven_sampler)
-        loader.on_fetch = self._engine.input_starts  # a step's input, timed from the loop's request for it
+        accumulation = trainer.accumulate_grad_batches
+        loader = self._engine.training_loader(dataloader, accumulation, self._fixed_sizes, self._sample_costs)
         self._train_loader = loader
         return loader
 
@@ -212,19 +208,14 @@ class UnevenBatchesMixin:
     def _begin_step(self, batch: Any = None) -> None:
         """The training step begins, with the sizes the loader handed out for ``batch`` (a count mean's units of
         ``batch`` all-gathered where the sampler does not know them)."""
-        loader, trainer = self._train_loader, self.lightning_module.trainer
+        trainer = self.lightning_module.trainer
         units = None
         if self._normalisation == "count_mean" and self._sample_costs is None and self._batch_units is not None:
             units = every_ranks_units(float(self._batch_units(batch)), self.root_device)
-        if loader is None or not loader.pending_steps:
-            self._engine.begin_step(None, None, trainer.global_step)
-            return
-        position, sizes = loader.pending_steps.popleft()
         # Lightning closes an accumulation window early at the epoch's last batch (or `limit_train_batches`)
         end = trainer.num_training_batches
         end = int(end) if math.isfinite(end) else -1
-        accumulation = trainer.accumulate_grad_batches
-        self._engine.begin_step(position, sizes, trainer.global_step, accumulation, end, units)
+        self._engine.begin_next_step(trainer.global_step, trainer.accumulate_grad_batches, end, units)
 
     def _release_loader(self) -> None:
         """The fit ends: the loader goes, the plan stays (a later fit starts from it)."""
