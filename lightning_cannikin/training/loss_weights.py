@@ -20,7 +20,12 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
-from lightning_cannikin.core.loss_normalisation import NORMALISATIONS, loss_weights, normalisation_mismatch
+from lightning_cannikin.core.loss_normalisation import (
+    NORMALISATIONS,
+    loss_weights,
+    noise_groups,
+    normalisation_mismatch,
+)
 
 __all__ = ["LossScaleCheck", "StepWeights", "WindowWeights", "check_normalisation", "every_ranks_units", "step_weights"]
 
@@ -151,11 +156,11 @@ def step_weights(
     weights = loss_weights(normalisation, samples, unit_array, allreduce="sum")
     rank_weight = float(weights[rank].sum())
     micro = float(weights[rank, micro_index]) / rank_weight if rank_weight > 0 else 0.0
+    # the noise groups: a count mean's in units (in samples' worth); a window with no units falls back to samples
+    counted = normalisation != "count_mean" or (unit_array is not None and unit_array.sum() > 0)
+    groups = noise_groups(normalisation if counted else "sample_mean", samples, unit_array)
+    sizes = groups.sizes.reshape(samples.shape) * groups.samples_per_unit
     unit_scale = float(samples[rank, micro_index]) if normalisation == "sample_sum" else 1.0
-    if unit_array is not None and normalisation == "count_mean" and unit_array.sum() > 0:
-        sizes = unit_array * (samples.sum() / unit_array.sum())
-    else:
-        sizes = samples
     noise_sizes = tuple(tuple(float(s) for s in column) for column in sizes.T)
     return StepWeights(rank_weight, micro, unit_scale, noise_sizes)
 
