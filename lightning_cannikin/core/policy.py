@@ -249,8 +249,9 @@ def decide(
     adapt = adapt_total and settings.max_batch_size is not None and bounds is not None
     adapt = adapt and (model.identified or not settings.balance)  # the total waits for measured speeds
     candidates = _candidates(model, current, settings, base_batch_size) if adapt else None
+    options = _options(candidates, current.total_batch_size, settings, base_batch_size)
     if adapt:
-        global_batch, accumulation, choice = _choose_total(candidates, current, settings, bounds, base_batch_size)  # type: ignore[arg-type]
+        global_batch, accumulation, choice = _choose_total(options, candidates, current, bounds)  # type: ignore[arg-type]
     if settings.balance and not model.identified:
         # a slope guessed from one batch size can be far off (AdaptDL's prior puts half the time in the intercept):
         # rather than act on it, move every rank a little from where it is, so the next re-plan measures slopes
@@ -263,12 +264,12 @@ def decide(
     else:
         sizes = most_even_split(global_batch, model.world_size, model.lower, model.upper).local_batch_sizes
     plan = Plan(sizes, accumulation, predicted_step_time=float(model.predict(sizes)))
-    band, options = None, None
+    band = None
     if adapt:
         if (plan.global_batch_size, accumulation) != (current.global_batch_size, current.accumulation_steps):
             candidates = _candidates(model, plan, settings, base_batch_size)  # the kept total's time is the new one's
+            options = _options(candidates, plan.total_batch_size, settings, base_batch_size)
         band = _noise_band(candidates, plan, settings, base_batch_size)
-        options = _options(candidates, plan.total_batch_size, settings, base_batch_size)
     factor, _ = learning_rate_scale(settings.lr_scaling, plan.total_batch_size, base_batch_size, bounds, adam)
     timed = getattr(model, "timed", None)  # a model that knows which sizes it timed lately
     untimed = settings.balance and model.identified and timed is not None and not timed(plan.local_batch_sizes)
@@ -337,15 +338,14 @@ def _options(
 
 
 def _choose_total(
+    options: TotalOptions | None,
     candidates: Candidates | None,
     current: Plan,
-    settings: PolicySettings,
     bounds: tuple[float, float],
-    base_batch_size: int,
 ) -> tuple[int, int, IntervalChoice | None]:
-    """``(global batch, accumulation steps)`` to run next among ``candidates`` (from :func:`_candidates`), or the
-    current ones, and the choice over the noise interval that decided it (``None`` when no candidate fits)."""
-    options = _options(candidates, current.total_batch_size, settings, base_batch_size)
+    """``(global batch, accumulation steps)`` to run next among ``candidates`` (from :func:`_candidates`, as the
+    interval rule sees them: ``options``), or the current ones, and the choice over the noise interval that decided it
+    (``None`` when no candidate fits)."""
     if options is None or candidates is None:
         return current.global_batch_size, current.accumulation_steps, None
     choice = options.choose(*bounds)

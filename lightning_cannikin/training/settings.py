@@ -11,6 +11,7 @@ measures and reacts lives in the settings. The defaults are the measured ones (s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from lightning_cannikin.core.plan import BatchBounds
@@ -156,7 +157,7 @@ class EngineOptions:
         BatchBounds.check(self.local_batch_bounds)
         self.policy  # noqa: B018 (the policy's own checks: max_batch_size, lr_scaling)
 
-    @property
+    @cached_property  # a frozen value: built once (a cached_property writes the instance's dict, not a field)
     def policy(self) -> PolicySettings:
         """The decision policy these choices make (the margin is the settings' ``adapt_margin``)."""
         settings = self.settings
