@@ -6,7 +6,8 @@ collective ends that test only and every other test still runs. ``gpu_shares.py`
 log and JSON goes into DIR (``collect.log``, ``tests/*.log``, ``gpu_shares.json``, ``gpu_shares.log``,
 ``gpu_shares_logs/``), and a summary (per test: passed, failed, skipped or timeout, with its seconds and, where it did
 not pass, the end of its log; ``gpu_shares``' headline numbers) is written to ``summary.json`` and printed. The exit
-status is 0 only when every test passed and ``gpu_shares`` completed.
+status is 0 only when every test passed and ``gpu_shares`` completed. A command past its time is asked to end
+(SIGTERM) before it is killed, and the GPU is left as it was found: no rank process and no MPS daemon it started.
 
 Without a CUDA device (or with ``--dry-run``) it is a dry run: it still collects ``tests/gpu`` (their modules import),
 checks that ``gpu_shares.py`` starts, writes ``summary.json`` with ``"dry_run": true``, says so and exits 0 (1 only if
@@ -33,6 +34,7 @@ SHARES = ROOT / "benchmarks" / "gpu_shares.py"
 BUDGET_S = 470.0  # of the 8 minutes: the rest is this script's own start and the last writes
 SHARES_RESERVE_S = 240.0  # what the tests leave to gpu_shares at least (it plans for about 4 minutes)
 TEST_TIMEOUT_S = 120.0
+TERM_GRACE_S = 15.0  # from SIGTERM to SIGKILL: gpu_shares ends its ranks and stops its MPS daemon in it
 _COUNTS = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)")
 
 
@@ -44,7 +46,10 @@ def _env() -> dict[str, str]:
 
 def run(command: Sequence[str], log: Path, timeout: float) -> tuple[int | None, float, str]:
     """Run ``command`` in the checkout, its output in ``log``: ``(exit status or None on timeout, seconds, output)``.
-    On a timeout the command's whole session ends (a pytest process and the ranks or workers it started)."""
+
+    On a timeout the command's session is asked to end (SIGTERM: ``gpu_shares`` then ends the ranks it started in
+    sessions of their own and stops the MPS daemon it started) and, ``TERM_GRACE_S`` later, killed with what is left
+    of it (a pytest process and the ranks or workers it started)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with open(log, "w") as handle:
@@ -54,10 +59,13 @@ def run(command: Sequence[str], log: Path, timeout: float) -> tuple[int | None, 
         try:
             code: int | None = process.wait(timeout=max(timeout, 1.0))
         except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
             code = None
+            for sent, grace in ((signal.SIGTERM, TERM_GRACE_S), (signal.SIGKILL, None)):
+                with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                    os.killpg(process.pid, sent)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=grace)
+                    break
     return code, time.monotonic() - started, log.read_text(errors="replace")
 
 
@@ -99,12 +107,24 @@ def run_each_test(ids: Sequence[str], out: Path, until: float, per_test: float) 
 
 
 def run_shares(out: Path, seconds_left: float) -> dict[str, Any]:
-    """gpu_shares.py with a deadline inside the time left; its headline numbers."""
-    deadline = max(seconds_left - 20.0, 30.0)  # no run starts that cannot end by then; the JSON is written after
+    """gpu_shares.py with a deadline inside the time left; its headline numbers.
+
+    An MPS daemon that was not running before and still runs after (``gpu_shares`` stops the one it starts, unless it
+    was killed) is stopped here: the GPU is left as it was found."""
+    if str(ROOT) not in sys.path:  # run as a script, this checkout is not on the path
+        sys.path.insert(0, str(ROOT))
+    from benchmarks.gpu_shares import Mps, mps_control, mps_daemon_running  # torch is imported by now
+
+    daemon_before = mps_daemon_running()
+    timeout = seconds_left - TERM_GRACE_S  # a timeout's SIGTERM and grace end within the time left
+    deadline = max(timeout - 20.0, 30.0)  # no run starts that cannot end by then; the JSON is written after
     command = [sys.executable, str(SHARES), "--out", str(out), "--logs", str(out / "gpu_shares_logs")]
-    code, seconds, output = run([*command, "--deadline", str(deadline)], out / "gpu_shares.log", seconds_left)
+    code, seconds, output = run([*command, "--deadline", str(deadline)], out / "gpu_shares.log", timeout)
     result: dict[str, Any] = {"status": "timeout" if code is None else ("ok" if code == 0 else f"exit {code}")}
     result["seconds"] = round(seconds, 1)
+    if not daemon_before and mps_daemon_running():
+        Mps(control=mps_control(), started=True).stop()
+        result["mps_left_running"] = "stopped by gpu_check" if not mps_daemon_running() else "still running"
     path = out / "gpu_shares.json"
     if path.is_file():
         result["headline"] = json.loads(path.read_text()).get("headline")

@@ -2,7 +2,8 @@
 Cannikin, and the ideal those shares allow.
 
 ``python benchmarks/gpu_shares.py --out DIR`` on a machine with one CUDA GPU (about 4 minutes; as root it starts the
-MPS daemon, ``nvidia-cuda-mps-control -d``, and stops it at the end; a daemon already running is used and left alone).
+MPS daemon, ``nvidia-cuda-mps-control -d``, and stops it at the end, also when ended by SIGTERM, which ends every rank
+it started too; a daemon already running is used and left alone).
 Every run starts three rank processes as torchelastic would (``devices=1, num_nodes=3``; ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK=0``, ``GROUP_RANK``, ``NODE_RANK``, ``LOCAL_WORLD_SIZE=1``, ``MASTER_ADDR``, ``MASTER_PORT``,
 ``TORCHELASTIC_RUN_ID``; the rendezvous store is held by this script, as torchrun's agent holds it), each with its
@@ -756,28 +757,38 @@ class Mps:
 
     @classmethod
     def start(cls) -> Mps:
-        control = shutil.which(MPS_CONTROL) or (MPS_CONTROL_PATH if os.access(MPS_CONTROL_PATH, os.X_OK) else None)
+        control = mps_control()
         if control is None:
             return cls(note=f"{MPS_CONTROL} not found: the ranks share the GPU without SM limits")
-        if _mps_daemon_running():
+        if mps_daemon_running():
             return cls(control, active=True, note="an MPS daemon was running already: used, left running")
         done = subprocess.run([control, "-d"], capture_output=True, text=True, timeout=30, check=False)
         if done.returncode != 0:
             why = (done.stderr or done.stdout).strip()
             return cls(control, note=f"`{control} -d` failed ({why or done.returncode}): no SM limits (root needed?)")
         for _ in range(50):
-            if _mps_daemon_running():
+            if mps_daemon_running():
                 return cls(control, started=True, active=True, note="started here, stopped at the end")
             time.sleep(0.1)
         return cls(control, started=True, note="`-d` returned 0 but no daemon process appeared")
 
     def stop(self) -> None:
+        """Stop the daemon started here, and wait (up to 10 s) until it has exited."""
         if self.started and self.control is not None:
             subprocess.run([self.control], input="quit\n", text=True, timeout=30, check=False, capture_output=True)
             self.started = False
+            for _ in range(100):
+                if not mps_daemon_running():
+                    break
+                time.sleep(0.1)
 
 
-def _mps_daemon_running() -> bool:
+def mps_control() -> str | None:
+    """The MPS control program: on the path, or where the GPU machines seen so far have it."""
+    return shutil.which(MPS_CONTROL) or (MPS_CONTROL_PATH if os.access(MPS_CONTROL_PATH, os.X_OK) else None)
+
+
+def mps_daemon_running() -> bool:
     """Whether a process named ``nvidia-cuda-mps-control`` runs (its comm, cut to 15 characters), read from /proc: the
     control client itself would wait on a pipe where no daemon listens."""
     for comm in Path("/proc").glob("[0-9]*/comm"):
@@ -829,33 +840,35 @@ def launch(config: Config, job: dict[str, Any], run_dir: Path, timeout: float) -
     job_path.write_text(json.dumps({**job, "config": asdict(config)}, indent=1))
     store, started = _agent_store(config.world_size), time.monotonic()
     port = store.port
-    processes = []
-    for rank in range(config.world_size):
-        with open(run_dir / f"rank{rank}.log", "w") as log:  # the child keeps its own descriptor
-            processes.append(
-                subprocess.Popen(
-                    [sys.executable, str(Path(__file__).resolve()), "--worker", str(job_path)],
-                    env=rank_env(config, rank, port, run_dir.name),
-                    cwd=run_dir,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,  # its own process group: a timeout ends it with its loader workers
-                )
-            )
+    processes: list[subprocess.Popen] = []
     status, failed_at = "ok", None
-    while None in (codes := [p.poll() for p in processes]):
-        now = time.monotonic()
-        if now - started > timeout:
-            status = "timeout"
-        elif failed_at is None and any(code not in (None, 0) for code in codes):
-            failed_at = now
-        if failed_at is not None and now - failed_at > 20:
-            status = "failed"
-        if status != "ok":
-            for process in processes:
-                _end(process)
-            break
-        time.sleep(0.2)
+    try:
+        for rank in range(config.world_size):
+            with open(run_dir / f"rank{rank}.log", "w") as log:  # the child keeps its own descriptor
+                processes.append(
+                    subprocess.Popen(
+                        [sys.executable, str(Path(__file__).resolve()), "--worker", str(job_path)],
+                        env=rank_env(config, rank, port, run_dir.name),
+                        cwd=run_dir,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,  # its own process group: a timeout ends it with its loader workers
+                    )
+                )
+        while None in (codes := [p.poll() for p in processes]):
+            now = time.monotonic()
+            if now - started > timeout:
+                status = "timeout"
+            elif failed_at is None and any(code not in (None, 0) for code in codes):
+                failed_at = now
+            if failed_at is not None and now - failed_at > 20:
+                status = "failed"
+            if status != "ok":
+                break
+            time.sleep(0.2)
+    finally:  # a run that failed or timed out, or this script ended (SIGTERM): no rank outlives it on the GPU
+        for process in processes:
+            _end(process)
     if status == "ok" and any(p.returncode != 0 for p in processes):
         status = "failed"
     del store  # every rank has ended
@@ -954,6 +967,10 @@ def _rounded(value: Any) -> Any:
     return value
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
@@ -998,6 +1015,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.worker is not None:
         return worker_main(args.worker)
     config = config_of(args)
+    # ended from outside (gpu_check's timeout): unwind, so that the ranks end and an MPS daemon started here stops
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     if not config.smoke and not torch.cuda.is_available():  # no context here: MPS clients must be the first on the GPU
         print("gpu_shares: no CUDA device; `--smoke` runs the code path on CPU", file=sys.stderr)
         return 2

@@ -7,12 +7,16 @@ runs the benchmark's whole code path on CPU in about a minute and is left to CI'
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from benchmarks import gpu_check
 from benchmarks.gpu_check import status_of
 from benchmarks.gpu_shares import (
     Config,
@@ -112,3 +116,54 @@ def test_the_fraction_of_the_ideal_and_the_gap_add_up() -> None:
     # the gap's parts lead from the ideal to the measured step ratio
     assert calibration["ideal_ratio"] + sum(summary["gap"].values()) == pytest.approx(summary["measured_ratio_step"])
     assert summary["ranks"]["cannikin"][0]["compute_vs_solo"] == pytest.approx(10.0 / (0.8 * 1e-3 * 20 * 1e3))
+
+
+def test_a_timed_out_command_is_asked_to_end_and_killed_only_if_it_does_not(tmp_path: Path, monkeypatch) -> None:
+    ended = tmp_path / "ended"
+    polite = f"trap 'echo yes > {ended}; exit 3' TERM; sleep 60 & wait"
+    code, seconds, _ = gpu_check.run(["bash", "-c", polite], tmp_path / "polite.log", timeout=1.0)
+    assert code is None and ended.read_text().strip() == "yes" and seconds < 10
+    monkeypatch.setattr(gpu_check, "TERM_GRACE_S", 0.5)
+    deaf = "trap '' TERM; sleep 60 & wait"  # SIGTERM ignored, by the shell and by its sleep
+    code, seconds, _ = gpu_check.run(["bash", "-c", deaf], tmp_path / "deaf.log", timeout=1.0)
+    assert code is None and seconds < 10
+
+
+def _workers_of(logs: Path) -> list[int]:
+    """The rank processes gpu_shares started for runs under ``logs`` (their command line names a job there)."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--worker" in args and any(arg.startswith(str(logs).encode()) for arg in args):
+            pids.append(int(cmdline.parent.name))
+    return pids
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="reads the processes from /proc")
+def test_gpu_shares_ended_from_outside_leaves_no_rank_running(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    command = [sys.executable, str(ROOT / "benchmarks" / "gpu_shares.py"), "--smoke", "--out", str(tmp_path)]
+    # its own session, as gpu_check starts it; the ranks it starts have sessions of their own
+    shares = subprocess.Popen(
+        [*command, "--logs", str(logs)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        waited = time.monotonic()
+        while len(_workers_of(logs)) < 3 and time.monotonic() - waited < 120 and shares.poll() is None:
+            time.sleep(0.1)
+        assert len(_workers_of(logs)) == 3, "the calibration's three ranks never started"
+        os.killpg(shares.pid, signal.SIGTERM)
+        assert shares.wait(timeout=60) == 128 + signal.SIGTERM
+        assert _workers_of(logs) == [], "a rank outlived the benchmark that started it"
+    finally:
+        if shares.poll() is None:
+            os.killpg(shares.pid, signal.SIGKILL)
+        for pid in _workers_of(logs):
+            os.killpg(pid, signal.SIGKILL)
