@@ -1,8 +1,10 @@
-"""A rank's whole step: the input pipeline's cost (outside the device's span) in the split, on CPU.
+"""A rank's whole step in the split, on CPU: the input pipeline's cost and the optimizer step's, both outside the
+device's compute span.
 
-The emulated hosts sleep in the training DataLoader's ``collate_fn`` (no workers: in series with the step), outside
-the span the step timer has always timed. Each split is judged against the best split under the emulated costs,
-found by brute force over every split, independently of the planner.
+The emulated hosts sleep in the training DataLoader's ``collate_fn`` (no workers: in series with the step), the
+emulated optimizers before ``optimizer.step()`` (after the all-reduce: in series with the rank's next step). Each split
+is judged against the best split under the emulated costs, found by brute force over every split, independently of
+the planner.
 """
 
 from __future__ import annotations
@@ -34,18 +36,22 @@ def every_split(total: int, ranks: int = 3) -> np.ndarray:
     return np.array([(a, b, total - a - b) for a in range(1, total - 1) for b in range(1, total - a)])
 
 
+def own_ms(devices: EmulatedDevices, rank: int, batch: int, whole: bool = True) -> float:
+    """A rank's emulated share of a step: its host's input, its device, its optimizer step, one after another
+    (``whole=False``: its device alone)."""
+    device = devices.clean_ms(rank, batch)
+    return devices.host_ms(rank, batch) + device + devices.optimizer_ms_of(rank) if whole else device
+
+
 def emulated_ms(devices: EmulatedDevices, split) -> float:
-    """The slowest rank's emulated step: its host's input, then its device."""
-    return max(devices.host_ms(r, b) + devices.clean_ms(r, b) for r, b in enumerate(split))
+    """The slowest rank's emulated step."""
+    return max(own_ms(devices, r, b) for r, b in enumerate(split))
 
 
 def best_split(devices: EmulatedDevices, total: int, with_host: bool = True) -> tuple[tuple[int, ...], float]:
     """The split with the least emulated step time (``with_host=False``: by the devices alone), by brute force."""
     splits = every_split(total)
-    times = [
-        max((devices.host_ms(r, b) if with_host else 0.0) + devices.clean_ms(r, b) for r, b in enumerate(split))
-        for split in splits
-    ]
+    times = [max(own_ms(devices, r, b, with_host) for r, b in enumerate(split)) for split in splits]
     best = int(np.argmin(times))
     return tuple(int(b) for b in splits[best]), emulated_ms(devices, splits[best])
 
@@ -58,20 +64,27 @@ def records_of(devices: EmulatedDevices, splits, host_measured: bool = True) -> 
     for step, split in enumerate(splits):
         compute = [devices.clean_ms(r, b) / 1000 for r, b in enumerate(split)]
         host = [devices.host_ms(r, b) / 1000 for r, b in enumerate(split)]
-        cost = max(c + h for c, h in zip(compute, host, strict=True))
+        after = [devices.optimizer_ms_of(r) / 1000 for r in range(len(split))]
+        cycle = max(map(sum, zip(compute, host, after, strict=True))) + 0.002  # every rank's, the reduction's 2 ms
         for r, b in enumerate(split):
             # an epoch's first step every tenth: its input wait is not measured
             waited = host[r] if host_measured and step % 10 else None
-            records.append(StepRecord(step, r, int(b), compute[r], cost - host[r] + 0.002, host=waited))
+            records.append(StepRecord(step, r, int(b), compute[r], cycle - host[r], host=waited, after=after[r]))
     return records
 
 
 @pytest.mark.parametrize(
-    ("device_ms", "host_ms"),
-    [([1.0, 1.0, 1.0], [0.25, 1.0, 2.0]), ([0.5, 1.0, 2.0], [1.0, 1.0, 1.0]), ([0.5, 1.0, 2.0], [2.0, 0.5, 0.1])],
+    ("device_ms", "host_ms", "optimizer_ms"),
+    [
+        ([1.0, 1.0, 1.0], [0.25, 1.0, 2.0], 1.0),
+        ([0.5, 1.0, 2.0], [1.0, 1.0, 1.0], 1.0),
+        ([0.5, 1.0, 2.0], [2.0, 0.5, 0.1], 1.0),
+        ([1.0, 1.0, 1.0], 0.0, [0.0, 10.0, 30.0]),
+        ([0.5, 1.0, 2.0], 0.5, [5.0, 10.0, 20.0]),
+    ],
 )
-def test_the_model_splits_the_whole_step_as_brute_force_does(device_ms, host_ms):
-    devices = EmulatedDevices(device_ms, 5.0, host_per_sample_ms=host_ms)
+def test_the_model_splits_the_whole_step_as_brute_force_does(device_ms, host_ms, optimizer_ms):
+    devices = EmulatedDevices(device_ms, 5.0, host_per_sample_ms=host_ms, optimizer_ms=optimizer_ms)
     model = SpeedModel(3, SpeedModelSettings(warmup_samples=0))
     model.add(records_of(devices, [(32, 32, 32), (40, 30, 26), (26, 34, 36)] * 10))
     plan = model.plan_split(TOTAL)
@@ -121,9 +134,11 @@ class DumpPlan(Callback):
             self.path.write_text(json.dumps({"plan": list(cannikin.plan.local_batch_sizes)}))
 
 
-def balance_with_hosts(tmp_path, device_ms, host_ms, epochs: int = 6, workers: int = 0) -> tuple[int, ...]:
+def balance_with_hosts(
+    tmp_path, device_ms, host_ms, epochs: int = 6, workers: int = 0, optimizer_ms: float | list[float] = 0.0
+) -> tuple[int, ...]:
     torch.manual_seed(0)
-    cluster = EmulatedCluster(device_ms, 5.0, host_per_sample_ms=host_ms)
+    cluster = EmulatedCluster(device_ms, 5.0, host_per_sample_ms=host_ms, optimizer_ms=optimizer_ms)
     loader = DataLoader(
         IndexedRegression(960),
         batch_size=TOTAL // 3,
@@ -165,3 +180,13 @@ def test_input_that_workers_hide_costs_nothing(tmp_path):
     device_only, best_ms = best_split(devices, TOTAL)  # (55, 27, 14); in series: (43, 32, 21)
     assert plan[0] > 48 and plan[2] < 18, (plan, device_only)
     assert emulated_ms(devices, plan) <= 1.05 * best_ms, (plan, device_only)
+
+
+def test_unequal_optimizer_steps_with_equal_devices_move_the_split(tmp_path):
+    # the optimizer steps run after the all-reduce, outside the compute span: a rank slower there reaches the next
+    # all-reduce later, so it gets fewer samples
+    devices = EmulatedDevices(1.0, 5.0, optimizer_ms=[0.0, 10.0, 30.0])
+    plan = balance_with_hosts(tmp_path, 1.0, 0.0, optimizer_ms=[0.0, 10.0, 30.0])
+    best, best_ms = best_split(devices, TOTAL)  # (45, 35, 16): the even split costs 1.33x as much
+    assert plan[0] > plan[1] > plan[2] and sum(plan) == TOTAL, plan
+    assert emulated_ms(devices, plan) <= 1.05 * best_ms, (plan, best)

@@ -133,8 +133,10 @@ def test_the_input_span_is_what_the_device_waited_for_and_none_after_an_epoch_en
     assert records[0].host is None and records[3].host is None
     assert records[1].host == pytest.approx(0.011) and records[2].host == pytest.approx(0.0)
     assert records[1].compute == pytest.approx(0.028), "the device's own span is unchanged"
-    assert records[1].cost == pytest.approx(0.039) and records[1].cycle == pytest.approx(0.061)
-    assert records[0].cost == records[0].compute and records[0].cycle == records[0].step_time
+    # after the reduction (45 on its timeline) to the step's end (50): the optimizer, in series with the next step
+    assert records[1].after == pytest.approx(0.005) and records[3].after == pytest.approx(0.0)
+    assert records[1].cost == pytest.approx(0.044) and records[1].cycle == pytest.approx(0.061)
+    assert records[0].cost == pytest.approx(records[0].compute + 0.005) and records[0].cycle == records[0].step_time
     assert device.syncs == 0
 
 
@@ -154,7 +156,10 @@ def test_host_clock_times_the_input_between_the_request_and_the_step(monkeypatch
     first, second = timer.records()
     assert first.host is None and second.host == pytest.approx(0.25)
     assert second.compute == pytest.approx(0.25) and second.step_time == pytest.approx(0.75)
-    assert seen == [(8, pytest.approx(0.5)), (8, pytest.approx(0.5))], "the change check sees compute and input"
+    assert first.after == pytest.approx(0.5) and second.after == pytest.approx(0.5)  # backward's end to the step's
+    # the change check sees what the speed model fits: input, compute and the time after backward
+    assert seen == [(8, pytest.approx(1.0)), (8, pytest.approx(1.0))]
+    assert [record.cost for record in (first, second)] == [pytest.approx(1.0), pytest.approx(1.0)]
 
 
 def test_a_micro_step_ends_its_compute_at_backward_and_has_no_allreduce():
@@ -212,6 +217,7 @@ def test_host_clock_gives_exact_intervals(monkeypatch):
     assert (record.step, record.batch_size) == (3, 16)
     assert record.compute == pytest.approx(0.028) and record.allreduce == pytest.approx(0.035)
     assert record.exposed == pytest.approx(0.015) and record.step_time == pytest.approx(0.050)
+    assert record.after == pytest.approx(0.005), "the reduction's end to the step's end"
     assert record.peak_memory is None and record.memory_capacity is None
 
 
@@ -376,8 +382,8 @@ def test_step_records_pickle_as_their_values_and_stay_frozen():
 
     from lightning_cannikin.core.step_record import StepRecord
 
-    made = StepRecord(3, 1, 32, 0.01, 0.02, 0.005, 0.001, None, None, 0.004, 0.002, 0.003)
-    built = StepRecord.of(3, 1, 32, 0.01, 0.02, 0.005, 0.001, None, None, 0.004, 0.002, 0.003)
+    made = StepRecord(3, 1, 32, 0.01, 0.02, 0.005, 0.001, None, None, 0.004, 0.002, 0.003, 0.001)
+    built = StepRecord.of(3, 1, 32, 0.01, 0.02, 0.005, 0.001, None, None, 0.004, 0.002, 0.003, 0.001)
     assert built == made and hash(built) == hash(made) and pickle.loads(pickle.dumps([made, built])) == [made, made]
     assert len(pickle.dumps(made)) < len(pickle.dumps(made.to_dict()))  # the values alone, not a dict of them
     with pytest.raises(dataclasses.FrozenInstanceError):

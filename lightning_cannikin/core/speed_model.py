@@ -69,14 +69,16 @@ class SpeedModel:
     """Learns each rank's cost ``t_i(b) = a_i b + a0_i`` and the step's tail; predicts and splits by them.
 
     A rank's cost is its whole share of a step (:attr:`StepRecord.cost`): the time its device waited for the input
-    (the loader, collation, the copy) and then its compute. The two are in series on the critical path, so they add:
-    handing a rank more samples hands its host more loading as well. Host work that overlaps the device (workers that
-    keep ahead) is never in the measured wait, so it costs nothing here, until a larger batch makes it show.
+    (the loader, collation, the copy), its compute, and its work after the all-reduce (the optimizer step). They are
+    in series on the critical path, so they add: handing a rank more samples hands its host more loading as well, and
+    a rank whose optimizer step is slower reaches the next all-reduce later, so its intercept ``a0_i`` holds that
+    too. Host work that overlaps the device (workers that keep ahead) is never in the measured wait, so it costs
+    nothing here, until a larger batch makes it show.
 
-    The *tail* is what a step costs beyond the slowest rank's compute: the exposed part of the all-reduce, the optimizer
-    step and the framework's own work. It is the same for every split, so it does not move the optimal split, but it
-    makes the predicted step time comparable with the measured one. :func:`~lightning_cannikin.core.policy.decide`
-    asks it (the simulator's cluster model answers the same calls).
+    The *tail* is what a step costs beyond the slowest rank's share: the exposed part of the all-reduce and the
+    framework's work outside every rank's measured spans. It is the same for every split, so it does not move the
+    optimal split, but it makes the predicted step time comparable with the measured one.
+    :func:`~lightning_cannikin.core.policy.decide` asks it (the simulator's cluster model answers the same calls).
 
     Args:
         world_size: number of ranks.
@@ -103,7 +105,8 @@ class SpeedModel:
         self.tails: deque[float] = deque(maxlen=int(self.settings.tail_window))
         # the fraction of the last rank's compute done when its first gradient bucket was ready
         self.first_bucket_shares: deque[float] = deque(maxlen=int(self.settings.tail_window))
-        self.after_reduction: deque[float] = deque(maxlen=int(self.settings.tail_window))  # the tail past the reduction
+        # the tail past the reduction that no rank's own share holds (each rank's optimizer step is in its cost)
+        self.after_reduction: deque[float] = deque(maxlen=int(self.settings.tail_window))
         self.comm_fitter = CommTimeFitter(half_life=self.settings.half_life)
         self._models: list[LinearTimeModel] | None = None  # fitted once per batch of new samples
         # every rank's (batch size, compute) of the latest complete steps, with the step: which ranks were slow together
@@ -178,7 +181,7 @@ class SpeedModel:
             last = max(reduced, key=lambda r: r.cost)
             # the reduction's own time: a span from the first bucket also holds the backward it overlapped
             busy = last.allreduce if last.comm_busy is None else last.comm_busy
-            self.after_reduction.append(max(0.0, tail - last.exposed))  # type: ignore[operator]  # optimizer, framework
+            self.after_reduction.append(max(0.0, tail - last.exposed))  # type: ignore[operator]  # the framework
             self.comm_fitter.add(busy, last.exposed if last.last_bucket is None else last.last_bucket)  # type: ignore[arg-type]
             if last.cost > 0:
                 before_first_bucket = last.cost - (last.allreduce - last.exposed)  # type: ignore[operator]
@@ -256,8 +259,9 @@ class SpeedModel:
         """Planner inputs: the per-rank pieces of the two-regime step model, once the all-reduce is measured.
 
         Compute-bound, rank ``i`` costs ``t_i(b) + c_last + o``, with ``c_last`` the last bucket's reduction and ``o``
-        what a step costs after the reduction. Communication-bound, the all-reduce can start only when every rank's
-        first bucket is ready, after a share ``s`` of its compute, and lasts ``c``: ``s t_i(b) + c + o``. Both are
+        what a step costs outside every rank's own share (a rank's optimizer step is in its ``t_i``).
+        Communication-bound, the all-reduce can start only when every rank's first bucket is ready, after a share
+        ``s`` of its own share of the step, and lasts ``c``: ``s t_i(b) + c + o``. Both are
         exact for a bucket timeline whose buckets are alike, whatever the regime the records came from, once ``c``
         and ``c_last`` are the reductions' own times (``StepRecord.comm_busy``, ``last_bucket``).
         Where the all-reduce hides behind backward the second piece never binds, and the split is the compute-only

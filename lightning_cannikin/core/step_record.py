@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, fields
 from operator import attrgetter
 from typing import Any
 
-__all__ = ["StepRecord"]
+__all__ = ["StepRecord", "rank_cost"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,10 @@ class StepRecord:
             this step's start: the wait for the batch, collation, the copy to the device (``None``: not measured, e.g.
             an epoch's first step). Host work that loader workers or a host running ahead of the device hide is not in
             it, so it is exactly the input pipeline's share of the critical path, in series with ``compute``.
+        after: this rank's own time after its gradients were reduced, to the step's end: the optimizer step and the
+            step's closing work, on the device's clock on CUDA (``None``: not measured). Every rank leaves the
+            all-reduce together, so a rank that takes longer here (a slower device's optimizer step, a slower host's
+            bookkeeping) reaches the next all-reduce later: it is in series with the next step's input and compute.
 
     """
 
@@ -54,12 +58,13 @@ class StepRecord:
     comm_busy: float | None = None
     last_bucket: float | None = None
     host: float | None = None
+    after: float | None = None
 
     @property
     def cost(self) -> float:
-        """This rank's own share of a step: its input's exposed wait, then its compute. The speed model fits it, so
-        a split balances the whole step, not only the device's part."""
-        return self.compute + self.host if self.host is not None else self.compute
+        """This rank's own share of a step: its input's exposed wait, its compute and its work after the reduction.
+        The speed model fits it, so a split balances the whole step, not only the device's part."""
+        return rank_cost(self.compute, self.host, self.after)
 
     @property
     def cycle(self) -> float:
@@ -80,6 +85,12 @@ class StepRecord:
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return _record_of, _values(self)  # the values alone, in field order
+
+
+def rank_cost(compute: float, host: float | None, after: float | None) -> float:
+    """:attr:`StepRecord.cost` of a step's spans (an unmeasured span adds nothing)."""
+    cost = compute if host is None else compute + host
+    return cost if after is None else cost + after
 
 
 _FIELDS = tuple(f.name for f in fields(StepRecord))

@@ -62,6 +62,8 @@ class EmulatedDevices:
         host_per_sample_ms: milliseconds per sample of the rank's host to prepare a batch (one value per rank, or
             one for all), slept in the input pipeline (:meth:`~lightning_cannikin.EmulatedCluster.collate_fn`).
         host_fixed_ms: milliseconds per batch of the rank's host, whatever its size.
+        optimizer_ms: milliseconds of each rank's optimizer step (one value per rank, or one for all), after its
+            gradients are reduced: outside the compute span, in series with the rank's next step.
 
     """
 
@@ -76,10 +78,12 @@ class EmulatedDevices:
     contention: Mapping[int, tuple[float, int]] = field(default_factory=dict)
     host_per_sample_ms: tuple[float, ...] | float = 0.0
     host_fixed_ms: tuple[float, ...] | float = 0.0
+    optimizer_ms: tuple[float, ...] | float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "host_per_sample_ms", _per_rank("host_per_sample_ms", self.host_per_sample_ms))
         object.__setattr__(self, "host_fixed_ms", _per_rank("host_fixed_ms", self.host_fixed_ms))
+        object.__setattr__(self, "optimizer_ms", _per_rank("optimizer_ms", self.optimizer_ms))
         object.__setattr__(self, "per_sample_ms", _per_rank("per_sample_ms", self.per_sample_ms))
         object.__setattr__(self, "fixed_ms", _per_rank("fixed_ms", self.fixed_ms))
         object.__setattr__(self, "saturation_batch", _per_rank("saturation_batch", self.saturation_batch))
@@ -97,6 +101,7 @@ class EmulatedDevices:
         values = [("per_sample_ms", self.per_sample_ms), ("fixed_ms", self.fixed_ms)]
         values += [("saturation_batch", self.saturation_batch)]
         values += [("host_per_sample_ms", self.host_per_sample_ms), ("host_fixed_ms", self.host_fixed_ms)]
+        values += [("optimizer_ms", self.optimizer_ms)]
         return values + [("speed_changes", value) for value in self.speed_changes.values()]
 
     def check_world_size(self, world_size: int) -> None:
@@ -142,6 +147,15 @@ class EmulatedDevices:
     def host_ms(self, rank: int, batch_size: int) -> float:
         """What ``rank``'s host spends preparing a batch of ``batch_size`` samples."""
         return _of(self.host_fixed_ms, rank) + _of(self.host_per_sample_ms, rank) * float(batch_size)
+
+    def optimizer_ms_of(self, rank: int) -> float:
+        """What ``rank``'s optimizer step costs, after its gradients are reduced."""
+        return _of(self.optimizer_ms, rank)
+
+    def step_ms(self, rank: int, batch_size: int, step: int = 0) -> float:
+        """``rank``'s whole clean share of a step, in series: its host's input, its device's compute and its
+        optimizer step (the slowest rank's share is the step, before the all-reduce)."""
+        return self.host_ms(rank, batch_size) + self.clean_ms(rank, batch_size, step) + self.optimizer_ms_of(rank)
 
 
 def _check_contention(value: Mapping[int, tuple[float, int]]) -> dict[int, tuple[float, int]]:

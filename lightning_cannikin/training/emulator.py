@@ -8,7 +8,8 @@ It works with any strategy (plain DDP too), which is what makes side-by-side ben
 
 A rank's host can be emulated too: :meth:`EmulatedCluster.collate_fn` wraps a DataLoader's ``collate_fn`` so that
 preparing each batch sleeps ``host_fixed_ms[rank] + host_per_sample_ms[rank] * b`` in the input pipeline, outside the
-training step: in series with it without loader workers, hidden behind it where workers keep ahead.
+training step: in series with it without loader workers, hidden behind it where workers keep ahead. So can its
+optimizer step (``optimizer_ms``), slept after the gradients are reduced.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ class EmulatedCluster(Callback):
         host_per_sample_ms: milliseconds per sample that each rank's host spends preparing a batch (one entry per
             rank, or one value for all), slept in the DataLoader's ``collate_fn`` that :meth:`collate_fn` returns.
         host_fixed_ms: milliseconds per batch of each rank's host, whatever its size.
+        optimizer_ms: milliseconds of each rank's optimizer step (one entry per rank, or one value for all), slept
+            before every ``optimizer.step()``: after the gradients are reduced, outside the compute span (a slower
+            device's optimizer step takes longer, and the next step waits for it).
 
     The cost model is :class:`~lightning_cannikin.simulation.emulated_devices.EmulatedDevices`; every option but the
     first is off by default.
@@ -79,6 +83,7 @@ class EmulatedCluster(Callback):
         batch_cost: Callable[[Any], float] | None = None,
         host_per_sample_ms: float | Sequence[float] = 0.0,
         host_fixed_ms: float | Sequence[float] = 0.0,
+        optimizer_ms: float | Sequence[float] = 0.0,
     ) -> None:
         self.devices = EmulatedDevices(
             per_sample_ms,
@@ -92,6 +97,7 @@ class EmulatedCluster(Callback):
             contention or {},
             host_per_sample_ms,
             host_fixed_ms,
+            optimizer_ms,
         )
         self.batch_cost = batch_cost
         self._batch_size: float = 0
@@ -130,6 +136,10 @@ class EmulatedCluster(Callback):
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         time.sleep(self.delay_ms(trainer.global_rank, self._batch_size, self._step) / 1000.0)
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        time.sleep(self.devices.optimizer_ms_of(trainer.global_rank) / 1000.0)
 
     @override
     def on_train_batch_end(

@@ -32,6 +32,9 @@ The points, the same on both clocks:
   the latest reduced bucket coming back. On CUDA that end is recorded in the future's callback, on the stream that
   waits for the collective (NCCL futures complete when the collective is *enqueued*, so a host clock there would
   measure nothing); with DDP's own all-reduce it is the end of backward, which DDP makes wait for the collective.
+- after the reduction: from the all-reduce's end (an accumulation micro-step: backward's end) to the step's end, the
+  optimizer step and the step's closing work on this rank. Every rank leaves the all-reduce at once, so this is the
+  rank's own time, in series with its next input and compute (a slower device's optimizer step takes longer);
 - the reductions' own time, through the comm hook only (it sees every bucket): each bucket's reduction from its start
   (its gradients ready and the bucket before it reduced) to its return, summed (``comm_busy``), and the last one's
   (``last_bucket``). A bucket's marks are the moments the step's other marks already take (the latest bucket, the
@@ -54,7 +57,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_cannikin.core.speed_model import StepRecord
+from lightning_cannikin.core.step_record import StepRecord, rank_cost
 from lightning_cannikin.training.comm_hook import WeightedAllReduceState
 from lightning_cannikin.training.device_memory import DeviceMemory
 
@@ -142,10 +145,10 @@ class StepTimer:
         self._bucket_done: list[Any] = []  # the step's reductions returned, but the latest
         self._spare: list[list[Any]] = []  # cleared mark lists, reused
         # read steps not handed out yet: (step, rank, batch, compute, step time, allreduce, exposed, peak, comm busy,
-        # last bucket, host)
+        # last bucket, host, after)
         self._read: list[tuple] = []
         # called with (batch size, seconds) of every step as it is read, in step order (a local change check): its
-        # compute and exposed input wait, what the speed model fits (StepRecord.cost)
+        # exposed input wait, compute and work after the reduction, what the speed model fits (StepRecord.cost)
         self.listeners: list[Callable[[int, float], None]] = []
         self._input_timed = False  # a step's input wait was measured: the listeners never see one without it
 
@@ -309,14 +312,18 @@ class StepTimer:
             compute = max(compute - blocked, 0.0)
             step_time = clock.seconds(marks, BATCH, END)
             host = max(clock.seconds(marks, INPUT, BATCH), 0.0) if marks[INPUT] is not None else None
-            self._read.append((step, rank, batch_size, compute, step_time, allreduce, exposed, peak, busy, last, host))
+            # after the reduction (or, in a micro-step, after backward): the optimizer and the step's closing work
+            settled = REDUCED if marks[REDUCED] is not None else (BACKWARD if marks[BACKWARD] is not None else None)
+            after = None if settled is None else max(clock.seconds(marks, settled, END), 0.0)
+            values = (step, rank, batch_size, compute, step_time, allreduce, exposed, peak, busy, last, host, after)
+            self._read.append(values)
             self._clear(marks)
             self._spare.append(marks)
             self._input_timed = self._input_timed or host is not None
             if host is None and self._input_timed:
                 continue  # an epoch's first step: its input wait is unknown, not zero
             for listener in self.listeners:
-                listener(batch_size, compute if host is None else compute + host)
+                listener(batch_size, rank_cost(compute, host, after))
 
     def _reductions(self, marks: list[Any], buckets: int, returned: int) -> tuple[float | None, float | None]:
         """``(comm_busy, last_bucket)`` of a step whose every bucket came back through the hook (else ``None``s):
