@@ -27,8 +27,8 @@ Every rank records every step with the package's own step timer (``step_timer_fo
 synchronisation per step), in both strategies alike: the device span (forward start to its last gradient ready:
 ``StepRecord.compute``), the input span (``StepRecord.host``: the device idle between the previous step's end and this
 one's start, where the loop fetches and copies the next batch), the step (batch start to end, the all-reduce and the
-optimizer included) and the all-reduce's exposed part. Epochs are timed on the wall clock, synchronised at epoch
-starts and at the end only.
+optimizer included), the all-reduce's exposed part and what follows it (``StepRecord.after``: the optimizer step).
+Epochs are timed on the wall clock, synchronised at epoch starts and at the end only.
 
 The JSON (``gpu_shares.json``; ``definitions`` in it says the same) gives per workload the measured Cannikin / DDP time
 ratio (steady epochs: every epoch but the first; the whole training loop; the median step), the ideal ratio (the
@@ -94,7 +94,8 @@ DEFINITIONS = {
     "ranks": "per strategy, per rank, medians over the steady steps (then over repeats): batch, compute_ms (device"
     " span: forward start to the last gradient ready), solo_compute_ms (the calibrated compute line at that batch),"
     " host_ms (device idle for its input between steps), exposed_ms (last gradient ready to the all-reduce's end:"
-    " waiting for slower ranks plus the reduction), step_ms (batch start to end), cycle_ms (host_ms + step_ms)",
+    " waiting for slower ranks plus the reduction), after_ms (the all-reduce's end to the step's end: the optimizer"
+    " step and Lightning's closing work), step_ms (batch start to end), cycle_ms (host_ms + step_ms)",
 }
 
 
@@ -500,12 +501,14 @@ def step_medians(records: Sequence[Any], epoch_of: dict[int, int], sizes_of: dic
     def medians(rows: Sequence[Any]) -> dict[str, float | None]:
         host = [r.host for r in rows if getattr(r, "host", None) is not None]
         exposed = [r.exposed for r in rows if r.exposed is not None]
+        after = [r.after for r in rows if getattr(r, "after", None) is not None]
         return {
             "steps": len(rows),
             "batch": _median([r.batch_size for r in rows]),
             "compute_ms": _ms(_median([r.compute for r in rows])),
             "host_ms": _ms(_median(host)),
             "exposed_ms": _ms(_median(exposed)),
+            "after_ms": _ms(_median(after)),
             "step_ms": _ms(_median([r.step_time for r in rows])),
             "cycle_ms": _ms(_median([r.step_time + (getattr(r, "host", None) or 0.0) for r in rows])),
         }
@@ -711,7 +714,7 @@ def rank_table(calibration: dict[str, Any] | None, runs: Sequence[dict]) -> dict
         for rank in range(len(fits[0])):
             steady = [ranks[rank]["steady"] for ranks in fits]
             row: dict[str, Any] = {"rank": rank}
-            for key in ("batch", "compute_ms", "host_ms", "exposed_ms", "step_ms", "cycle_ms"):
+            for key in ("batch", "compute_ms", "host_ms", "exposed_ms", "after_ms", "step_ms", "cycle_ms"):
                 row[key] = _median([s[key] for s in steady])
             if calibration is not None and row["batch"] is not None:
                 solo = line_time(calibration["_lines"]["compute"][rank], row["batch"]) * 1e3

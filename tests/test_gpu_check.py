@@ -101,7 +101,7 @@ def test_the_fraction_of_the_ideal_and_the_gap_add_up() -> None:
     assert calibration["speed_vs_share"][1] == pytest.approx((1 / 2) / (25 / 60))
 
     def fit(strategy: str, step_ms: float, epochs: list[float], split: list[int]) -> dict:
-        steady = {"batch": 20, "compute_ms": 10.0, "host_ms": 1.0, "exposed_ms": 2.0, "step_ms": 9.0}
+        steady = {"batch": 20, "compute_ms": 10.0, "host_ms": 1.0, "exposed_ms": 2.0, "after_ms": 0.5, "step_ms": 9.0}
         rank = {"ok": True, "epoch_s": epochs, "train_s": sum(epochs), "loss_sum": 2.0, "loss_samples": 20}
         rank |= {"steady": {**steady, "cycle_ms": step_ms}, "split": split}
         return {"strategy": strategy, "repeat": 0, "workload": "compute", "status": "ok", "ranks": [rank] * 3}
@@ -116,6 +116,7 @@ def test_the_fraction_of_the_ideal_and_the_gap_add_up() -> None:
     # the gap's parts lead from the ideal to the measured step ratio
     assert calibration["ideal_ratio"] + sum(summary["gap"].values()) == pytest.approx(summary["measured_ratio_step"])
     assert summary["ranks"]["cannikin"][0]["compute_vs_solo"] == pytest.approx(10.0 / (0.8 * 1e-3 * 20 * 1e3))
+    assert summary["ranks"]["ddp"][2]["after_ms"] == pytest.approx(0.5), "the optimizer's span is reported per rank"
 
 
 def test_a_timed_out_command_is_asked_to_end_and_killed_only_if_it_does_not(tmp_path: Path, monkeypatch) -> None:

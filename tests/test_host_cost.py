@@ -69,7 +69,10 @@ def records_of(devices: EmulatedDevices, splits, host_measured: bool = True) -> 
         for r, b in enumerate(split):
             # an epoch's first step every tenth: its input wait is not measured
             waited = host[r] if host_measured and step % 10 else None
-            records.append(StepRecord(step, r, int(b), compute[r], cycle - host[r], host=waited, after=after[r]))
+            step_time = cycle - host[r]  # every rank's step ends with the reduction's 2 ms, then its optimizer
+            records.append(
+                StepRecord(step, r, int(b), compute[r], step_time, 0.002, 0.002, host=waited, after=after[r])
+            )
     return records
 
 
@@ -91,6 +94,37 @@ def test_the_model_splits_the_whole_step_as_brute_force_does(device_ms, host_ms,
     _, best = best_split(devices, TOTAL)
     assert emulated_ms(devices, plan.local_batch_sizes) <= 1.01 * best, plan
     assert plan.predicted_step_time * 1000 == pytest.approx(best, rel=0.05)
+
+
+@pytest.mark.parametrize("micro_steps", [1, 2, 4])
+def test_an_accumulation_window_pays_its_optimizer_steps_once(micro_steps):
+    # per rank, a window of k micro-steps costs k (its input and compute), then its optimizer step once: the best split
+    # weighs the optimizer steps less the more micro-steps share them
+    devices = EmulatedDevices(1.0, 5.0, optimizer_ms=[0.0, 10.0, 30.0])
+    records, step = [], 0
+    for split in [(32, 32, 32), (40, 30, 26), (26, 34, 36)] * 10:
+        for micro in range(micro_steps):
+            last = micro == micro_steps - 1  # the optimizer's micro-step: it reduces, then the optimizer runs
+            compute = [devices.clean_ms(r, b) / 1000 for r, b in enumerate(split)]
+            after = [devices.optimizer_ms_of(r) / 1000 if last else 0.0005 for r in range(3)]
+            for r, b in enumerate(split):
+                reduced = 0.002 if last else None
+                step_time = max(map(sum, zip(compute, after, strict=True))) + (0.002 if last else 0.0)
+                records.append(
+                    StepRecord(step, r, b, compute[r], step_time, reduced, reduced, host=0.0, after=after[r])
+                )
+            step += 1
+    model = SpeedModel(3, SpeedModelSettings(warmup_samples=0))
+    model.add(records)
+
+    def window_ms(split) -> float:
+        return max(micro_steps * devices.clean_ms(r, b) + devices.optimizer_ms_of(r) for r, b in enumerate(split))
+
+    best = min(window_ms(split) for split in every_split(TOTAL))
+    plan = model.plan_split(TOTAL)
+    assert window_ms(plan.local_batch_sizes) <= 1.01 * best, (plan, best)
+    predicted = model.predict(plan.local_batch_sizes, micro_steps)
+    assert predicted * 1000 == pytest.approx(window_ms(plan.local_batch_sizes), rel=0.05)
 
 
 def test_without_the_input_wait_the_model_splits_by_the_devices_alone():
@@ -190,3 +224,17 @@ def test_unequal_optimizer_steps_with_equal_devices_move_the_split(tmp_path):
     best, best_ms = best_split(devices, TOTAL)  # (45, 35, 16): the even split costs 1.33x as much
     assert plan[0] > plan[1] > plan[2] and sum(plan) == TOTAL, plan
     assert emulated_ms(devices, plan) <= 1.05 * best_ms, (plan, best)
+
+
+def test_the_optimizer_steps_survive_a_checkpoint_and_an_older_one_loads():
+    devices = EmulatedDevices(1.0, 5.0, optimizer_ms=[0.0, 10.0, 30.0])
+    model = SpeedModel(3, SpeedModelSettings(warmup_samples=0))
+    model.add(records_of(devices, [(32, 32, 32), (40, 30, 26), (26, 34, 36)] * 10))
+    state = json.loads(json.dumps(model.state_dict()))
+    restored = SpeedModel(3, SpeedModelSettings(warmup_samples=0))
+    restored.load_state_dict(state)
+    assert restored.after_offsets() == pytest.approx([0.0, 0.010, 0.030])
+    assert restored.plan_split(TOTAL).local_batch_sizes == model.plan_split(TOTAL).local_batch_sizes
+    older = SpeedModel(3, SpeedModelSettings(warmup_samples=0))
+    older.load_state_dict({key: value for key, value in state.items() if key != "afters"})  # saved before `after`
+    assert older.after_offsets() == pytest.approx([0.0, 0.0, 0.0])

@@ -68,12 +68,13 @@ class SpeedModelSettings:
 class SpeedModel:
     """Learns each rank's cost ``t_i(b) = a_i b + a0_i`` and the step's tail; predicts and splits by them.
 
-    A rank's cost is its whole share of a step (:attr:`StepRecord.cost`): the time its device waited for the input
-    (the loader, collation, the copy), its compute, and its work after the all-reduce (the optimizer step). They are
-    in series on the critical path, so they add: handing a rank more samples hands its host more loading as well, and
-    a rank whose optimizer step is slower reaches the next all-reduce later, so its intercept ``a0_i`` holds that
-    too. Host work that overlaps the device (workers that keep ahead) is never in the measured wait, so it costs
-    nothing here, until a larger batch makes it show.
+    A rank's cost is its whole share of a step. Its line fits :attr:`StepRecord.cost`: the time its device waited for
+    the input (the loader, collation, the copy), then its compute. The two are in series on the critical path, so they
+    add: handing a rank more samples hands its host more loading as well. Host work that overlaps the device (workers
+    that keep ahead) is never in the measured wait, so it costs nothing here, until a larger batch makes it show.
+    Then its time after the all-reduce (:attr:`StepRecord.after`: the optimizer step), in series with its next step,
+    so a rank whose optimizer step is slower gets fewer samples: kept apart from the line
+    (:meth:`after_offsets`), since an accumulation window pays it once, not once a micro-step.
 
     The *tail* is what a step costs beyond the slowest rank's share: the exposed part of the all-reduce and the
     framework's work outside every rank's measured spans. It is the same for every split, so it does not move the
@@ -105,8 +106,11 @@ class SpeedModel:
         self.tails: deque[float] = deque(maxlen=int(self.settings.tail_window))
         # the fraction of the last rank's compute done when its first gradient bucket was ready
         self.first_bucket_shares: deque[float] = deque(maxlen=int(self.settings.tail_window))
-        # the tail past the reduction that no rank's own share holds (each rank's optimizer step is in its cost)
+        # the tail past the reduction that no rank's own share holds (each rank's optimizer step is in `afters`)
         self.after_reduction: deque[float] = deque(maxlen=int(self.settings.tail_window))
+        # each rank's time after the reduction a micro-step, per optimizer step (the window's sum over its micro-steps)
+        self.afters: list[deque[float]] = [deque(maxlen=int(self.settings.tail_window)) for _ in range(world_size)]
+        self._window_after = [(0.0, 0)] * self.world_size  # the open window's sum and micro-steps, per rank
         self.comm_fitter = CommTimeFitter(half_life=self.settings.half_life)
         self._models: list[LinearTimeModel] | None = None  # fitted once per batch of new samples
         # every rank's (batch size, compute) of the latest complete steps, with the step: which ranks were slow together
@@ -158,6 +162,13 @@ class SpeedModel:
 
     def _add_sample(self, record: StepRecord) -> None:
         self.fitters[record.rank].add(record.batch_size, record.cost)
+        if record.after is not None:
+            total, micro_steps = self._window_after[record.rank]
+            total, micro_steps = total + record.after, micro_steps + 1
+            if record.allreduce is not None:  # the optimizer step closes the window
+                self.afters[record.rank].append(total / micro_steps)
+                total, micro_steps = 0.0, 0
+            self._window_after[record.rank] = (total, micro_steps)
         if record.peak_memory is not None:
             self.memory[record.rank].add(record.batch_size, record.peak_memory)
             if record.memory_capacity is not None:
@@ -171,14 +182,14 @@ class SpeedModel:
             return
         ordered = sorted(step_records, key=lambda r: r.rank)
         self._joint.append((ordered[0].step, tuple(r.batch_size for r in ordered), tuple(r.cost for r in ordered)))
-        # a rank's input wait (host) comes before its compute, and both grow with its batch: the step's own cost
-        slowest = max(r.cost for r in step_records)
+        # a rank's own share: its input wait (host), its compute and its optimizer step after the reduction
+        slowest = max(r.own for r in step_records)
         tail = max(0.0, statistics.median(r.cycle for r in step_records) - slowest)
         self.tails.append(tail)
         reduced = [r for r in step_records if r.allreduce is not None and r.exposed is not None]
         if len(reduced) == self.world_size:
-            # the last rank to finish backward waits for nobody: its times are the communication's own
-            last = max(reduced, key=lambda r: r.cost)
+            # the last rank to be ready waits for nobody: its times are the communication's own
+            last = max(reduced, key=lambda r: r.own)
             # the reduction's own time: a span from the first bucket also holds the backward it overlapped
             busy = last.allreduce if last.comm_busy is None else last.comm_busy
             self.after_reduction.append(max(0.0, tail - last.exposed))  # type: ignore[operator]  # the framework
@@ -252,8 +263,15 @@ class SpeedModel:
         return self.comm_fitter.fit()
 
     def tail(self) -> float:
-        """The median time a step costs beyond its slowest rank's compute (0 before any complete step)."""
+        """The median time a step costs beyond its slowest rank's own share (0 before any complete step)."""
         return float(np.median(self.tails)) if self.tails else 0.0
+
+    def after_offsets(self) -> np.ndarray:
+        """Each rank's time after the reduction a micro-step (0 before any is measured): the median over its latest
+        optimizer steps of the window's time after the reduction over its micro-steps. A window of ``k`` micro-steps
+        then costs a rank ``k (t_i(b) + o_i)``, its optimizer step once, and a split by ``t_i(b) + o_i`` is that of
+        the window. A median, so that one long step (a checkpoint written by one rank) moves nothing."""
+        return np.array([float(np.median(after)) if after else 0.0 for after in self.afters])
 
     def pieces(self, models: Sequence[LinearTimeModel] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Planner inputs: the per-rank pieces of the two-regime step model, once the all-reduce is measured.
@@ -282,14 +300,13 @@ class SpeedModel:
         return self._pieces[key]
 
     def _pieces_of(self, models: Sequence[LinearTimeModel]) -> tuple[np.ndarray, np.ndarray]:
-        comm, tail = self.comm(), self.tail()
+        comm, tail, afters = self.comm(), self.tail(), self.after_offsets()
         if comm is None or not self.first_bucket_shares or not self.after_reduction:
-            return step_time_pieces(models, None, overhead=tail)
+            return step_time_pieces(models, None, overhead=tail + afters)
         share = float(np.median(self.first_bucket_shares))
         # the two-regime form with the measured share: forward_fraction = share and no further backward fraction
-        return step_time_pieces(
-            models, comm, backward_fraction=0.0, forward_fraction=share, overhead=float(np.median(self.after_reduction))
-        )
+        overhead = float(np.median(self.after_reduction)) + afters
+        return step_time_pieces(models, comm, backward_fraction=0.0, forward_fraction=share, overhead=overhead)
 
     @property
     def jitter(self) -> float:
@@ -414,14 +431,17 @@ class SpeedModel:
 
     def micro_step_time(self, splits: np.ndarray) -> np.ndarray:
         """Predicted (expected) time of an accumulation micro-step at each split ``(C, n)``: the slowest rank's
-        compute, input wait included; no reduction and no step tail (a micro-step reduces nothing, and its own tail is
-        not measured apart, so none is credited or charged)."""
-        slopes, offsets = self._cached("micro", lambda: step_time_pieces(self.models(), None))
+        compute, input wait included, and its share of the window's optimizer steps (:meth:`after_offsets`); no
+        reduction and no step tail (a micro-step reduces nothing)."""
+        slopes, offsets = self._cached(
+            "micro", lambda: step_time_pieces(self.models(), None, overhead=self.after_offsets())
+        )
         scenarios = self.scenarios()
         if scenarios is None:
             return np.atleast_1d(step_time(slopes, offsets, splits))
-        # nothing in a micro-step is beyond the devices' speed (a knee's flat piece scales with it too)
-        return scenarios.expected(slopes, offsets, np.zeros_like(offsets), np.atleast_2d(splits))
+        # nothing in a micro-step but the optimizer's share is beyond the devices' speed (a knee's flat piece scales)
+        fixed = np.broadcast_to(self.after_offsets()[:, None], offsets.shape)
+        return scenarios.expected(slopes, offsets, fixed, np.atleast_2d(splits))
 
     def probe(self, local_batch_sizes: Sequence[int]) -> tuple[int, ...]:
         """A split of the same total that gives every unmeasured rank a second batch size with a real lever.
@@ -448,6 +468,7 @@ class SpeedModel:
             "tails": list(self.tails),
             "first_bucket_shares": list(self.first_bucket_shares),
             "after_reduction": list(self.after_reduction),
+            "afters": [list(after) for after in self.afters],
             "comm": self.comm_fitter.state_dict(),
             "memory": [f.state_dict() for f in self.memory],
             "memory_caps": list(self.memory_caps),
@@ -457,6 +478,7 @@ class SpeedModel:
     def restarted(self) -> None:
         """The devices restarted (a resumed run): they warm up again, so their first samples are left out anew."""
         self._warm = [0] * self.world_size
+        self._window_after = [(0.0, 0)] * self.world_size
         self.watch.clear()
         self._joint.clear()
 
@@ -473,6 +495,9 @@ class SpeedModel:
             for memory, memory_state in zip(self.memory, state.get("memory", []), strict=False):
                 memory.load_state_dict(memory_state)
             self.memory_caps = list(state.get("memory_caps", self.memory_caps))
+            for after, kept in zip(self.afters, state.get("afters", [[]] * self.world_size), strict=True):
+                after.clear()
+                after.extend(kept)
         for name in ("tails", "first_bucket_shares", "after_reduction"):
             getattr(self, name).clear()
             getattr(self, name).extend(state.get(name, []))

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, fields
 from operator import attrgetter
 from typing import Any
 
-__all__ = ["StepRecord", "rank_cost"]
+__all__ = ["StepRecord"]
 
 
 @dataclass(frozen=True)
@@ -39,10 +39,12 @@ class StepRecord:
             this step's start: the wait for the batch, collation, the copy to the device (``None``: not measured, e.g.
             an epoch's first step). Host work that loader workers or a host running ahead of the device hide is not in
             it, so it is exactly the input pipeline's share of the critical path, in series with ``compute``.
-        after: this rank's own time after its gradients were reduced, to the step's end: the optimizer step and the
-            step's closing work, on the device's clock on CUDA (``None``: not measured). Every rank leaves the
-            all-reduce together, so a rank that takes longer here (a slower device's optimizer step, a slower host's
-            bookkeeping) reaches the next all-reduce later: it is in series with the next step's input and compute.
+        after: this rank's own time after its gradients were reduced (an accumulation micro-step: after its
+            backward), to the step's end: the optimizer step and the step's closing work, on the device's clock on
+            CUDA (``None``: not measured). Every rank leaves the all-reduce together, so a rank that takes longer here
+            (a slower device's optimizer step, a slower host's bookkeeping) reaches the next all-reduce later: it is
+            in series with the next step's input and compute. It is not in ``cost``: an accumulation window pays its
+            optimizer step once, not once a micro-step, so the speed model keeps it apart (per optimizer step).
 
     """
 
@@ -62,9 +64,14 @@ class StepRecord:
 
     @property
     def cost(self) -> float:
-        """This rank's own share of a step: its input's exposed wait, its compute and its work after the reduction.
-        The speed model fits it, so a split balances the whole step, not only the device's part."""
-        return rank_cost(self.compute, self.host, self.after)
+        """This rank's input's exposed wait, then its compute: what grows with its batch. The speed model fits it, and
+        adds each rank's time ``after`` the reduction apart, so a split balances the whole step."""
+        return self.compute + self.host if self.host is not None else self.compute
+
+    @property
+    def own(self) -> float:
+        """Everything this rank does in the step by itself: ``cost`` and its time ``after`` the reduction."""
+        return self.cost + self.after if self.after is not None else self.cost
 
     @property
     def cycle(self) -> float:
@@ -85,12 +92,6 @@ class StepRecord:
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return _record_of, _values(self)  # the values alone, in field order
-
-
-def rank_cost(compute: float, host: float | None, after: float | None) -> float:
-    """:attr:`StepRecord.cost` of a step's spans (an unmeasured span adds nothing)."""
-    cost = compute if host is None else compute + host
-    return cost if after is None else cost + after
 
 
 _FIELDS = tuple(f.name for f in fields(StepRecord))

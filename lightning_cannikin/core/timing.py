@@ -357,7 +357,7 @@ def step_time_pieces(
     comm: CommModel | None,
     backward_fraction: float | None = None,
     forward_fraction: float = DEFAULT_FORWARD_FRACTION,
-    overhead: float = 0.0,
+    overhead: ArrayLike = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The planner's ``(slopes, offsets)``, each of shape ``(n, K)``, from per-device compute models and the comm model.
 
@@ -372,14 +372,17 @@ def step_time_pieces(
         comm: the all-reduce model, or None to ignore communication.
         backward_fraction: ``r``, the fraction of backward done when the first gradient bucket is ready.
         forward_fraction: forward's share of the compute time.
-        overhead: seconds every step costs on top, whatever the split (the optimizer step, the framework's work).
+        overhead: seconds a step costs on top, whatever the split: one value for every device (the framework's
+            work), or one per device (its optimizer step).
 
     """
     if len(compute) == 0:
         raise ValueError("`compute` must hold one model per device, got none.")
     a = np.array([m.slope for m in compute], dtype=np.float64)
     a0 = np.array([m.intercept for m in compute], dtype=np.float64)
-    extra = _check_nonnegative("overhead", overhead)
+    extra = np.broadcast_to(np.asarray(overhead, dtype=np.float64), a.shape)
+    if not np.all(np.isfinite(extra) & (extra >= 0)):
+        raise ValueError(f"`overhead` must be finite and >= 0, got {overhead}.")
     knees = np.array([getattr(m, "knee", 0.0) for m in compute], dtype=np.float64)
     if np.any(knees > 0):
         # every piece g is non-decreasing, so g(max(b, knee)) = max(g(b), g(knee)): one flat piece per piece
@@ -400,5 +403,5 @@ def step_time_pieces(
     # Communication bottleneck: the all-reduce starts once forward and a fraction r of backward are done.
     share = phi + r * (1.0 - phi)
     slopes = np.stack([a, share * a], axis=1)
-    offsets = np.stack([a0 + comm.exposed, share * a0 + comm.allreduce], axis=1) + extra
+    offsets = np.stack([a0 + comm.exposed, share * a0 + comm.allreduce], axis=1) + extra[:, None]
     return slopes, offsets

@@ -57,7 +57,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_cannikin.core.step_record import StepRecord, rank_cost
+from lightning_cannikin.core.step_record import StepRecord
 from lightning_cannikin.training.comm_hook import WeightedAllReduceState
 from lightning_cannikin.training.device_memory import DeviceMemory
 
@@ -148,7 +148,7 @@ class StepTimer:
         # last bucket, host, after)
         self._read: list[tuple] = []
         # called with (batch size, seconds) of every step as it is read, in step order (a local change check): its
-        # exposed input wait, compute and work after the reduction, what the speed model fits (StepRecord.cost)
+        # compute and exposed input wait, what the speed model fits (StepRecord.cost)
         self.listeners: list[Callable[[int, float], None]] = []
         self._input_timed = False  # a step's input wait was measured: the listeners never see one without it
 
@@ -323,7 +323,7 @@ class StepTimer:
             if host is None and self._input_timed:
                 continue  # an epoch's first step: its input wait is unknown, not zero
             for listener in self.listeners:
-                listener(batch_size, rank_cost(compute, host, after))
+                listener(batch_size, compute if host is None else compute + host)
 
     def _reductions(self, marks: list[Any], buckets: int, returned: int) -> tuple[float | None, float | None]:
         """``(comm_busy, last_bucket)`` of a step whose every bucket came back through the hook (else ``None``s):
