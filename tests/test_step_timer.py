@@ -137,19 +137,22 @@ def test_the_input_span_is_what_the_device_waited_for_and_none_after_an_epoch_en
     assert records[1].after == pytest.approx(0.005) and records[3].after == pytest.approx(0.0)
     assert records[1].cost == pytest.approx(0.039) and records[1].cycle == pytest.approx(0.061)
     assert records[1].own == pytest.approx(0.044), "input, compute and after: all of the rank's own step"
+    # from the previous step's end to the input request: 50 to 51, then none (the host ran ahead); none at an epoch
+    assert records[1].gap == pytest.approx(0.001) and records[2].gap == pytest.approx(0.0)
+    assert records[0].gap is None and records[3].gap is None
     assert records[0].cost == records[0].compute and records[0].cycle == records[0].step_time
     assert device.syncs == 0
 
 
 def test_host_clock_times_the_input_between_the_request_and_the_step(monkeypatch):
-    clock = iter([0.0, 1.0, 1.5, 2.0, 5.0, 5.25, 5.5, 6.0])
+    clock = iter([0.0, 1.0, 1.5, 2.0, 2.0, 5.0, 5.25, 5.5, 6.0, 6.0])
     monkeypatch.setattr(step_timer.time, "perf_counter", lambda: next(clock))
     timer, seen = StepTimer(HostClock()), []
     timer.listeners.append(lambda b, seconds: seen.append((b, seconds)))
     timer.input_starts()  # 0.0: ignored below, the epoch's first step
     timer.start(after_input=False)  # 1.0
     timer.backward_done()  # 1.5
-    timer.finish(0, 0, 8)  # 2.0
+    timer.finish(0, 0, 8)  # 2.0: the step's end, and the next one's previous end
     timer.input_starts()  # 5.0
     timer.start()  # 5.25
     timer.backward_done()  # 5.5
@@ -158,6 +161,7 @@ def test_host_clock_times_the_input_between_the_request_and_the_step(monkeypatch
     assert first.host is None and second.host == pytest.approx(0.25)
     assert second.compute == pytest.approx(0.25) and second.step_time == pytest.approx(0.75)
     assert first.after == pytest.approx(0.5) and second.after == pytest.approx(0.5)  # backward's end to the step's
+    assert first.gap is None and second.gap == pytest.approx(3.0), "the previous step's end to the input request"
     # the change check sees what the speed model's lines fit: compute and input
     assert seen == [(8, pytest.approx(0.5)), (8, pytest.approx(0.5))]
 
@@ -202,7 +206,7 @@ def test_an_unfinished_step_is_dropped_and_a_step_without_a_batch_gives_no_recor
 
 
 def test_host_clock_gives_exact_intervals(monkeypatch):
-    ticks = iter([0.0, 0.001, 0.002, 0.010, 0.010, 0.030, 0.045, 0.050])
+    ticks = iter([0.0, 0.001, 0.002, 0.010, 0.010, 0.030, 0.045, 0.050, 0.050])
     monkeypatch.setattr(step_timer.time, "perf_counter", lambda: next(ticks))
     timer = StepTimer(HostClock())
     timer.start()  # 0
@@ -382,8 +386,8 @@ def test_step_records_pickle_as_their_values_and_stay_frozen():
 
     from lightning_cannikin.core.step_record import StepRecord
 
-    made = StepRecord(3, 1, 32, 0.01, 0.02, 0.005, 0.001, None, None, 0.004, 0.002, 0.003, 0.001)
-    built = StepRecord.of(3, 1, 32, 0.01, 0.02, 0.005, 0.001, None, None, 0.004, 0.002, 0.003, 0.001)
+    made = StepRecord(3, 1, 32, 0.01, 0.02, 0.005, 0.001, None, None, 0.004, 0.002, 0.003, 0.001, 0.0005)
+    built = StepRecord.of(3, 1, 32, 0.01, 0.02, 0.005, 0.001, None, None, 0.004, 0.002, 0.003, 0.001, 0.0005)
     assert built == made and hash(built) == hash(made) and pickle.loads(pickle.dumps([made, built])) == [made, made]
     assert len(pickle.dumps(made)) < len(pickle.dumps(made.to_dict()))  # the values alone, not a dict of them
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -72,9 +72,11 @@ class SpeedModel:
     the input (the loader, collation, the copy), then its compute. The two are in series on the critical path, so they
     add: handing a rank more samples hands its host more loading as well. Host work that overlaps the device (workers
     that keep ahead) is never in the measured wait, so it costs nothing here, until a larger batch makes it show.
-    Then its time after the all-reduce (:attr:`StepRecord.after`: the optimizer step), in series with its next step,
-    so a rank whose optimizer step is slower gets fewer samples: kept apart from the line
-    (:meth:`after_offsets`), since an accumulation window pays it once, not once a micro-step.
+    Then its time from the all-reduce's end to its next input (:attr:`StepRecord.after` of one step and ``gap`` of the
+    next: the optimizer step, the loop's own work, and where the loop makes the ranks meet in between, the wait for the
+    slowest), in series with its next step, so a rank whose optimizer step is slower gets fewer samples where nothing
+    evens it out: kept apart from the line (:meth:`after_offsets`), since an accumulation window pays its optimizer
+    step once, not once a micro-step.
 
     The *tail* is what a step costs beyond the slowest rank's share: the exposed part of the all-reduce and the
     framework's work outside every rank's measured spans. It is the same for every split, so it does not move the
@@ -108,9 +110,11 @@ class SpeedModel:
         self.first_bucket_shares: deque[float] = deque(maxlen=int(self.settings.tail_window))
         # the tail past the reduction that no rank's own share holds (each rank's optimizer step is in `afters`)
         self.after_reduction: deque[float] = deque(maxlen=int(self.settings.tail_window))
-        # each rank's time after the reduction a micro-step, per optimizer step (the window's sum over its micro-steps)
+        # each rank's time from a reduction's end to its next input, a micro-step, per optimizer step (over the
+        # window's micro-steps); per rank, its latest reducing step's (step, after) and the open window's (time, steps)
         self.afters: list[deque[float]] = [deque(maxlen=int(self.settings.tail_window)) for _ in range(world_size)]
-        self._window_after = [(0.0, 0)] * self.world_size  # the open window's sum and micro-steps, per rank
+        self._last_after: list[tuple[int, float] | None] = [None] * self.world_size
+        self._window_after: list[tuple[float | None, int]] = [(None, 0)] * self.world_size
         self.comm_fitter = CommTimeFitter(half_life=self.settings.half_life)
         self._models: list[LinearTimeModel] | None = None  # fitted once per batch of new samples
         # every rank's (batch size, compute) of the latest complete steps, with the step: which ranks were slow together
@@ -162,19 +166,36 @@ class SpeedModel:
 
     def _add_sample(self, record: StepRecord) -> None:
         self.fitters[record.rank].add(record.batch_size, record.cost)
-        if record.after is not None:
-            total, micro_steps = self._window_after[record.rank]
-            total, micro_steps = total + record.after, micro_steps + 1
-            if record.allreduce is not None:  # the optimizer step closes the window
-                self.afters[record.rank].append(total / micro_steps)
-                total, micro_steps = 0.0, 0
-            self._window_after[record.rank] = (total, micro_steps)
+        self._add_after(record)
         if record.peak_memory is not None:
             self.memory[record.rank].add(record.batch_size, record.peak_memory)
             if record.memory_capacity is not None:
                 cap = self.memory[record.rank].max_batch_size(record.memory_capacity)
                 # never below the lower bound: a device that cannot hold its minimum is the user's call
                 self.memory_caps[record.rank] = None if cap is None else max(cap, self.lower[record.rank])
+
+    def _add_after(self, record: StepRecord) -> None:
+        """The rank's time from the previous step's reduction to this step's input (that step's ``after`` and this
+        one's ``gap``), once per optimizer step, over the window's micro-steps; a step that reduces closes the window.
+
+        Only a time that starts at a reduction: every rank leaves it together, so the time to the next input is the
+        rank's own, or the same for every rank where the loop makes them meet. After a micro-step the ranks did not
+        meet, and a wait there holds the others' compute.
+        """
+        rank = record.rank
+        previous = self._last_after[rank]
+        self._last_after[rank] = (
+            None if record.after is None or record.allreduce is None else (record.step, record.after)
+        )
+        lead, micro_steps = self._window_after[rank]
+        if record.gap is not None and previous is not None and previous[0] == record.step - 1:
+            lead = previous[1] + record.gap
+        micro_steps += 1
+        if record.allreduce is not None:
+            if lead is not None:
+                self.afters[rank].append(lead / micro_steps)
+            lead, micro_steps = None, 0
+        self._window_after[rank] = (lead, micro_steps)
 
     def _add_step(self, step_records: list[StepRecord]) -> None:
         """The step's tail and all-reduce, from a step every rank reported."""
@@ -267,10 +288,12 @@ class SpeedModel:
         return float(np.median(self.tails)) if self.tails else 0.0
 
     def after_offsets(self) -> np.ndarray:
-        """Each rank's time after the reduction a micro-step (0 before any is measured): the median over its latest
-        optimizer steps of the window's time after the reduction over its micro-steps. A window of ``k`` micro-steps
-        then costs a rank ``k (t_i(b) + o_i)``, its optimizer step once, and a split by ``t_i(b) + o_i`` is that of
-        the window. A median, so that one long step (a checkpoint written by one rank) moves nothing."""
+        """Each rank's time from a reduction's end to its next input, a micro-step (0 before any is measured): the
+        median over its latest optimizer steps of the window's such times over its micro-steps. A window of ``k``
+        micro-steps then costs a rank ``k (t_i(b) + o_i)``, its optimizer step once, and a split by ``t_i(b) + o_i``
+        is that of the window. Where the loop makes the ranks meet before the input (Lightning's per-step broadcast),
+        every rank's ``o_i`` is the slowest one's and the split is by the lines alone, as the step runs. A median, so
+        that one long step (a checkpoint written by one rank, a re-plan) moves nothing."""
         return np.array([float(np.median(after)) if after else 0.0 for after in self.afters])
 
     def pieces(self, models: Sequence[LinearTimeModel] | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -478,7 +501,8 @@ class SpeedModel:
     def restarted(self) -> None:
         """The devices restarted (a resumed run): they warm up again, so their first samples are left out anew."""
         self._warm = [0] * self.world_size
-        self._window_after = [(0.0, 0)] * self.world_size
+        self._window_after = [(None, 0)] * self.world_size
+        self._last_after = [None] * self.world_size
         self.watch.clear()
         self._joint.clear()
 

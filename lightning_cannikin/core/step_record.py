@@ -45,6 +45,11 @@ class StepRecord:
             (a slower device's optimizer step, a slower host's bookkeeping) reaches the next all-reduce later: it is
             in series with the next step's input and compute. It is not in ``cost``: an accumulation window pays its
             optimizer step once, not once a micro-step, so the speed model keeps it apart (per optimizer step).
+        gap: from the previous step's end to this step's input request (``None``: not measured, e.g. an epoch's first
+            step): the loop's work between the steps, and any wait there for other ranks. With the previous step's
+            ``after`` it is this rank's whole time from its last reduction to its next input: its own work where the
+            ranks do not meet in between, the slowest rank's where they do (Lightning's loop broadcasts at every
+            step's start), so the same measure serves either loop.
 
     """
 
@@ -61,6 +66,7 @@ class StepRecord:
     last_bucket: float | None = None
     host: float | None = None
     after: float | None = None
+    gap: float | None = None
 
     @property
     def cost(self) -> float:

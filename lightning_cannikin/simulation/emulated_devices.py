@@ -152,10 +152,25 @@ class EmulatedDevices:
         """What ``rank``'s optimizer step costs, after its gradients are reduced."""
         return _of(self.optimizer_ms, rank)
 
-    def step_ms(self, rank: int, batch_size: int, step: int = 0) -> float:
-        """``rank``'s whole clean share of a step, in series: its host's input, its device's compute and its
-        optimizer step (the slowest rank's share is the step, before the all-reduce)."""
-        return self.host_ms(rank, batch_size) + self.clean_ms(rank, batch_size, step) + self.optimizer_ms_of(rank)
+    def lead_ms(self, rank: int, meeting: str = "none") -> float:
+        """How long after the all-reduce ``rank`` can start its next input, as its optimizer steps and the loop allow:
+        ``"none"``, at once after its own optimizer step (the ranks next meet at the all-reduce); ``"barrier"``, after
+        the slowest rank's; ``"broadcast"``, as a broadcast from rank zero releases it (Lightning's loop at each step's
+        start since 2.5.2, on gloo): rank zero once every rank is there, another once rank zero and itself are."""
+        if meeting not in ("none", "barrier", "broadcast"):
+            raise ValueError(f"`meeting` must be 'none', 'barrier' or 'broadcast', got {meeting!r}.")
+        own = self.optimizer_ms_of(rank)
+        if meeting == "none" or not isinstance(self.optimizer_ms, tuple):
+            return own
+        if meeting == "barrier" or rank == 0:
+            return max(self.optimizer_ms)
+        return max(own, self.optimizer_ms[0])
+
+    def step_ms(self, rank: int, batch_size: int, step: int = 0, meeting: str = "none") -> float:
+        """``rank``'s whole clean share of a step, in series: from the all-reduce, the wait for its optimizer step as
+        the loop meets (:meth:`lead_ms`), its host's input and its device's compute (the slowest rank's share is the
+        step, before the all-reduce)."""
+        return self.lead_ms(rank, meeting) + self.host_ms(rank, batch_size) + self.clean_ms(rank, batch_size, step)
 
 
 def _check_contention(value: Mapping[int, tuple[float, int]]) -> dict[int, tuple[float, int]]:

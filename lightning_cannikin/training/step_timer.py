@@ -35,6 +35,11 @@ The points, the same on both clocks:
 - after the reduction: from the all-reduce's end (an accumulation micro-step: backward's end) to the step's end, the
   optimizer step and the step's closing work on this rank. Every rank leaves the all-reduce at once, so this is the
   rank's own time, in series with its next input and compute (a slower device's optimizer step takes longer);
+- between the steps: from the previous step's end to this step's input request, the loop's own work (a re-plan,
+  logging) and any wait there for the other ranks: Lightning's loop broadcasts from rank zero at every step's start
+  (its SIGTERM check), so there a rank quick after the reduction waits for the slowest, and the time after the
+  reduction is the slowest rank's for all of them. Each rank's time from its reduction's end to its next input is
+  ``after`` of one step plus ``gap`` of the next, whichever way the loop synchronises;
 - the reductions' own time, through the comm hook only (it sees every bucket): each bucket's reduction from its start
   (its gradients ready and the bucket before it reduced) to its return, summed (``comm_busy``), and the last one's
   (``last_bucket``). A bucket's marks are the moments the step's other marks already take (the latest bucket, the
@@ -63,9 +68,10 @@ from lightning_cannikin.training.device_memory import DeviceMemory
 
 __all__ = ["CudaEventClock", "HostClock", "StepTimer", "step_timer_for"]
 
-# the points of a step, as indices into its marks; INPUT is where the loop asked for this step's batch
-BATCH, FORWARD, FIRST_BUCKET, LAST_BUCKET, REDUCED, BACKWARD, END, INPUT = range(8)
-_POINTS = 8
+# the points of a step, as indices into its marks; INPUT is where the loop asked for this step's batch, PREVIOUS_END
+# where the step before it ended
+BATCH, FORWARD, FIRST_BUCKET, LAST_BUCKET, REDUCED, BACKWARD, END, INPUT, PREVIOUS_END = range(9)
+_POINTS = 9
 
 
 class HostClock:
@@ -145,7 +151,7 @@ class StepTimer:
         self._bucket_done: list[Any] = []  # the step's reductions returned, but the latest
         self._spare: list[list[Any]] = []  # cleared mark lists, reused
         # read steps not handed out yet: (step, rank, batch, compute, step time, allreduce, exposed, peak, comm busy,
-        # last bucket, host, after)
+        # last bucket, host, after, gap)
         self._read: list[tuple] = []
         # called with (batch size, seconds) of every step as it is read, in step order (a local change check): its
         # compute and exposed input wait, what the speed model fits (StepRecord.cost)
@@ -161,12 +167,14 @@ class StepTimer:
 
         """
         marks = self._marks
-        input_mark, marks[INPUT] = marks[INPUT], None
+        kept = {point: marks[point] for point in (INPUT, PREVIOUS_END) if marks[point] is not None}
+        marks[INPUT] = marks[PREVIOUS_END] = None
         self._clear(marks)
-        if after_input and input_mark is not None:
-            marks[INPUT] = input_mark
-        elif input_mark is not None:
-            self.clock.release([input_mark])
+        if after_input and INPUT in kept:  # the steps follow each other: the input, and what ran between them
+            for point, mark in kept.items():
+                marks[point] = mark
+        else:
+            self.clock.release(list(kept.values()))
         self._drop_buckets()
         self._in_step = True
         self._reduced = self._inner_forward_pending = False
@@ -257,6 +265,7 @@ class StepTimer:
             return  # no known batch, or no end of compute: nothing to record (start() clears the marks)
         self._marks = self._spare.pop() if self._spare else [None] * _POINTS
         self.clock.mark(marks, END)
+        self.clock.mark(self._marks, PREVIOUS_END)  # the next step's: from here to its input is the loop's
         peak = self.memory.peak() if self.memory is not None else None
         buckets = (self._buckets, self._returned)
         marks += self._bucket_ready + self._bucket_done  # released with the step's own marks once read
@@ -312,10 +321,26 @@ class StepTimer:
             compute = max(compute - blocked, 0.0)
             step_time = clock.seconds(marks, BATCH, END)
             host = max(clock.seconds(marks, INPUT, BATCH), 0.0) if marks[INPUT] is not None else None
+            between = marks[PREVIOUS_END] is not None and marks[INPUT] is not None
+            gap = max(clock.seconds(marks, PREVIOUS_END, INPUT), 0.0) if between else None
             # after the reduction (or, in a micro-step, after backward): the optimizer and the step's closing work
             settled = REDUCED if marks[REDUCED] is not None else (BACKWARD if marks[BACKWARD] is not None else None)
             after = None if settled is None else max(clock.seconds(marks, settled, END), 0.0)
-            values = (step, rank, batch_size, compute, step_time, allreduce, exposed, peak, busy, last, host, after)
+            values = (
+                step,
+                rank,
+                batch_size,
+                compute,
+                step_time,
+                allreduce,
+                exposed,
+                peak,
+                busy,
+                last,
+                host,
+                after,
+                gap,
+            )
             self._read.append(values)
             self._clear(marks)
             self._spare.append(marks)
