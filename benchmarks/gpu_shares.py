@@ -95,7 +95,9 @@ DEFINITIONS = {
     " span: forward start to the last gradient ready), solo_compute_ms (the calibrated compute line at that batch),"
     " host_ms (device idle for its input between steps), exposed_ms (last gradient ready to the all-reduce's end:"
     " waiting for slower ranks plus the reduction), after_ms (the all-reduce's end to the step's end: the optimizer"
-    " step and Lightning's closing work), step_ms (batch start to end), cycle_ms (host_ms + step_ms)",
+    " step and Lightning's closing work), gap_ms (the step's end to the next input request: Lightning's loop,"
+    " whose broadcast at each step's start, from 2.5.2, waits for the other ranks and, on CUDA, for the device),"
+    " step_ms (batch start to end), cycle_ms (host_ms + step_ms)",
 }
 
 
@@ -502,6 +504,7 @@ def step_medians(records: Sequence[Any], epoch_of: dict[int, int], sizes_of: dic
         host = [r.host for r in rows if getattr(r, "host", None) is not None]
         exposed = [r.exposed for r in rows if r.exposed is not None]
         after = [r.after for r in rows if getattr(r, "after", None) is not None]
+        gap = [r.gap for r in rows if getattr(r, "gap", None) is not None]
         return {
             "steps": len(rows),
             "batch": _median([r.batch_size for r in rows]),
@@ -509,6 +512,7 @@ def step_medians(records: Sequence[Any], epoch_of: dict[int, int], sizes_of: dic
             "host_ms": _ms(_median(host)),
             "exposed_ms": _ms(_median(exposed)),
             "after_ms": _ms(_median(after)),
+            "gap_ms": _ms(_median(gap)),
             "step_ms": _ms(_median([r.step_time for r in rows])),
             "cycle_ms": _ms(_median([r.step_time + (getattr(r, "host", None) or 0.0) for r in rows])),
         }
@@ -714,7 +718,7 @@ def rank_table(calibration: dict[str, Any] | None, runs: Sequence[dict]) -> dict
         for rank in range(len(fits[0])):
             steady = [ranks[rank]["steady"] for ranks in fits]
             row: dict[str, Any] = {"rank": rank}
-            for key in ("batch", "compute_ms", "host_ms", "exposed_ms", "after_ms", "step_ms", "cycle_ms"):
+            for key in ("batch", "compute_ms", "host_ms", "exposed_ms", "after_ms", "gap_ms", "step_ms", "cycle_ms"):
                 row[key] = _median([s[key] for s in steady])
             if calibration is not None and row["batch"] is not None:
                 solo = line_time(calibration["_lines"]["compute"][rank], row["batch"]) * 1e3

@@ -101,7 +101,8 @@ def test_the_fraction_of_the_ideal_and_the_gap_add_up() -> None:
     assert calibration["speed_vs_share"][1] == pytest.approx((1 / 2) / (25 / 60))
 
     def fit(strategy: str, step_ms: float, epochs: list[float], split: list[int]) -> dict:
-        steady = {"batch": 20, "compute_ms": 10.0, "host_ms": 1.0, "exposed_ms": 2.0, "after_ms": 0.5, "step_ms": 9.0}
+        steady = {"batch": 20, "compute_ms": 10.0, "host_ms": 1.0, "exposed_ms": 2.0, "after_ms": 0.5, "gap_ms": 0.2}
+        steady["step_ms"] = 9.0
         rank = {"ok": True, "epoch_s": epochs, "train_s": sum(epochs), "loss_sum": 2.0, "loss_samples": 20}
         rank |= {"steady": {**steady, "cycle_ms": step_ms}, "split": split}
         return {"strategy": strategy, "repeat": 0, "workload": "compute", "status": "ok", "ranks": [rank] * 3}

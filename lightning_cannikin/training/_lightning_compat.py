@@ -29,6 +29,10 @@ import torch
 # has the `length`/`done`/`fetched` fields `sync_epoch_length` rewrites
 from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
 
+# `_TrainingEpochLoop._broadcast_sigterm_tensor`: from Lightning 2.5.2 the loop broadcasts from rank zero at every
+# step's start (its SIGTERM check), where the ranks meet; only emulations ask (`loop_meets_each_step`)
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
 # `_register_ddp_comm_hook`: Lightning's helper that registers a comm hook (and wraps it in `ddp_comm_wrapper`);
 # DDPStrategy calls it on CUDA only, Cannikin on every device
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
@@ -61,6 +65,7 @@ __all__ = [
     "foreach_sub",
     "fsdp_predivide_factor",
     "fsdp_sharded_parameters",
+    "loop_meets_each_step",
     "register_ddp_comm_hook",
     "scaler_scale",
     "sync_epoch_length",
@@ -97,6 +102,14 @@ foreach_div_ = torch._foreach_div_
 foreach_norm = torch._foreach_norm
 foreach_sqrt = torch._foreach_sqrt
 foreach_sub = torch._foreach_sub
+
+
+def loop_meets_each_step() -> bool:
+    """Whether Lightning's training loop makes the ranks meet at each step's start, before it fetches the batch: its
+    SIGTERM check broadcasts from rank zero (from Lightning 2.5.2), where rank zero waits for every rank's optimizer
+    step and each other rank for rank zero's. Cannikin measures it (``StepRecord.gap``); an emulation's ideal needs to
+    know it (:meth:`~lightning_cannikin.simulation.emulated_devices.EmulatedDevices.lead_ms`)."""
+    return hasattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor")
 
 
 def uses_distributed_sampler(trainer: pl.Trainer) -> bool:

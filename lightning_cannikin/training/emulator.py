@@ -21,21 +21,15 @@ from typing import Any
 import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch import Tensor
 from torch.utils.data import default_collate
 from typing_extensions import override
 
 from lightning_cannikin.simulation.emulated_devices import EmulatedDevices
+from lightning_cannikin.training._lightning_compat import loop_meets_each_step
 
-
-def loop_meets_each_step() -> bool:
-    """Whether Lightning's training loop makes every rank meet at each step's start, before it fetches the batch (its
-    SIGTERM check broadcasts from rank zero, since Lightning 2.5.2): a rank quick after the all-reduce then waits for
-    the slowest one there, so each rank's optimizer step costs every rank the slowest one's. Cannikin measures this
-    (``StepRecord.gap``); an emulation's ideal needs to know it."""
-    return hasattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor")
+__all__ = ["EmulatedCluster", "loop_meets_each_step"]
 
 
 class EmulatedCluster(Callback):

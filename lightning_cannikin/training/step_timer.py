@@ -36,10 +36,10 @@ The points, the same on both clocks:
   optimizer step and the step's closing work on this rank. Every rank leaves the all-reduce at once, so this is the
   rank's own time, in series with its next input and compute (a slower device's optimizer step takes longer);
 - between the steps: from the previous step's end to this step's input request, the loop's own work (a re-plan,
-  logging) and any wait there for the other ranks: Lightning's loop broadcasts from rank zero at every step's start
-  (its SIGTERM check), so there a rank quick after the reduction waits for the slowest, and the time after the
-  reduction is the slowest rank's for all of them. Each rank's time from its reduction's end to its next input is
-  ``after`` of one step plus ``gap`` of the next, whichever way the loop synchronises;
+  logging) and any wait there for the other ranks: Lightning's loop (from 2.5.2) broadcasts from rank zero at every
+  step's start (its SIGTERM check), where rank zero waits for every rank and each other rank for rank zero. Each
+  rank's time from its reduction's end to its next input is ``after`` of one step plus ``gap`` of the next, whichever
+  way the loop makes the ranks meet;
 - the reductions' own time, through the comm hook only (it sees every bucket): each bucket's reduction from its start
   (its gradients ready and the bucket before it reduced) to its return, summed (``comm_busy``), and the last one's
   (``last_bucket``). A bucket's marks are the moments the step's other marks already take (the latest bucket, the
