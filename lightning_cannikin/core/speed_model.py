@@ -73,8 +73,8 @@ class SpeedModel:
     add: handing a rank more samples hands its host more loading as well. Host work that overlaps the device (workers
     that keep ahead) is never in the measured wait, so it costs nothing here, until a larger batch makes it show.
     Then its time from the all-reduce's end to its next input (:attr:`StepRecord.after` of one step and ``gap`` of the
-    next: the optimizer step, the loop's own work, and where the loop makes the ranks meet in between, the wait for the
-    slowest), in series with its next step, so a rank whose optimizer step is slower gets fewer samples where nothing
+    next: the optimizer step, the loop's own work, and where the loop makes the ranks meet in between, the wait
+    there), in series with its next step, so a rank whose optimizer step is slower gets fewer samples where nothing
     evens it out: kept apart from the line (:meth:`after_offsets`), since an accumulation window pays its optimizer
     step once, not once a micro-step.
 
@@ -291,9 +291,10 @@ class SpeedModel:
         """Each rank's time from a reduction's end to its next input, a micro-step (0 before any is measured): the
         median over its latest optimizer steps of the window's such times over its micro-steps. A window of ``k``
         micro-steps then costs a rank ``k (t_i(b) + o_i)``, its optimizer step once, and a split by ``t_i(b) + o_i``
-        is that of the window. Where the loop makes the ranks meet before the input (Lightning's per-step broadcast),
-        every rank's ``o_i`` is the slowest one's and the split is by the lines alone, as the step runs. A median, so
-        that one long step (a checkpoint written by one rank, a re-plan) moves nothing."""
+        is that of the window. Where the loop makes the ranks meet before the input, each ``o_i`` holds the rank's
+        wait there, as the step runs: at a barrier the slowest one's for every rank, and the split is by the lines
+        alone; at Lightning's broadcast from rank zero, rank zero waits for every rank and each other rank for rank
+        zero. A median, so that one long step (a checkpoint written by one rank, a re-plan) moves nothing."""
         return np.array([float(np.median(after)) if after else 0.0 for after in self.afters])
 
     def pieces(self, models: Sequence[LinearTimeModel] | None = None) -> tuple[np.ndarray, np.ndarray]:
