@@ -115,6 +115,7 @@ class SpeedModel:
         self.afters: list[deque[float]] = [deque(maxlen=int(self.settings.tail_window)) for _ in range(world_size)]
         self._last_after: list[tuple[int, float] | None] = [None] * self.world_size
         self._window_after: list[tuple[float | None, int]] = [(None, 0)] * self.world_size
+        self._after_offsets: np.ndarray | None = None  # found once per batch of new samples
         self.comm_fitter = CommTimeFitter(half_life=self.settings.half_life)
         self._models: list[LinearTimeModel] | None = None  # fitted once per batch of new samples
         # every rank's (batch size, compute) of the latest complete steps, with the step: which ranks were slow together
@@ -154,7 +155,7 @@ class SpeedModel:
                     kept.setdefault(record.rank, []).append(record)
         rescaled = self._detect_drift(kept)
         self.drifts = sorted(rescaled)
-        self._models = self._scenarios = None
+        self._models = self._scenarios = self._after_offsets = None
         self._pieces = {}
         for rank_records in kept.values():
             for record in rank_records:
@@ -295,7 +296,10 @@ class SpeedModel:
         wait there, as the step runs: at a barrier the slowest one's for every rank, and the split is by the lines
         alone; at Lightning's broadcast from rank zero, rank zero waits for every rank and each other rank for rank
         zero. A median, so that one long step (a checkpoint written by one rank, a re-plan) moves nothing."""
-        return np.array([float(np.median(after)) if after else 0.0 for after in self.afters])
+        if self._after_offsets is None:
+            self._after_offsets = np.array([float(np.median(after)) if after else 0.0 for after in self.afters])
+            self._after_offsets.flags.writeable = False  # callers share it
+        return self._after_offsets
 
     def pieces(self, models: Sequence[LinearTimeModel] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Planner inputs: the per-rank pieces of the two-regime step model, once the all-reduce is measured.
@@ -509,7 +513,7 @@ class SpeedModel:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore fitted state; from a run with another world size only the tail is kept (devices changed)."""
-        self._models, self._pieces = None, {}
+        self._models, self._pieces, self._after_offsets = None, {}, None
         self.restarted()  # the watch and the joint records cleared (the warm-up counts come from the state)
         warm = state.get("warm")
         same = state["world_size"] == self.world_size

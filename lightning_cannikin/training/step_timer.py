@@ -167,14 +167,13 @@ class StepTimer:
 
         """
         marks = self._marks
-        kept = {point: marks[point] for point in (INPUT, PREVIOUS_END) if marks[point] is not None}
+        input_mark, previous_end = marks[INPUT], marks[PREVIOUS_END]
         marks[INPUT] = marks[PREVIOUS_END] = None
         self._clear(marks)
-        if after_input and INPUT in kept:  # the steps follow each other: the input, and what ran between them
-            for point, mark in kept.items():
-                marks[point] = mark
+        if after_input and input_mark is not None:  # the steps follow each other: the input, and what ran between
+            marks[INPUT], marks[PREVIOUS_END] = input_mark, previous_end
         else:
-            self.clock.release(list(kept.values()))
+            self.clock.release([input_mark, previous_end])
         self._drop_buckets()
         self._in_step = True
         self._reduced = self._inner_forward_pending = False
