@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import inspect
 import itertools
 import json
@@ -72,6 +73,9 @@ MPS_CONTROL_PATH = "/usr/local/nvidia/bin/nvidia-cuda-mps-control"
 STRATEGIES = ("ddp", "cannikin")
 WORKLOADS = ("compute", "loader")
 LR, MOMENTUM = 0.02, 0.9
+# a timed-out run's ranks (and their loader workers) write every thread's stack into their logs on this signal, and
+# get this long to do so before they are killed; the run's report then prints this many lines of each rank's log
+STACKS_SIGNAL, STACKS_GRACE_S, TIMEOUT_TAIL = signal.SIGUSR1, 2.0, 60
 # launcher variables a parent may carry that would make Lightning pick another cluster environment than torchelastic's
 _FOREIGN_PREFIXES = ("SLURM_", "TORCHELASTIC_", "LSB_", "PL_", "OMPI_", "PMI_", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
 
@@ -152,7 +156,7 @@ SMOKE = Config(
     concurrent_seconds=0.3,
     threads=1,
     repeats=1,
-    run_timeout=300.0,
+    run_timeout=120.0,  # a run takes 7-20 s on 2 busy cores: a hang costs CI two minutes, not five
     deadline=900.0,
 )
 
@@ -551,6 +555,8 @@ def worker_main(job_path: Path) -> int:
     job = json.loads(job_path.read_text())
     config = Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in job["config"].items()})
     rank = int(os.environ["RANK"])
+    # a run that times out is asked for every thread's stack before it is ended (its loader workers inherit this)
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
     torch.set_num_threads(config.threads)
     out = job_path.parent / f"rank{rank}.json"
     try:
@@ -873,6 +879,8 @@ def launch(config: Config, job: dict[str, Any], run_dir: Path, timeout: float) -
             if status != "ok":
                 break
             time.sleep(0.2)
+        if status == "timeout":  # say where each rank waits before ending it: the log alone ends mid-step
+            _dump_stacks(processes)
     finally:  # a run that failed or timed out, or this script ended (SIGTERM): no rank outlives it on the GPU
         for process in processes:
             _end(process)
@@ -881,14 +889,25 @@ def launch(config: Config, job: dict[str, Any], run_dir: Path, timeout: float) -
     del store  # every rank has ended
     if status != "ok":
         for rank, process in enumerate(processes):
-            if process.returncode not in (0, -signal.SIGKILL):  # a rank that failed on its own: say why, here
-                tail = (run_dir / f"rank{rank}.log").read_text(errors="replace").splitlines()[-15:]
+            # a rank that failed on its own says why; a timed-out run shows every rank, its stacks included
+            if status == "timeout" or process.returncode not in (0, -signal.SIGKILL):
+                lines = (run_dir / f"rank{rank}.log").read_text(errors="replace").splitlines()
+                tail = lines[-(TIMEOUT_TAIL if status == "timeout" else 15) :]
                 print(f"{run_dir.name}: rank {rank} exited with {process.returncode}:", *tail, sep="\n  ", flush=True)
     ranks = []
     for rank in range(config.world_size):
         path = run_dir / f"rank{rank}.json"
         ranks.append(json.loads(path.read_text()) if path.is_file() else None)
     return {**job, "status": status, "seconds": time.monotonic() - started, "ranks": ranks, "logs": str(run_dir)}
+
+
+def _dump_stacks(processes: Sequence[subprocess.Popen]) -> None:
+    """Ask every live rank, and its loader workers, to write all its threads' stacks into its log."""
+    for process in processes:
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, STACKS_SIGNAL)
+    time.sleep(STACKS_GRACE_S)
 
 
 def _end(process: subprocess.Popen) -> None:

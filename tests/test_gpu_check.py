@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import gpu_check
+from benchmarks import gpu_check, gpu_shares
 from benchmarks.gpu_check import status_of
 from benchmarks.gpu_shares import (
     Config,
@@ -169,3 +169,22 @@ def test_gpu_shares_ended_from_outside_leaves_no_rank_running(tmp_path: Path) ->
             os.killpg(shares.pid, signal.SIGKILL)
         for pid in _workers_of(logs):
             os.killpg(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="reads the processes from /proc")
+def test_a_timed_out_run_reports_where_every_rank_waits(tmp_path: Path, monkeypatch, capsys) -> None:
+    # every rank is told of one rank more than are started: each waits in the rendezvous for one that never comes
+    real_env = gpu_shares.rank_env
+
+    def one_rank_missing(config: Config, rank: int, port: int, run_id: str) -> dict[str, str]:
+        return {**real_env(config, rank, port, run_id), "WORLD_SIZE": str(config.world_size + 1)}
+
+    monkeypatch.setattr(gpu_shares, "rank_env", one_rank_missing)
+    config = gpu_shares.SMOKE
+    run = gpu_shares.launch(config, {"kind": "calibrate"}, tmp_path / "hung", timeout=30.0)
+    report = capsys.readouterr().out
+    assert run["status"] == "timeout"
+    for rank in range(config.world_size):
+        printed = report.split(f"hung: rank {rank} exited with")[1].split("hung: rank")[0]
+        assert "init_process_group" in printed, f"rank {rank}'s stack is not in the report:\n{printed}"
+    assert _workers_of(tmp_path) == [], "a rank outlived its timed-out run"
