@@ -76,6 +76,8 @@ LR, MOMENTUM = 0.02, 0.9
 # a timed-out run's ranks (and their loader workers) write every thread's stack into their logs on this signal, and
 # get this long to do so before they are killed; the run's report then prints this many lines of each rank's log
 STACKS_SIGNAL, STACKS_GRACE_S, TIMEOUT_TAIL = signal.SIGUSR1, 2.0, 60
+# a pause this long between two of the launcher's 0.2 s polls is time the launcher (and its ranks) did not run
+PAUSE_GAP_S = 5.0
 # launcher variables a parent may carry that would make Lightning pick another cluster environment than torchelastic's
 _FOREIGN_PREFIXES = ("SLURM_", "TORCHELASTIC_", "LSB_", "PL_", "OMPI_", "PMI_", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
 
@@ -855,6 +857,9 @@ def launch(config: Config, job: dict[str, Any], run_dir: Path, timeout: float) -
     port = store.port
     processes: list[subprocess.Popen] = []
     status, failed_at = "ok", None
+    # time this process did not run (the machine or the job stopped: a VM paused, SLURM's suspend, SIGSTOP) stopped the
+    # ranks too, so it does not count against them: a run is timed out on the time it could have run
+    paused, last = 0.0, started
     try:
         for rank in range(config.world_size):
             with open(run_dir / f"rank{rank}.log", "w") as log:  # the child keeps its own descriptor
@@ -870,7 +875,10 @@ def launch(config: Config, job: dict[str, Any], run_dir: Path, timeout: float) -
                 )
         while None in (codes := [p.poll() for p in processes]):
             now = time.monotonic()
-            if now - started > timeout:
+            if now - last > PAUSE_GAP_S:
+                paused += now - last
+            last = now
+            if now - started - paused > timeout:
                 status = "timeout"
             elif failed_at is None and any(code not in (None, 0) for code in codes):
                 failed_at = now
@@ -898,7 +906,8 @@ def launch(config: Config, job: dict[str, Any], run_dir: Path, timeout: float) -
     for rank in range(config.world_size):
         path = run_dir / f"rank{rank}.json"
         ranks.append(json.loads(path.read_text()) if path.is_file() else None)
-    return {**job, "status": status, "seconds": time.monotonic() - started, "ranks": ranks, "logs": str(run_dir)}
+    seconds = time.monotonic() - started - paused
+    return {**job, "status": status, "seconds": seconds, "paused_s": paused, "ranks": ranks, "logs": str(run_dir)}
 
 
 def _dump_stacks(processes: Sequence[subprocess.Popen]) -> None:

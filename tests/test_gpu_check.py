@@ -188,3 +188,26 @@ def test_a_timed_out_run_reports_where_every_rank_waits(tmp_path: Path, monkeypa
         printed = report.split(f"hung: rank {rank} exited with")[1].split("hung: rank")[0]
         assert "init_process_group" in printed, f"rank {rank}'s stack is not in the report:\n{printed}"
     assert _workers_of(tmp_path) == [], "a rank outlived its timed-out run"
+
+
+class _PausedClock:
+    """``time`` for gpu_shares whose monotonic clock jumps ``pause`` seconds at the first poll: the launcher and its
+    ranks stopped together for that long (a VM paused, the job suspended) right after the ranks started."""
+
+    def __init__(self, pause: float) -> None:
+        self.offset, self.pause = 0.0, pause
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.offset
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+        self.offset, self.pause = self.offset + self.pause, 0.0
+
+
+def test_time_the_launcher_did_not_run_does_not_time_out_its_ranks(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(gpu_shares, "time", _PausedClock(pause=1000.0))
+    run = gpu_shares.launch(gpu_shares.SMOKE, {"kind": "calibrate"}, tmp_path / "paused", timeout=90.0)
+    assert run["status"] == "ok", "a pause of the whole job was taken for the ranks' own time"
+    assert run["paused_s"] >= 1000.0 and run["seconds"] < 90.0
+    assert [rank["ok"] for rank in run["ranks"]] == [True] * gpu_shares.SMOKE.world_size, "every rank finished"
