@@ -106,30 +106,42 @@ def _train(config: dict[str, Any]) -> None:
         trainer.fit(model, ckpt_path=str(Path(folder, RayTrainReportCallback.CHECKPOINT_NAME)))
 
 
-def _ray_pids() -> set[int]:
-    """This process's descendants (the local Ray cluster it started: GCS, raylet, workers)."""
-    children: dict[int, list[int]] = {}
+def _stat(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (state first), or None once the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _ray_pids() -> set[tuple[int, str]]:
+    """This process's descendants (the local Ray cluster it started: GCS, raylet, workers), each as its pid and start
+    time: pids wrap quickly on a busy machine (32768 here), and a pid reused by another process is not a Ray one."""
+    children: dict[int, list[tuple[int, str]]] = {}
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
-    found, todo = set(), [os.getpid()]
+        if entry.name.isdigit() and (fields := _stat(entry.name)) is not None:
+            children.setdefault(int(fields[1]), []).append((int(entry.name), fields[19]))
+    found: set[tuple[int, str]] = set()
+    todo = [os.getpid()]
     while todo:
         for child in children.get(todo.pop(), []):
             found.add(child)
-            todo.append(child)
+            todo.append(child[0])
     return found
 
 
-def _alive(pid: int) -> bool:
+def _command_line(pid: int) -> str:
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return f"{pid}: " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
-        return False
-    return state != "Z"  # a zombie has exited; only its parent's wait is missing
+        return f"{pid}: (gone)"
+
+
+def _alive(process: tuple[int, str]) -> bool:
+    pid, start = process
+    fields = _stat(pid)
+    # a zombie has exited (only its parent's wait is missing); another start time is another process on the same pid
+    return fields is not None and fields[0] != "Z" and fields[19] == start
 
 
 @pytest.fixture(scope="module")
@@ -158,9 +170,9 @@ def ray_session():
         ray_core.shutdown()
         patch.undo()
         deadline = time.monotonic() + 30
-        while any(_alive(pid) for pid in session) and time.monotonic() < deadline:
+        while any(_alive(process) for process in session) and time.monotonic() < deadline:
             time.sleep(0.2)
-        left = sorted(pid for pid in session if _alive(pid))
+        left = sorted(_command_line(pid) for pid, start in session if _alive((pid, start)))
         assert not left, f"Ray processes left running after ray.shutdown(): {left}"
 
 
