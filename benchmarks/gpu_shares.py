@@ -364,6 +364,7 @@ def loader_rate(config: Config, device: torch.device) -> float:
 def fit_rank(config: Config, workload: str, strategy_name: str, run_dir: Path) -> dict[str, Any]:
     """One rank of one Lightning fit; returns its steps' medians, its epochs' times and (rank 0) Cannikin's split."""
     import lightning.pytorch as pl
+    import torch.distributed as dist
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.strategies import DDPStrategy
 
@@ -487,6 +488,9 @@ def fit_rank(config: Config, workload: str, strategy_name: str, run_dir: Path) -
     started = time.perf_counter()
     trainer.fit(model, loader)
     fit_s = time.perf_counter() - started
+    # Lightning leaves a gloo group to the interpreter's exit, where torch (2.13) aborts a rank now and then
+    # ("terminate called without an active exception"): a fit that ended well ends its group here
+    dist.destroy_process_group()
     clock = spans.clock
     result: dict[str, Any] = {
         "ok": True,
