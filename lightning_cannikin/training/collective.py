@@ -6,6 +6,8 @@ and Fabric's strategies share the methods :class:`StrategyCollective` uses.
 
 from __future__ import annotations
 
+import atexit
+import signal
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -14,7 +16,7 @@ import torch.distributed as dist
 
 from lightning_cannikin.training.host_transfer import HostTransfer, PinnedTransfer
 
-__all__ = ["Collective", "StrategyCollective"]
+__all__ = ["Collective", "StrategyCollective", "end_process_group_at_exit"]
 
 
 class Collective(Protocol):
@@ -102,3 +104,29 @@ class StrategyCollective:
             return answer
 
         return read
+
+
+_ENDS_AT_EXIT: list[bool] = []  # whether this process registered the exit hook (once, however many strategies)
+
+
+def end_process_group_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits, whatever its backend.
+
+    Lightning does this for NCCL only. A gloo group left to the interpreter's exit makes torch abort the process now
+    and then ("terminate called without an active exception", measured on torch 2.13: 11 of 60 three-rank jobs),
+    which ``torchrun`` or SLURM reports as a failed rank after a fit that ended well.
+    """
+    if not _ENDS_AT_EXIT:
+        atexit.register(_destroy_process_group)
+        _ENDS_AT_EXIT.append(True)
+
+
+def _destroy_process_group() -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        return  # never created, or the user (or Ray Train) ended it already
+    interrupt = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl+C now would abort the teardown half-way
+    try:
+        dist.destroy_process_group()
+    finally:
+        signal.signal(signal.SIGINT, interrupt)

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_cannikin.core.plan import Plan
-from lightning_cannikin.training.collective import StrategyCollective
+from lightning_cannikin.training.collective import StrategyCollective, end_process_group_at_exit
 from lightning_cannikin.training.engine import BalancingEngine
 from lightning_cannikin.training.loader import UnevenDataLoader
 from lightning_cannikin.training.settings import CannikinSettings, EngineOptions
@@ -101,6 +101,11 @@ class CannikinFabricStrategy(DDPStrategy):
     def speed_model(self) -> Any:
         """The engine's per-device timing models."""
         return self.engine.speed_model
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        end_process_group_at_exit()
 
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:

@@ -19,7 +19,7 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 
 from lightning_cannikin.core.plan import Plan
 from lightning_cannikin.training._lightning_compat import uses_distributed_sampler
-from lightning_cannikin.training.collective import StrategyCollective
+from lightning_cannikin.training.collective import StrategyCollective, end_process_group_at_exit
 from lightning_cannikin.training.cost_aware_sampler import SampleCosts
 from lightning_cannikin.training.device_memory import LocalBatchOutOfMemoryError, out_of_memory_error
 from lightning_cannikin.training.engine import BalancingEngine
@@ -157,6 +157,7 @@ class UnevenBatchesMixin:
         collective = StrategyCollective(self)
         self._engine.bind(collective, self.fixed_split, self._normalisation, sharded)
         self._engine.use_device(self.root_device)
+        end_process_group_at_exit()
 
     def _out_of_memory(self, error: torch.cuda.OutOfMemoryError) -> NoReturn:
         """Raise an out-of-memory error that names this rank, its local batch and the bounds."""
