@@ -1,7 +1,8 @@
 """The collectives the balancing engine needs, as a small interface any frontend can give it.
 
 A frontend over another launcher (Ray Train, plain ``torch.distributed``) implements :class:`Collective`; Lightning's
-and Fabric's strategies share the methods :class:`StrategyCollective` uses.
+and Fabric's strategies share the methods :class:`StrategyCollective` uses, and end the process group at the
+interpreter's exit through :func:`end_process_group_at_exit`.
 """
 
 from __future__ import annotations
