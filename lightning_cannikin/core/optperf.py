@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import ArrayLike
 
-__all__ = ["Split", "most_even_split", "optimal_split", "optperf", "step_time", "with_micro_steps"]
+__all__ = ["Split", "device_times", "most_even_split", "optimal_split", "optperf", "step_time", "with_micro_steps"]
 
 # Safety net for the level search: at least every third probe halves the bracket, so a few hundred probes take any
 # realistic bracket of step times down to adjacent floats; reaching this means a bug rather than a hard input.
@@ -387,15 +387,20 @@ def with_micro_steps(
     return flat.reshape(np.shape(times))
 
 
-def step_time(slopes: ArrayLike, offsets: ArrayLike, local_batch_sizes: ArrayLike) -> float | np.ndarray:
-    """``max_i g_i(b_i)``: the step time the model predicts for a split (shape ``(n,)``: a float), or for each row
-    of a ``(C, n)`` array of splits (an array of ``C`` times)."""
+def device_times(slopes: ArrayLike, offsets: ArrayLike, local_batch_sizes: ArrayLike) -> np.ndarray:
+    """Every device's ``g_i(b_i)`` at a split (shape ``(n,)``), or at each row of a ``(C, n)`` array of splits."""
     pieces = _Pieces(slopes, offsets)
     sizes = np.asarray(local_batch_sizes, dtype=np.float64)
     if sizes.ndim not in (1, 2) or sizes.shape[-1] != pieces.n:
         raise ValueError(f"`local_batch_sizes` must have one entry per device ({pieces.n}), got shape {sizes.shape}.")
-    times = pieces.evaluate(sizes).max(axis=-1)
-    return float(times) if sizes.ndim == 1 else times
+    return pieces.evaluate(sizes)
+
+
+def step_time(slopes: ArrayLike, offsets: ArrayLike, local_batch_sizes: ArrayLike) -> float | np.ndarray:
+    """``max_i g_i(b_i)``: the step time the model predicts for a split (shape ``(n,)``: a float), or for each row
+    of a ``(C, n)`` array of splits (an array of ``C`` times)."""
+    times = device_times(slopes, offsets, local_batch_sizes).max(axis=-1)
+    return float(times) if np.ndim(local_batch_sizes) == 1 else times
 
 
 def most_even_split(

@@ -173,17 +173,28 @@ class BatchBounds:
         cls._halves(value)
 
     @classmethod
-    def parse(cls, value: Any, world_size: int) -> BatchBounds:
+    def parse(cls, value: Any, world_size: int, smallest: int = 1) -> BatchBounds:
         """Per-rank bounds from ``local_batch_bounds``.
 
         Args:
-            value: ``None`` (at least one sample, no cap), an upper bound, or ``(lower, upper)`` where each is a
-                scalar, a per-rank sequence, or ``None``.
+            value: ``None`` (at least ``smallest`` samples, no cap), an upper bound, or ``(lower, upper)`` where each
+                is a scalar, a per-rank sequence, or ``None``.
             world_size: the number of ranks.
+            smallest: the lower bound where ``value`` gives none (what the model's layers accept); an upper bound
+                below it lowers it, and a lower bound the user gives wins.
 
         """
         lower, upper = cls._halves(value)
-        return cls(_per_rank(lower, world_size, 1, "lower"), _per_rank(upper, world_size, None, "upper"))
+        upper = _per_rank(upper, world_size, None, "upper")
+        if lower is None and smallest > 1:
+            caps = upper if upper is not None else (smallest,) * world_size
+            lower = tuple(min(smallest, cap) for cap in caps)
+        return cls(_per_rank(lower, world_size, 1, "lower"), upper)
+
+    @classmethod
+    def gives_lower(cls, value: Any) -> bool:
+        """Whether a ``local_batch_bounds`` option sets the lower bounds itself."""
+        return cls._halves(value)[0] is not None
 
     def first_plan(self, global_batch_size: int, accumulation: int = 1) -> Plan:
         """The plan a fit starts from: ``global_batch_size`` (the loader's ``batch_size`` on every rank) as even as

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 
 from lightning_cannikin.core.change import LocalChangeCheck
 from lightning_cannikin.core.change_vote import ChangeVote
+from lightning_cannikin.core.dead_weight import dead_weight
 from lightning_cannikin.core.history import NoiseTrail, PlanHistory
 from lightning_cannikin.core.lr_scaling import Progress, check_family
 from lightning_cannikin.core.noise_scale import NoiseScaleEstimator
@@ -125,6 +126,7 @@ class BalancingEngine:
         self._inner: Any = None  # the optimizer that holds the state, once read
         self._family: str | None = None
         self._restored: dict[str, Any] | None = None
+        self._dead_weights: set[int] = set()  # the ranks the log said are slowest at their smallest batch
 
     # -- the frontend's facts ------------------------------------------------------------------------------------------
 
@@ -134,6 +136,7 @@ class BalancingEngine:
         fixed_split: bool = False,
         normalisation: str = "sample_mean",
         sharded: bool = False,
+        smallest: int = 1,
     ) -> None:
         """Run over ``collective`` (at setup, before the training loader is built; again at a later fit).
 
@@ -143,6 +146,8 @@ class BalancingEngine:
             normalisation: how the user's loss is normalised
                 (:func:`~lightning_cannikin.training.loss_weights.check_normalisation`).
             sharded: the gradients are reduce-scattered (FSDP2): the noise statistics read the reduce-scatters.
+            smallest: the smallest local batch the model trains on where the user sets no lower bound
+                (:func:`~lightning_cannikin.training.strategy_checks.smallest_local_batch`).
 
         """
         world_size = collective.world_size
@@ -152,7 +157,7 @@ class BalancingEngine:
         if sharded:
             self._observer_type = ShardedGradientNormObserver
         if self.speed_model is None:
-            bounds = BatchBounds.parse(self.options.local_batch_bounds, world_size)
+            bounds = BatchBounds.parse(self.options.local_batch_bounds, world_size, smallest)
             self.speed_model = SpeedModel(world_size, SpeedModelSettings(half_life=self._settings.half_life), bounds)
         if self._observer is None and world_size > 1 and self.options.track_noise_scale:
             every = (self._settings.noise_exchange_every, self._settings.noise_every_n_steps)
@@ -605,6 +610,12 @@ class BalancingEngine:
             profile = build_profile(self.speed_model, self.history.entries, base, trail)
             save_profile(Path(self.profile_dir) / PROFILE_FILENAME, profile)
         rank_zero_info(explain(self.step, decision, current, self._policy))  # what was decided, and why
+        if decision.identified and self.speed_model is not None:
+            model = self.speed_model
+            weight = dead_weight(*model.pieces(), plan.local_batch_sizes, model.lower, model.upper)
+            if weight is not None and weight.rank not in self._dead_weights:  # said once a rank
+                self._dead_weights.add(weight.rank)
+                rank_zero_warn(weight.message())
 
     # -- checkpoints ---------------------------------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_cannikin.core.plan import Plan
+from lightning_cannikin.training.batch_statistics import smallest_local_batch
 from lightning_cannikin.training.collective import StrategyCollective, end_process_group_at_exit
 from lightning_cannikin.training.engine import BalancingEngine
 from lightning_cannikin.training.loader import UnevenDataLoader
@@ -141,7 +142,9 @@ class CannikinFabricStrategy(DDPStrategy):
                 f"`local_batch_sizes` has {self._fixed.world_size} entries but the world size is {self.world_size}."
             )
         if self.engine.collective is None:
-            self.engine.bind(StrategyCollective(self), fixed_split=self._fixed is not None)
+            module = self._ddp.module if self._ddp is not None else None
+            smallest = smallest_local_batch(module, self.engine.options.local_batch_bounds)
+            self.engine.bind(StrategyCollective(self), fixed_split=self._fixed is not None, smallest=smallest)
         fixed = self._fixed.local_batch_sizes if self._fixed is not None else None
         loader = self.engine.training_loader(dataloader, self._accumulation, fixed)
         self._loader = loader

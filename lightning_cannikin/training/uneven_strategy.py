@@ -19,6 +19,7 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 
 from lightning_cannikin.core.plan import Plan
 from lightning_cannikin.training._lightning_compat import uses_distributed_sampler
+from lightning_cannikin.training.batch_statistics import smallest_local_batch
 from lightning_cannikin.training.collective import StrategyCollective, end_process_group_at_exit
 from lightning_cannikin.training.cost_aware_sampler import SampleCosts
 from lightning_cannikin.training.device_memory import LocalBatchOutOfMemoryError, out_of_memory_error
@@ -155,7 +156,8 @@ class UnevenBatchesMixin:
     def _bind_engine(self, sharded: bool = False) -> None:
         """The engine learns this strategy's facts (after the process group exists, before the callbacks' setup)."""
         collective = StrategyCollective(self)
-        self._engine.bind(collective, self.fixed_split, self._normalisation, sharded)
+        smallest = smallest_local_batch(self.lightning_module, self._engine.options.local_batch_bounds)
+        self._engine.bind(collective, self.fixed_split, self._normalisation, sharded, smallest)
         self._engine.use_device(self.root_device)
         end_process_group_at_exit()
 
