@@ -45,9 +45,10 @@ def test_memory_caps_bound_the_plan():
     free = SpeedModel(2)
     free.load_state_dict({**balancer.state_dict(), "memory": [], "memory_caps": [None, None]})
     assert free.plan_split(64).local_batch_sizes[0] > 26, "unbounded, the fast rank would take more"
-    cap = balancer.upper[0]
+    cap = balancer.caps[0]
     assert cap in (25, 26)  # (0.9 * 4 GiB - 1 GiB) / 0.1 GiB = 26, less a rounding hair
-    assert balancer.upper[1] > 64
+    assert balancer.caps[1] > 64
+    assert balancer.upper == [cap, 2 * 32], "the plan's bounds: the memory cap, and the evidence's reach on rank 1"
     assert balancer.plan_split(64).local_batch_sizes == (cap, 64 - cap)
 
 

@@ -67,6 +67,9 @@ def _noise_history() -> list[dict]:
 
 def _balancer(ranks: tuple[int, ...] = (0, 1, 2), lower=1, upper=UPPER, **settings) -> SpeedModel:
     settings.setdefault("warmup_samples", 0)  # synthetic timings: no warm-up to leave out
+    # a profile is a what-if: its model plans any total on the fitted lines, with no reach beyond the sizes run
+    # (test_a_profile_plans_beyond_the_runs_reach); built so here, the round trip is exact
+    settings.setdefault("evidence_reach", None)
     balancer = SpeedModel(3, SpeedModelSettings(**settings), BatchBounds.parse((lower, upper), 3))
     balancer.add(_records(np.random.default_rng(0), ranks))
     return balancer
@@ -140,6 +143,23 @@ def test_profile_round_trip_rebuilds_the_same_balancer(fitted: SpeedModel, profi
     original = _balancer()
     original.add(more)
     assert rebuilt.models() == original.models() and rebuilt.tail() == original.tail()
+
+
+def test_a_profile_plans_beyond_the_runs_reach(tmp_path: Path) -> None:
+    trained = _balancer(evidence_reach=2.0)  # as in training: no plan past twice the largest batch a rank ran
+    assert trained.plan_split(700).local_batch_sizes == _balancer().plan_split(700).local_batch_sizes, (
+        "a total beyond the reach is planned within the caps alone"
+    )
+    # 165 samples: the fitted lines give (95, 47, 23), past twice what ranks 0 and 1 ran (46 and 22 samples)
+    reach = [2 * max(split[rank] for split in SPLITS) for rank in range(3)]
+    assert trained.upper == reach
+    unreached = _balancer().plan_split(165).local_batch_sizes
+    reached = trained.plan_split(165).local_batch_sizes
+    assert any(b > r for b, r in zip(unreached, reach, strict=True)), unreached
+    assert sum(reached) == 165 and all(b <= r for b, r in zip(reached, reach, strict=True)), reached
+    rebuilt = load_profile(save_profile(tmp_path / "p.json", build_profile(trained, []))).speed_model()
+    assert rebuilt.settings.evidence_reach is None and rebuilt.models() == trained.models()
+    assert rebuilt.plan_split(165).local_batch_sizes == unreached
 
 
 def test_round_trip_keeps_non_default_settings(tmp_path: Path) -> None:

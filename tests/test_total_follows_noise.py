@@ -105,7 +105,12 @@ def test_an_all_noise_estimate_moves_the_total_by_bounded_steps(cheap_batches):
             total = run.totals[step]
             assert math.isfinite(low), (seed, step)
             assert total <= best or goodputs[total] * (1 + MARGIN) >= best_goodput * (1 - TIE), (seed, step, total)
-    pointwise = [run_engine(lambda step: math.inf, 60, seed, noise_bound_sigmas=0).totals for seed in range(3)]
+        for step in range(1, len(run.totals)):  # and no move past twice the largest total run (one rank holds it)
+            assert run.totals[step] <= 2 * max(run.totals[:step]), (seed, step, run.totals[: step + 1])
+    pointwise = [
+        run_engine(lambda step: math.inf, 60, seed, noise_bound_sigmas=0, evidence_reach=None).totals
+        for seed in range(3)
+    ]
     assert any(CAP in totals[:20] for totals in pointwise), "the check must be able to fail"
 
 
@@ -121,7 +126,7 @@ def test_a_grown_total_keeps_the_gain_its_bounds_support_as_precision_is_lost_an
         return 1.0 if step < 100 else 0.01
 
     regained = 0
-    for seed in range(5):
+    for seed in range(8):  # the precision comes back within 400 steps in about one run in six: eight hold one
         run = run_engine(noise_scale, 400, seed, base=BASE, cap=CAP, grad_sqr=grad_sqr)
         lost = next(step for step in range(100, 400) if run.precise[step - 1] and not run.precise[step])
         assert run.totals[lost] > BASE and run.factors[lost + 1] > 1.0, (seed, lost)
@@ -148,6 +153,10 @@ def test_the_total_follows_a_doubling_noise_scale_up_and_down(cheap_batches, see
 
     run = run_engine(noise_scale, 1500, seed, base=BASE, cap=4096)
     offered = candidate_batch_sizes(BASE, 4096, 50).tolist()
+
+    def reachable(step):  # the largest total on offer within twice the largest run before ``step`` (one rank holds it)
+        return max(t for t in offered if t <= 2 * max(run.totals[:step]))
+
     assert run.totals[499] > run.totals[99] > BASE, "the total follows the noise scale up"
     assert run.totals[-1] < run.totals[499], "and down once the upper bound proves it too large"
     for step in range(1, len(run.totals)):
@@ -157,7 +166,8 @@ def test_the_total_follows_a_doubling_noise_scale_up_and_down(cheap_batches, see
         low, high = bounds
         at_low = true_choice(step_time, low, BASE, 4096, offered)[0]
         at_high = true_choice(step_time, min(high, 1e9), BASE, 4096, offered)[0]
-        assert at_low <= total <= at_high, (step, total, bounds)
+        # up to the choice at the upper end, and at least the choice at the lower one or as far as the evidence reaches
+        assert min(at_low, reachable(step)) <= total <= at_high, (step, total, bounds)
     decay = run.engine.estimator.decay
     stated = math.log(3200.0 / 100.0) / (1.0 - decay) * BASE  # samples after the fall
     samples = np.cumsum(run.totals[500:])

@@ -251,7 +251,8 @@ def decide(
     candidates = _candidates(model, current, settings, base_batch_size) if adapt else None
     options = _options(candidates, current.total_batch_size, settings, base_batch_size)
     if adapt:
-        global_batch, accumulation, choice = _choose_total(options, candidates, current, bounds)  # type: ignore[arg-type]
+        reachable = _reachable(model, settings)
+        global_batch, accumulation, choice = _choose_total(options, candidates, current, bounds, reachable)  # type: ignore[arg-type]
     if settings.balance and not model.identified:
         # a slope guessed from one batch size can be far off (AdaptDL's prior puts half the time in the intercept):
         # rather than act on it, move every rank a little from where it is, so the next re-plan measures slopes
@@ -262,7 +263,8 @@ def decide(
         split_margin = max(settings.split_margin, float(getattr(model, "jitter", 0.0)))
         sizes, split_gain = _split(model, current, global_batch, split_margin)
     else:
-        sizes = most_even_split(global_batch, model.world_size, model.lower, model.upper).local_batch_sizes
+        sizes = most_even_split(global_batch, model.world_size, model.lower, _upper(model, global_batch))
+        sizes = sizes.local_batch_sizes
     plan = Plan(sizes, accumulation, predicted_step_time=float(model.predict(sizes)))
     band = None
     if adapt:
@@ -289,6 +291,14 @@ def decide(
     )
 
 
+def _upper(model: StepTimeModel, total_batch_size: int) -> Sequence[int] | None:
+    """The upper bounds a split of ``total_batch_size`` takes: a speed model's reach holds the totals its decisions
+    choose, and gives way to its caps for one it did not (:meth:`SpeedModel.upper_for
+    <lightning_cannikin.core.speed_model.SpeedModel.upper_for>`)."""
+    upper_for = getattr(model, "upper_for", None)
+    return model.upper if upper_for is None else upper_for(total_batch_size)
+
+
 def _relative_gain(new: float, old: float) -> float:
     """``new / old - 1`` (``inf`` where ``old`` is not positive and ``new`` is)."""
     return new / old - 1.0 if old > 0 else (float("inf") if new > 0 else 0.0)
@@ -306,11 +316,12 @@ def _split(
     best = model.plan_split(global_batch).local_batch_sizes
     best_time = float(model.predict(best))
     limit = best_time * (1.0 + margin)
-    kept = [most_even_split(global_batch, model.world_size, model.lower, model.upper).local_batch_sizes]
+    upper = _upper(model, global_batch)
+    kept = [most_even_split(global_batch, model.world_size, model.lower, upper).local_batch_sizes]
     if global_batch == current.global_batch_size:
         kept.append(current.local_batch_sizes)
     lower = np.asarray(model.lower)
-    upper = None if model.upper is None else np.asarray(model.upper)
+    upper = None if upper is None else np.asarray(upper)
     supports = getattr(model, "supports", None)  # a model that knows where its predictions are evidence
     gains = []
     for sizes in kept:
@@ -342,17 +353,30 @@ def _choose_total(
     candidates: Candidates | None,
     current: Plan,
     bounds: tuple[float, float],
+    reachable: int | None = None,
 ) -> tuple[int, int, IntervalChoice | None]:
     """``(global batch, accumulation steps)`` to run next among ``candidates`` (from :func:`_candidates`, as the
     interval rule sees them: ``options``), or the current ones, and the choice over the noise interval that decided it
-    (``None`` when no candidate fits)."""
+    (``None`` when no candidate fits).
+
+    A larger total whose micro-step global batch lies beyond ``reachable`` (:func:`_reachable`) is the target, not the
+    move: the move goes to the largest candidate on the way that lies within it (none: the total is kept), and the
+    choice's options call for the next move once that one is timed."""
     if options is None or candidates is None:
         return current.global_batch_size, current.accumulation_steps, None
     choice = options.choose(*bounds)
     if not choice.adopted:
         return current.global_batch_size, current.accumulation_steps, choice
     micro, steps, _, _ = candidates
-    index = int(np.flatnonzero(micro * steps == choice.batch_size)[0])
+    totals = micro * steps
+    index = int(np.flatnonzero(totals == choice.batch_size)[0])
+    if reachable is not None and micro[index] > reachable and totals[index] > current.total_batch_size:
+        on_the_way = np.flatnonzero(
+            (micro <= reachable) & (totals > current.total_batch_size) & (totals < totals[index])
+        )
+        if on_the_way.size == 0:
+            return current.global_batch_size, current.accumulation_steps, choice
+        index = int(on_the_way[np.argmax(totals[on_the_way])])
     return int(micro[index]), int(steps[index]), choice
 
 
@@ -398,6 +422,16 @@ def _noise_band(
     return edges[0], edges[1]
 
 
+def _reachable(model: StepTimeModel, settings: PolicySettings) -> int | None:
+    """The largest micro-step global batch whose split keeps every rank within the model's upper bounds: for a speed
+    model its caps and ``evidence_reach`` times the largest batch each rank has run
+    (:attr:`~lightning_cannikin.core.speed_model.SpeedModel.upper`); ``None``: no bound."""
+    upper = model.upper
+    if upper is None:
+        return None
+    return int(sum(upper)) if settings.balance else model.world_size * int(min(upper))
+
+
 def _candidates(
     model: StepTimeModel, current: Plan, settings: PolicySettings, base_batch_size: int
 ) -> Candidates | None:
@@ -407,11 +441,13 @@ def _candidates(
     Candidates run from the base batch to ``max_batch_size`` (per optimizer step), within what a micro-step can
     hold: the sum of the per-rank bounds, or, for an even split, ``n`` times the tightest bound (an even split of more
     would put more than its cap on the smallest device). A step of ``s`` micro-steps costs what the model says (its
-    ``accumulation_steps`` argument).
+    ``accumulation_steps`` argument). A speed model's caps hold them, not the evidence's reach: the choice is the
+    target, and the move toward it goes as far as the evidence reaches (:func:`_choose_total`).
     """
     n = model.world_size
     lower_bounds = list(model.lower)
-    upper_bounds = None if model.upper is None else list(model.upper)
+    upper = getattr(model, "caps", model.upper)
+    upper_bounds = None if upper is None else list(upper)
     if settings.balance:
         lowest, highest = sum(lower_bounds), None if upper_bounds is None else sum(upper_bounds)
     else:
@@ -436,6 +472,8 @@ def _candidates(
         kept = float(model.optperf([current.global_batch_size], steps_now)[0])
     else:
         times = np.asarray(model.predict(np.array([even_split(int(g), n) for g in micro]), steps), dtype=np.float64)
-        kept_split = most_even_split(current.global_batch_size, n, lower_bounds, upper_bounds)
+        kept_split = most_even_split(
+            current.global_batch_size, n, lower_bounds, _upper(model, current.global_batch_size)
+        )
         kept = float(model.predict(kept_split.local_batch_sizes, steps_now))
     return micro, steps, times, kept

@@ -133,7 +133,7 @@ def build_profile(
         "devices": devices,
         "tail": {"seconds": balancer.tail(), "samples": list(balancer.tails)},
         "comm": None if (comm := balancer.comm()) is None else comm.to_dict(),
-        "bounds": {"lower": list(balancer.lower), "upper": None if balancer.upper is None else list(balancer.upper)},
+        "bounds": {"lower": list(balancer.lower), "upper": None if balancer.caps is None else list(balancer.caps)},
         "settings": {
             # JSON has no infinity; null stands for "no recency weighting".
             "half_life": half_life if math.isfinite(half_life) else None,
@@ -250,6 +250,7 @@ class Profile:
             drift_tolerance=float(self.settings.get("drift_tolerance", defaults.drift_tolerance)),
             warmup_samples=int(self.settings.get("warmup_samples", 0)),
             probe_lever=float(self.settings.get("probe_lever", defaults.probe_lever)),
+            evidence_reach=None,  # a what-if plans totals the run never reached: the fitted lines as they are
         )
         model = SpeedModel(self.world_size, settings, BatchBounds(self.lower, self.upper))
         model.load_state_dict(self.balancer_state)

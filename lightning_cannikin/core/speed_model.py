@@ -30,6 +30,11 @@ from lightning_cannikin.core.timing import (
     step_time_pieces,
 )
 
+# how far past the largest local batch a rank has run a plan may take it: far enough that a total can double at each
+# decision once timed, near enough that the lines are still evidence there (three rounds of x2 timed on the way
+# rather than one x3.5 jump on a line timed at small batches)
+EVIDENCE_REACH = 2.0
+
 
 @dataclass(frozen=True)
 class SpeedModelSettings:
@@ -46,6 +51,10 @@ class SpeedModelSettings:
             devices are slower in their first steps (allocator, caches, autotuning, input workers).
         probe_lever: a probe moves every unmeasured rank by at least this fraction of its batch, so that its slope
             comes from a real lever rather than a few samples extrapolated far.
+        evidence_reach: no plan gives a rank more than this many times the largest local batch it has run (probes
+            and warm-up steps included): a line timed at small batches predicts nothing far beyond them (a fixed cost
+            that stops paying, a cache that stops fitting), so a decision moves as far as its evidence reaches and the
+            next one, timed there, goes on. ``None``: no such bound (a what-if on a saved profile).
 
     """
 
@@ -55,12 +64,15 @@ class SpeedModelSettings:
     max_samples: int = 512
     warmup_samples: int = 4
     probe_lever: float = 0.25
+    evidence_reach: float | None = EVIDENCE_REACH
 
     def __post_init__(self) -> None:
         if not float(self.half_life) > 0:
             raise ValueError(f"`half_life` must be positive, got {self.half_life}.")
         if int(self.warmup_samples) < 0 or not 0 < self.probe_lever <= 1:
             raise ValueError(f"`warmup_samples` must be >= 0 and `probe_lever` in (0, 1], got {self}.")
+        if self.evidence_reach is not None and not self.evidence_reach > 1:
+            raise ValueError(f"`evidence_reach` must be > 1 or None, got {self.evidence_reach}.")
         if int(self.tail_window) < 1 or int(self.max_samples) < 1:
             raise ValueError(f"`tail_window`, `max_samples` must be >= 1, got {self.tail_window}, {self.max_samples}.")
 
@@ -105,6 +117,7 @@ class SpeedModel:
         self.memory = [MemoryFitter() for _ in range(self.world_size)]
         self.memory_caps: list[int | None] = [None] * self.world_size
         self.fitters = [self._new_fitter() for _ in range(self.world_size)]
+        self.largest_run = [0] * self.world_size  # each rank's largest local batch run, warm-up and probes included
         self.tails: deque[float] = deque(maxlen=int(self.settings.tail_window))
         # the fraction of the last rank's compute done when its first gradient bucket was ready
         self.first_bucket_shares: deque[float] = deque(maxlen=int(self.settings.tail_window))
@@ -139,6 +152,7 @@ class SpeedModel:
                 raise ValueError(f"A record from rank {record.rank} does not fit a world of {self.world_size}.")
             if record.host is not None:
                 self._hosted[record.rank] = True
+            self.largest_run[record.rank] = max(self.largest_run[record.rank], int(record.batch_size))
         by_step: dict[int, list[StepRecord]] = {}
         for record in records:
             # a rank whose input wait is measured has it unmeasured at an epoch's first step: not a zero wait
@@ -248,13 +262,34 @@ class SpeedModel:
         return bool(self.drifts) or self.watch.suspected
 
     @property
-    def upper(self) -> list[int] | None:
-        """Per-rank upper bounds: the user's ``local_batch_bounds`` and, on CUDA, the fitted memory caps."""
+    def caps(self) -> list[int] | None:
+        """Per-rank caps: the user's ``local_batch_bounds`` and, on CUDA, the fitted memory caps."""
         if self.user_upper is None and all(c is None for c in self.memory_caps):
             return None
         big = np.iinfo(np.int64).max
         users = self.user_upper or [big] * self.world_size
         return [min(u, big if c is None else c) for u, c in zip(users, self.memory_caps, strict=True)]
+
+    @property
+    def upper(self) -> list[int] | None:
+        """Per-rank upper bounds of the next plan: the :attr:`caps`, and ``evidence_reach`` times the largest local
+        batch each rank has run (never below its lower bound; no such bound on a rank not yet run)."""
+        caps, reach = self.caps, self.settings.evidence_reach
+        if reach is None or not any(self.largest_run):
+            return caps
+        big = np.iinfo(np.int64).max
+        evidence = [
+            max(int(reach * b), lo) if b > 0 else big for b, lo in zip(self.largest_run, self.lower, strict=True)
+        ]
+        return evidence if caps is None else [min(c, e) for c, e in zip(caps, evidence, strict=True)]
+
+    def upper_for(self, total_batch_size: int) -> list[int] | None:
+        """The upper bounds a split of ``total_batch_size`` takes: :attr:`upper`, or the :attr:`caps` alone where the
+        evidence's reach cannot hold that total (a total no decision chose: a later fit's larger DataLoader batch)."""
+        upper = self.upper
+        if upper is not None and sum(upper) < int(total_batch_size):
+            return self.caps
+        return upper
 
     @property
     def ready(self) -> bool:
@@ -367,8 +402,8 @@ class SpeedModel:
 
     @property
     def bounds(self) -> BatchBounds:
-        """The bounds in force: the user's and, on CUDA, the fitted memory caps."""
-        upper = self.upper
+        """The bounds in force: the user's and, on CUDA, the fitted memory caps (not the evidence's reach)."""
+        upper = self.caps
         return BatchBounds(tuple(self.lower), None if upper is None else tuple(upper))
 
     def plan_split(self, total_batch_size: int) -> Plan:
@@ -380,7 +415,7 @@ class SpeedModel:
         """
         slopes, offsets = self.pieces()
         trusted = self.trusted_bounds(total_batch_size)
-        lower, upper = trusted if trusted is not None else (np.asarray(self.lower), self.upper)
+        lower, upper = trusted if trusted is not None else (np.asarray(self.lower), self.upper_for(total_batch_size))
         split = optimal_split(slopes, offsets, total_batch_size, lower, upper)
         scenarios = self.scenarios()
         if scenarios is None:
@@ -393,7 +428,12 @@ class SpeedModel:
         """Per-rank ``(lower, upper)`` sizes whose times the evidence supports, or ``None`` if ``total_batch_size``
         does not fit them (:func:`~lightning_cannikin.core.evidence.trusted_bounds`)."""
         return trusted_bounds(
-            self.fitters, self.models(), self.lower, self.upper, total_batch_size, self.settings.probe_lever
+            self.fitters,
+            self.models(),
+            self.lower,
+            self.upper_for(total_batch_size),
+            total_batch_size,
+            self.settings.probe_lever,
         )
 
     def timed(self, local_batch_sizes: Sequence[int]) -> bool:
@@ -420,10 +460,13 @@ class SpeedModel:
         Accumulation is priced as it runs: the micro-steps before the last reduce nothing, so they cost the ranks'
         compute (input wait included) at the split, and only the last one costs a whole step, the all-reduce and the
         step's tail included (:meth:`micro_step_time`).
+
+        Within the caps alone, not the evidence's reach: a total's worth is what the fitted lines give its best split
+        (the goodput choice is a target); the split a plan adopts stays within the reach (:meth:`plan_split`).
         """
         slopes, offsets = self.pieces()
         totals = np.asarray(total_batch_sizes)
-        times = optperf(slopes, offsets, totals, self.lower, self.upper)
+        times = optperf(slopes, offsets, totals, self.lower, self.caps)
         scenarios = self.scenarios()
         if scenarios is not None:
             flat = times.reshape(-1)
@@ -435,9 +478,9 @@ class SpeedModel:
         )
 
     def _split(self, total_batch_size: int) -> tuple[int, ...]:
-        """OptPerf's split of a total under the model's pieces and bounds."""
+        """OptPerf's split of a total under the model's pieces and caps (:meth:`optperf`'s)."""
         slopes, offsets = self.pieces()
-        return optimal_split(slopes, offsets, total_batch_size, self.lower, self.upper).local_batch_sizes
+        return optimal_split(slopes, offsets, total_batch_size, self.lower, self.caps).local_batch_sizes
 
     def predict(self, local_batch_sizes: ArrayLike, accumulation_steps: ArrayLike = 1) -> float | np.ndarray:
         """Predicted (expected) time of an optimizer step at a split (or of each row of a ``(C, n)`` array of splits)
@@ -487,7 +530,8 @@ class SpeedModel:
             typical = self.fitters[i].typical(b)
             seconds = typical[0] if typical is not None else float(models[i](b))
             speeds.append(b / seconds if seconds > 0 else 1.0)
-        return probe_split(sizes, speeds, unmeasured, self.lower, self.upper, self.settings.probe_lever)
+        upper = self.upper_for(sum(sizes))
+        return probe_split(sizes, speeds, unmeasured, self.lower, upper, self.settings.probe_lever)
 
     def state_dict(self) -> dict:
         return {
@@ -501,6 +545,7 @@ class SpeedModel:
             "memory": [f.state_dict() for f in self.memory],
             "memory_caps": list(self.memory_caps),
             "warm": list(self._warm),
+            "largest_run": list(self.largest_run),
         }
 
     def restarted(self) -> None:
@@ -521,6 +566,9 @@ class SpeedModel:
         if same:
             for fitter, fitter_state in zip(self.fitters, state["fitters"], strict=True):
                 fitter.load_state_dict(fitter_state)
+            # checkpoints older than the reach: the largest size each rank's fit still holds
+            largest = [max(f.distinct_batch_sizes, default=0) for f in self.fitters]
+            self.largest_run = [int(b) for b in state.get("largest_run", largest)]
             for memory, memory_state in zip(self.memory, state.get("memory", []), strict=False):
                 memory.load_state_dict(memory_state)
             self.memory_caps = list(state.get("memory_caps", self.memory_caps))

@@ -158,7 +158,10 @@ class BalancingEngine:
             self._observer_type = ShardedGradientNormObserver
         if self.speed_model is None:
             bounds = BatchBounds.parse(self.options.local_batch_bounds, world_size, smallest)
-            self.speed_model = SpeedModel(world_size, SpeedModelSettings(half_life=self._settings.half_life), bounds)
+            fitting = SpeedModelSettings(
+                half_life=self._settings.half_life, evidence_reach=self._settings.evidence_reach
+            )
+            self.speed_model = SpeedModel(world_size, fitting, bounds)
         if self._observer is None and world_size > 1 and self.options.track_noise_scale:
             every = (self._settings.noise_exchange_every, self._settings.noise_every_n_steps)
             self._observer = self._observer_type(collective.rank, world_size, None, *every)

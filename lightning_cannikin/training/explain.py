@@ -42,8 +42,11 @@ def explain(step: int, decision: Decision, current: Plan, policy: PolicySettings
         line += (
             f"; total batch {verdict} (the best total over the noise bounds, {decision.best_total}, is predicted to"
             f" raise the share of the best goodput it is sure of by {_percent(decision.total_gain)}, {side} the"
-            f" {_percent(policy.margin)} adapt margin)"
+            f" {_percent(policy.margin)} adapt margin"
         )
+        if decision.total_gain > policy.margin and previous < total < decision.best_total:
+            line += "; no further than twice the largest batch each rank has run, timed there before going on"
+        line += ")"
     elif policy.max_batch_size is not None:
         line += f"; total batch {total} not reconsidered (mid-epoch, or no bounds on the noise scale yet)"
     predicted = plan.predicted_step_time

@@ -17,6 +17,7 @@ from typing import Any
 from lightning_cannikin.core.plan import BatchBounds
 from lightning_cannikin.core.policy import PolicySettings
 from lightning_cannikin.core.replanner import Replanner
+from lightning_cannikin.core.speed_model import SpeedModelSettings
 from lightning_cannikin.core.timing import HALF_LIFE
 
 __all__ = ["CannikinSettings", "EngineOptions"]
@@ -45,6 +46,7 @@ class CannikinSettings:
     | ``noise_bound_level`` | 0.05 | share of runs whose noise bounds may ever miss the truth, however often looked at |
     | ``noise_bound_sigmas`` | None | a fixed width per look instead, in standard errors (``0``: the point estimate) |
     | ``check_every_n_steps`` | 4 | steps between the ranks' speed-change comparisons (``None``: off) |
+    | ``evidence_reach`` | 2.0 | no plan gives a rank more than this many times the largest batch it has run |
     | ``progress_bar`` | False | show the total and rank zero's local batch on Lightning's progress bar |
 
     Args:
@@ -92,6 +94,10 @@ class CannikinSettings:
             a single number that nobody waits for (read the next step on CPU, at the next check on CUDA), and
             re-plan mid-epoch when some rank saw one. ``None``: changes are followed at the re-plans that come
             anyway.
+        evidence_reach: no plan (a new total, a re-split, a probe) gives a rank more than this many times the largest
+            local batch it has run: its timing line says little far beyond the sizes it was fitted on, so a move of
+            the total goes as far as that, and the next, once timed, goes on toward the goodput choice (a total can
+            double at each re-plan). ``None``: no such bound.
         progress_bar: also show the total and rank zero's local batch on Lightning's progress bar (every logger
             receives every ``cannikin/*`` value either way; at 80 columns the bar truncates their names).
 
@@ -111,6 +117,7 @@ class CannikinSettings:
     noise_bound_level: float = 0.05
     noise_bound_sigmas: float | None = None
     check_every_n_steps: int | None = Replanner.check_every_n_steps
+    evidence_reach: float | None = SpeedModelSettings.evidence_reach
 
     def __post_init__(self) -> None:
         _positive("warmup_steps", self.warmup_steps)
@@ -128,6 +135,7 @@ class CannikinSettings:
             raise ValueError(f"`noise_bound_sigmas` must be None or a finite number >= 0, got {sigmas!r}.")
         if not (isinstance(self.noise_bound_level, (int, float)) and 0 < self.noise_bound_level < 1):
             raise ValueError(f"`noise_bound_level` must lie in (0, 1), got {self.noise_bound_level!r}.")
+        SpeedModelSettings(evidence_reach=self.evidence_reach)  # its own check, with its message
         if not self.adapt_margin >= 0:
             raise ValueError(f"`adapt_margin` must be >= 0, got {self.adapt_margin}.")
 
