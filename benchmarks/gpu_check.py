@@ -1,17 +1,23 @@
-"""Every GPU check in one command: the tests in ``tests/gpu``, then ``benchmarks/gpu_shares.py``, within 8 minutes.
+"""Every GPU check in one command within a short, fixed budget: the tests in ``tests/gpu``, then
+``benchmarks/gpu_shares.py`` with the time they left, ending with three files a person can send back.
 
-``python benchmarks/gpu_check.py --out DIR`` on a machine with one CUDA device. Each test id runs in its own
-``python -m pytest`` process with a timeout (pytest-timeout may be missing there), so a failure, a crash or a hung
-collective ends that test only and every other test still runs. ``gpu_shares.py`` gets the time the tests left. Every
-log and JSON goes into DIR (``collect.log``, ``tests/*.log``, ``gpu_shares.json``, ``gpu_shares.log``,
-``gpu_shares_logs/``), and a summary (per test: passed, failed, skipped or timeout, with its seconds and, where it did
-not pass, the end of its log; ``gpu_shares``' headline numbers) is written to ``summary.json`` and printed. The exit
-status is 0 only when every test passed and ``gpu_shares`` completed. A command past its time is asked to end
-(SIGTERM) before it is killed, and the GPU is left as it was found: no rank process and no MPS daemon it started.
+``python benchmarks/gpu_check.py --out DIR`` on a machine with one CUDA device (``--budget``, default 240 s; the
+check's own wall time stays within it). The tests run a module at a time in ``python -m pytest -v`` processes with a
+timeout (pytest-timeout may be missing there); one that hangs or crashes costs its own time only: it is named from
+the live output and the tests after it run one to a process. ``gpu_shares.py`` gets the rest of the budget as its
+deadline and plans its repeats to fit it. A command past its time is asked to end (SIGTERM) before it is killed,
+and the GPU is left as it was found: no rank process and no MPS daemon it started.
 
-Without a CUDA device (or with ``--dry-run``) it is a dry run: it still collects ``tests/gpu`` (their modules import),
-checks that ``gpu_shares.py`` starts, writes ``summary.json`` with ``"dry_run": true``, says so and exits 0 (1 only if
-a module does not import). CI runs it so: ``python benchmarks/gpu_check.py --dry-run --out "$(mktemp -d)"``.
+DIR then holds three files: ``summary.json`` (the verdict, every ratio, every test's status), ``report.md`` (the
+tables: per workload the measured ratios, the ideal from the ranks' solo speeds with the fixed per-step costs, the
+fraction of it reached, where each step's time goes, the verdict and the one-line cause) and ``artifacts.tar.gz``
+(every log: ``collect.log``, ``tests/*.log``, ``gpu_shares.json``, ``gpu_shares.log``, the ranks' logs). The report
+is printed as the check ends. The exit status is 0 only when every test passed and ``gpu_shares`` completed.
+
+Without a CUDA device (or with ``--dry-run``) it is a dry run, which CI runs: it collects ``tests/gpu`` (their
+modules import), checks that ``gpu_shares.py`` starts, and walks the same reporting path on a synthetic
+``gpu_shares`` result (``benchmarks.gpu_shares.synthetic_result``, marked synthetic in the summary and the report),
+writing the same three files; it exits 1 only if a module does not import or ``gpu_shares.py`` does not start.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,11 +38,17 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARES = ROOT / "benchmarks" / "gpu_shares.py"
-BUDGET_S = 470.0  # of the 8 minutes: the rest is this script's own start and the last writes
-SHARES_RESERVE_S = 240.0  # what the tests leave to gpu_shares at least (it plans for about 4 minutes)
-TEST_TIMEOUT_S = 120.0
+BUDGET_S = 240.0  # everything: the tests, gpu_shares, the report and the archive
+SHARES_RESERVE_S = 140.0  # what the tests leave to gpu_shares at least: its calibration and a pair a workload
+TEST_TIMEOUT_S = 60.0  # a test's share of its module's timeout
 TERM_GRACE_S = 15.0  # from SIGTERM to SIGKILL: gpu_shares ends its ranks and stops its MPS daemon in it
+CLOSING_S = 10.0  # the budget's end kept for the summary, the report and the archive
+FILES = ("summary.json", "report.md", "artifacts.tar.gz")
 _COUNTS = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)")
+_OUTCOME = re.compile(r"^(tests/gpu/\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+_STATUS = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error", "SKIPPED": "skipped", "XFAIL": "xfailed"}
+_STATUS["XPASS"] = "passed"
+_WORST = ("error", "failed", "xfailed", "skipped", "passed")  # a test's outcomes (setup, call, teardown): the worst
 
 
 def _env() -> dict[str, str]:
@@ -69,10 +82,10 @@ def run(command: Sequence[str], log: Path, timeout: float) -> tuple[int | None, 
     return code, time.monotonic() - started, log.read_text(errors="replace")
 
 
-def collect(out: Path) -> tuple[list[str], bool, float]:
+def collect(out: Path, timeout: float) -> tuple[list[str], bool, float]:
     """The test ids of ``tests/gpu`` (collecting imports every module), whether collection succeeded, its seconds."""
     command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests/gpu"]
-    code, seconds, output = run(command, out / "collect.log", 180.0)
+    code, seconds, output = run(command, out / "collect.log", timeout)
     ids = [line.strip() for line in output.splitlines() if line.startswith("tests/gpu/") and "::" in line]
     return ids, code == 0 and bool(ids), seconds
 
@@ -87,39 +100,79 @@ def status_of(code: int | None, output: str) -> str:
     return {1: "failed", 5: "not collected"}.get(code, f"error (exit {code})")
 
 
-def run_each_test(ids: Sequence[str], out: Path, until: float, per_test: float) -> list[dict[str, Any]]:
-    """Each id in its own pytest process, none after ``until`` (a monotonic time)."""
-    results = []
+def outcomes(output: str) -> dict[str, str]:
+    """Each test's status from ``pytest -v``'s live lines (written as each test ends: a test that hangs has none)."""
+    found: dict[str, str] = {}
+    for line in output.splitlines():
+        match = _OUTCOME.match(line)
+        if match:
+            status = _STATUS[match.group(2)]
+            previous = found.get(match.group(1), "passed")
+            found[match.group(1)] = min(status, previous, key=_WORST.index)
+    return found
+
+
+def _tail(output: str, test: str) -> list[str]:
+    """The test's own section of pytest's report (its assertion), else the output's end."""
+    lines = output.splitlines()
+    name = test.split("::", 1)[1]
+    for index, line in enumerate(lines):
+        if line.startswith("_") and f" {name} " in line:
+            return lines[index : index + 40]
+    return lines[-25:]
+
+
+def run_tests(ids: Sequence[str], out: Path, until: float, per_test: float) -> list[dict[str, Any]]:
+    """Every id, a module to a ``pytest -v`` process (one import of torch and Lightning for several tests), none
+    started after ``until`` (a monotonic time). Where a process times out or crashes, the test it was in is named
+    from the live output and the tests after it run one to a process."""
+    modules: dict[str, list[str]] = {}
     for test in ids:
+        modules.setdefault(test.split("::")[0], []).append(test)
+    batches = list(modules.values())
+    results: dict[str, dict[str, Any]] = {}
+    while batches:
+        batch = batches.pop(0)
         left = until - time.monotonic()
-        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", test.removeprefix("tests/gpu/"))
         if left < 10:
-            results.append({"id": test, "status": "not run: the time budget", "seconds": 0.0})
+            for test in batch:
+                results[test] = {"id": test, "status": "not run: the time budget", "seconds": 0.0}
             continue
-        command = [sys.executable, "-m", "pytest", test, "-q", "-rA", "-p", "no:cacheprovider"]
-        code, seconds, output = run(command, out / "tests" / f"{name}.log", min(per_test, left))
-        result: dict[str, Any] = {"id": test, "status": status_of(code, output), "seconds": round(seconds, 1)}
-        if result["status"] != "passed":
-            result["tail"] = output.splitlines()[-25:]  # the assertion and pytest's short summary
-        results.append(result)
-        print(f"{result['status']:>8}  {seconds:6.1f} s  {test}", flush=True)
-    return results
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", batch[0].removeprefix("tests/gpu/") if len(batch) == 1 else batch[0])
+        command = [sys.executable, "-m", "pytest", *batch, "-v", "-rA", "-p", "no:cacheprovider"]
+        log = out / "tests" / f"{name.split('::')[0]}.log"
+        code, seconds, output = run(command, log, min(per_test * len(batch), left))
+        found = outcomes(output)
+        unfinished = [test for test in batch if test not in found]
+        for test in batch:
+            if test in found:
+                results[test] = {"id": test, "status": found[test], "seconds": round(seconds / len(batch), 1)}
+        if unfinished:  # the first was running when the process timed out or died; the rest never started
+            hung = unfinished[0]
+            status = status_of(code, output) if code is not None else "timeout"
+            status = "timeout" if code is None else (status if status != "passed" else f"crashed (exit {code})")
+            results[hung] = {"id": hung, "status": status, "seconds": round(seconds, 1)}
+            batches = [[test] for test in unfinished[1:]] + batches
+        for test in batch:
+            if test in results and results[test]["status"] != "passed" and "tail" not in results[test]:
+                results[test]["tail"] = _tail(output, test)
+                print(f"{results[test]['status']:>8}  {test}", flush=True)
+        print(f"{len(batch)} test(s) in {seconds:.0f} s: {', '.join(sorted({found.get(t, '-') for t in batch}))}")
+    return [results[test] for test in ids if test in results]
 
 
 def run_shares(out: Path, seconds_left: float) -> dict[str, Any]:
-    """gpu_shares.py with a deadline inside the time left; its headline numbers.
+    """gpu_shares.py with a deadline inside the time left; its result (``gpu_shares.json``).
 
     An MPS daemon that was not running before and still runs after (``gpu_shares`` stops the one it starts, unless it
     was killed) is stopped here: the GPU is left as it was found."""
-    if str(ROOT) not in sys.path:  # run as a script, this checkout is not on the path
-        sys.path.insert(0, str(ROOT))
     from benchmarks.gpu_shares import Mps, mps_control, mps_daemon_running  # torch is imported by now
 
     daemon_before = mps_daemon_running()
     timeout = seconds_left - TERM_GRACE_S  # a timeout's SIGTERM and grace end within the time left
     deadline = max(timeout - 20.0, 30.0)  # no run starts that cannot end by then; the JSON is written after
     command = [sys.executable, str(SHARES), "--out", str(out), "--logs", str(out / "gpu_shares_logs")]
-    code, seconds, output = run([*command, "--deadline", str(deadline)], out / "gpu_shares.log", timeout)
+    code, seconds, output = run([*command, "--deadline", f"{deadline:.0f}"], out / "gpu_shares.log", timeout)
     result: dict[str, Any] = {"status": "timeout" if code is None else ("ok" if code == 0 else f"exit {code}")}
     result["seconds"] = round(seconds, 1)
     if not daemon_before and mps_daemon_running():
@@ -127,58 +180,122 @@ def run_shares(out: Path, seconds_left: float) -> dict[str, Any]:
         result["mps_left_running"] = "stopped by gpu_check" if not mps_daemon_running() else "still running"
     path = out / "gpu_shares.json"
     if path.is_file():
-        result["headline"] = json.loads(path.read_text()).get("headline")
+        result["result"] = _reported(json.loads(path.read_text()))
     else:
         result["tail"] = output.splitlines()[-25:]
     return result
 
 
+def _reported(shares: dict[str, Any]) -> dict[str, Any]:
+    """What of ``gpu_shares.json`` the summary keeps: everything but the runs' and the calibration's raw rank
+    results (those stay in the archive's ``gpu_shares.json``)."""
+    kept = {key: value for key, value in shares.items() if key not in ("runs", "definitions")}
+    if isinstance(kept.get("calibration"), dict):
+        kept["calibration"] = {k: v for k, v in kept["calibration"].items() if k != "ranks"}
+    keys = ("workload", "strategy", "repeat", "status", "seconds")
+    kept["runs"] = [{k: r.get(k) for k in keys} for r in shares["runs"]]
+    return kept
+
+
+def verdict(summary: dict[str, Any]) -> tuple[str, str | None]:
+    """The verdict and the one-line cause (the compute-bound workload's, else the first with one)."""
+    shares = (summary.get("gpu_shares") or {}).get("result") or {}
+    workloads = shares.get("summary") or {}
+    causes = [(w, s.get("cause"), s.get("fraction_of_ideal")) for w, s in workloads.items() if s.get("cause")]
+    cause = None
+    if causes:
+        workload, line, fraction = causes[0]
+        reached = "-" if fraction is None else f"{100 * fraction:.0f}%"
+        cause = f"{workload}: {reached} of the ideal; {line}"
+    not_passed = [t for t in summary.get("tests", []) if t["status"] != "passed"]
+    if summary["dry_run"]:
+        state = "collected" if summary["collected"] else "NOT collected (see collect.log in the archive)"
+        return f"DRY RUN: nothing ran on a GPU; tests/gpu {state}; the numbers below are synthetic", cause
+    parts = []
+    if not summary["collected"]:
+        parts.append("tests/gpu not collected")
+    if not_passed:
+        parts.append(f"{len(not_passed)} of {len(summary.get('tests', []))} tests did not pass")
+    status = (summary.get("gpu_shares") or {}).get("status")
+    if status not in (None, "ok"):
+        parts.append(f"gpu_shares {status}")
+    return ("PASS" if summary["ok"] else "FAIL: " + "; ".join(parts or ["see the tests"])), cause
+
+
+def finish(out: Path, work: Path, summary: dict[str, Any]) -> str:
+    """Write ``summary.json`` and ``report.md`` into ``out``, pack ``work`` (every log) into ``artifacts.tar.gz``."""
+    from benchmarks.gpu_report import archive, render
+
+    summary["verdict"], summary["cause"] = verdict(summary)
+    summary["files"] = list(FILES)
+    report = render(summary)
+    summary["archived"] = archive(work, out / "artifacts.tar.gz")
+    (out / "report.md").write_text(report)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return report
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="where every log, JSON and summary.json go")
-    parser.add_argument("--dry-run", action="store_true", help="collect and check only, even where a GPU is present")
+    parser.add_argument("--out", type=Path, required=True, help="where summary.json, report.md and the archive go")
+    parser.add_argument("--dry-run", action="store_true", help="collect, check and report synthetic numbers only")
     parser.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for everything (default %(default)s)")
     parser.add_argument("--test-timeout", type=float, default=TEST_TIMEOUT_S, help="seconds a test (%(default)s)")
     parser.add_argument("--no-shares", action="store_true", help="the tests only")
     args = parser.parse_args(argv)
     started = time.monotonic()
+    if args.budget < 60:
+        parser.error(f"--budget {args.budget:g}: at least 60 seconds (the tests' collection alone takes some)")
     out: Path = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".gpu_check_", dir=out))  # packed into the archive at the end
+    if str(ROOT) not in sys.path:  # run as a script, this checkout is not on the path
+        sys.path.insert(0, str(ROOT))
 
     import torch  # here, not above: `--help` stays instant; `is_available` creates no CUDA context (MPS comes later)
 
     gpu = torch.cuda.is_available() and not args.dry_run
-    ids, collected, collect_s = collect(out)
+    closing = started + args.budget - CLOSING_S
+    ids, collected, collect_s = collect(work, min(180.0, closing - time.monotonic()))
     summary: dict[str, Any] = {
         "dry_run": not gpu,
         "torch": torch.__version__,
+        "budget": args.budget,
         "collected": collected,
         "collect_seconds": round(collect_s, 1),
     }
     if not gpu:
         why = "--dry-run" if args.dry_run else "no CUDA device"
-        code, _, output = run([sys.executable, str(SHARES), "--help"], out / "gpu_shares_help.log", 120.0)
-        summary["note"] = f"dry run ({why}): tests/gpu collected, nothing run"
+        code, _, output = run([sys.executable, str(SHARES), "--help"], work / "gpu_shares_help.log", 60.0)
+        from benchmarks.gpu_shares import synthetic_result
+
+        state = "collected" if collected else "NOT collected (collect.log says why)"
+        summary["note"] = f"dry run ({why}): tests/gpu {state}, nothing run; gpu_shares' numbers are synthetic"
+        summary["synthetic"] = True
         summary["tests"] = [{"id": test, "status": "not run (dry run)"} for test in ids]
-        summary["gpu_shares"] = {"starts": code == 0, **({} if code == 0 else {"tail": output.splitlines()[-25:]})}
+        shares = synthetic_result()
+        (work / "gpu_shares.json").write_text(json.dumps(shares, indent=1))
+        summary["gpu_shares"] = {"starts": code == 0, "status": "synthetic", "result": _reported(shares)}
+        if code != 0:
+            summary["gpu_shares"]["tail"] = output.splitlines()[-25:]
         ok = collected and code == 0
     else:
-        until = started + args.budget - (0.0 if args.no_shares else SHARES_RESERVE_S)
-        tests = run_each_test(ids, out, until, args.test_timeout)
+        until = closing - (0.0 if args.no_shares else SHARES_RESERVE_S)
+        tests = run_tests(ids, work, until, args.test_timeout)
         summary["tests"] = tests
         summary["counts"] = {
             status: sum(t["status"] == status for t in tests) for status in sorted({t["status"] for t in tests})
         }
-        ok = collected and all(t["status"] == "passed" for t in tests)
+        ok = collected and bool(tests) and all(t["status"] == "passed" for t in tests)
         if not args.no_shares:
-            summary["gpu_shares"] = run_shares(out, args.budget - (time.monotonic() - started))
+            summary["gpu_shares"] = run_shares(work, closing - time.monotonic())
             ok = ok and summary["gpu_shares"]["status"] == "ok"
-    summary["seconds"] = round(time.monotonic() - started, 1)
     summary["ok"] = ok
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    print(json.dumps(summary, indent=1))
-    if not gpu:
-        print(f"gpu_check: dry run ({'--dry-run' if args.dry_run else 'no CUDA device'}); nothing ran on a GPU")
+    summary["seconds"] = round(time.monotonic() - started, 1)
+    report = finish(out, work, summary)
+    seconds = time.monotonic() - started
+    print(report, flush=True)
+    print(f"gpu_check: {summary['verdict']} ({seconds:.0f} s); {', '.join(str(out / f) for f in FILES)}")
     return 0 if ok else 1
 
 
