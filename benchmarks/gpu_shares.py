@@ -1,9 +1,11 @@
 """Real heterogeneous devices on one GPU: three ranks held to 60 / 25 / 15% of its SMs by MPS, Lightning DDP against
 Cannikin, and the ideal those shares allow.
 
-``python benchmarks/gpu_shares.py --out DIR`` on a machine with one CUDA GPU (about 4 minutes; as root it starts the
-MPS daemon, ``nvidia-cuda-mps-control -d``, and stops it at the end, also when ended by SIGTERM, which ends every rank
-it started too; a daemon already running is used and left alone).
+``python benchmarks/gpu_shares.py --out DIR`` on a machine with one CUDA GPU (``--deadline``, default 180 s, plans
+the repeats). As root it starts the MPS daemon, ``nvidia-cuda-mps-control -d`` (without pipes, under a 10 s bound),
+probes it with one CUDA client (25 s), and stops it at the end, also when ended by SIGTERM, which ends every rank it
+started too (SIGTERM, then SIGKILL); a daemon already running is used and left alone. A daemon that does not start or
+answer is stopped and skipped within seconds, and the run goes on time-sliced, labelled so (``sharing``).
 Every run starts three rank processes as torchelastic would (``devices=1, num_nodes=3``; ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK=0``, ``GROUP_RANK``, ``NODE_RANK``, ``LOCAL_WORLD_SIZE=1``, ``MASTER_ADDR``, ``MASTER_PORT``,
 ``TORCHELASTIC_RUN_ID``; the rendezvous store is held by this script, as torchrun's agent holds it), each with its
@@ -18,25 +20,25 @@ What runs, in this order:
    (forward, backward, SGD step) at three batch sizes with CUDA events and fits ``t_i(b) = a_i * b + a0_i``; then all
    ranks together at the even split (MPS splits the SMs but not the memory bandwidth: this is the interference); and
    each rank's host loader alone (samples a second its workers deliver to the device).
-2. Lightning DDP and Cannikin (``CannikinStrategy``, default balancing, fixed total) interleaved, ``--repeats`` times,
+2. Lightning DDP and Cannikin (``CannikinStrategy``, default balancing, fixed total) interleaved, in as many pairs as
+   the deadline leaves time for (at most ``--repeats``),
    on two workloads with the same model, initial weights and global batch: ``compute`` (uint8 images resident on the
    device, fetched as one gather a batch: no host cost) and ``loader`` (host tensors, a DataLoader with 2 workers and
    pinned memory, per-sample indexing and collation, as most training reads data).
 
 Every rank records every step with the package's own step timer (``step_timer_for``: CUDA events read lazily, no
-synchronisation per step), in both strategies alike: the device span (forward start to its last gradient ready:
-``StepRecord.compute``), the input span (``StepRecord.host``: the device idle between the previous step's end and this
-one's start, where the loop fetches and copies the next batch), the step (batch start to end, the all-reduce and the
-optimizer included), the all-reduce's exposed part and what follows it (``StepRecord.after``: the optimizer step).
-Epochs are timed on the wall clock, synchronised at epoch starts and at the end only.
+synchronisation per step), in both strategies alike: the device span (forward start to its last gradient ready), the
+input (the loader's fetch, marked by a hook on the training loader, to the batch's start), the wait before it (the
+step's end to the fetch: Lightning's per-step broadcast), the step (batch start to end), the all-reduce's exposed part
+and what follows it (the optimizer step). Epochs are timed on the wall clock, synchronised at epoch starts and at the
+end only.
 
-The JSON (``gpu_shares.json``; ``definitions`` in it says the same) gives per workload the measured Cannikin / DDP time
-ratio (steady epochs: every epoch but the first; the whole training loop; the median step), the ideal ratio (the
-optimal split of the calibrated lines against the even split of the same lines), the ideal against measured DDP
-(DDP's measured step less what the optimal split saves on the lines), the fraction of the ideal reached,
-``(1 - measured) / (1 - ideal)``, and ``gap``: the ratio points lost to DDP's per-step cost outside the lines, to the
-split Cannikin chose and to Cannikin's steps costing more than that split predicts, with every rank's medians to show
-which part of a step it was.
+The JSON (``gpu_shares.json``; ``definitions`` in it says the same) gives per workload the measured Cannikin / DDP
+time ratios, the ideal ``(T* + fixed) / (T_even + fixed)`` from the solo compute lines and DDP's fixed per-step costs,
+the fraction of it reached, and ``shortfall`` (:mod:`benchmarks.shortfall`): every rank's step split into solo
+compute, interference, input, broadcast wait, all-reduce and optimizer, each part's ratio points of the gap, and the
+one that holds Cannikin back most, in one line. ``synthetic_result`` builds the same JSON from a loop whose every part
+is known (the GPU check's dry run).
 """
 
 from __future__ import annotations
