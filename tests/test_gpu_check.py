@@ -82,6 +82,23 @@ def test_status_comes_from_the_exit_status_and_the_closing_counts() -> None:
     assert status_of(4, "ERROR: not found") == "error (exit 4)"
 
 
+def test_each_tests_status_comes_from_pytests_live_lines_and_a_hung_test_has_none() -> None:
+    output = "\n".join(
+        [
+            "tests/gpu/test_cuda.py::test_a PASSED                                     [ 25%]",
+            "tests/gpu/test_cuda.py::test_b[16-mixed] FAILED                           [ 50%]",
+            "tests/gpu/test_cuda.py::test_c PASSED                                     [ 75%]",
+            "tests/gpu/test_cuda.py::test_c ERROR                                      [ 75%]",  # at its teardown
+            "tests/gpu/test_cuda.py::test_d ",  # started, never ended
+        ]
+    )
+    assert gpu_check.outcomes(output) == {
+        "tests/gpu/test_cuda.py::test_a": "passed",
+        "tests/gpu/test_cuda.py::test_b[16-mixed]": "failed",
+        "tests/gpu/test_cuda.py::test_c": "error",
+    }
+
+
 def test_water_filling_ends_every_busy_rank_together_and_leaves_out_a_rank_too_slow_to_help() -> None:
     # no intercepts: T* = B / sum(1 / a_i), split in proportion to speed
     best, split = water_fill([(1.0, 0.0), (2.0, 0.0), (4.0, 0.0)], 7)
