@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -37,6 +38,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script, this checkout is not on the path
+    sys.path.insert(0, str(ROOT))
+from benchmarks.pytest_live_report import BEGIN as LIVE_BEGIN  # noqa: E402
+from benchmarks.pytest_live_report import END as LIVE_END  # noqa: E402
+
 SHARES = ROOT / "benchmarks" / "gpu_shares.py"
 BUDGET_S = 240.0  # everything: the tests, gpu_shares, the report and the archive
 SHARES_RESERVE_S = 140.0  # what the tests leave to gpu_shares at least: its calibration and a pair a workload
@@ -48,6 +54,7 @@ _COUNTS = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)")
 _OUTCOME = re.compile(r"^(tests/gpu/\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
 _STATUS = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error", "SKIPPED": "skipped", "XFAIL": "xfailed"}
 _STATUS["XPASS"] = "passed"
+_DURATION = re.compile(r"^([0-9.]+)s (?:setup|call|teardown)\s+(tests/gpu/\S+::\S+)")
 _WORST = ("error", "failed", "xfailed", "skipped", "passed")  # a test's outcomes (setup, call, teardown): the worst
 
 
@@ -57,7 +64,7 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path}
 
 
-def run(command: Sequence[str], log: Path, timeout: float) -> tuple[int | None, float, str]:
+def run(command: Sequence[str], log: Path, timeout: float, cwd: Path = ROOT) -> tuple[int | None, float, str]:
     """Run ``command`` in the checkout, its output in ``log``: ``(exit status or None on timeout, seconds, output)``.
 
     On a timeout the command's session is asked to end (SIGTERM: ``gpu_shares`` then ends the ranks it started in
@@ -67,7 +74,7 @@ def run(command: Sequence[str], log: Path, timeout: float) -> tuple[int | None, 
     started = time.monotonic()
     with open(log, "w") as handle:
         process = subprocess.Popen(
-            command, cwd=ROOT, env=_env(), stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
+            command, cwd=cwd, env=_env(), stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
         )
         try:
             code: int | None = process.wait(timeout=max(timeout, 1.0))
@@ -112,9 +119,25 @@ def outcomes(output: str) -> dict[str, str]:
     return found
 
 
+def durations(output: str) -> dict[str, float]:
+    """Each test's seconds (setup, call and teardown) from ``--durations=0``'s table (printed when pytest ends)."""
+    seconds: dict[str, float] = {}
+    for line in output.splitlines():
+        match = _DURATION.match(line)
+        if match:
+            seconds[match.group(2)] = seconds.get(match.group(2), 0.0) + float(match.group(1))
+    return seconds
+
+
 def _tail(output: str, test: str) -> list[str]:
-    """The test's own section of pytest's report (its assertion), else the output's end."""
+    """The test's own failure report (its assertion: written live, see ``pytest_live_report``, or in pytest's closing
+    report), else the output's end."""
     lines = output.splitlines()
+    begin = f"{LIVE_BEGIN}{test} "
+    for index, line in enumerate(lines):
+        if line.startswith(begin):
+            section = list(itertools.takewhile(lambda text: text != LIVE_END, lines[index:]))
+            return section if len(section) <= 40 else [*section[:15], "...", *section[-25:]]
     name = test.split("::", 1)[1]
     for index, line in enumerate(lines):
         if line.startswith("_") and f" {name} " in line:
@@ -122,7 +145,7 @@ def _tail(output: str, test: str) -> list[str]:
     return lines[-25:]
 
 
-def run_tests(ids: Sequence[str], out: Path, until: float, per_test: float) -> list[dict[str, Any]]:
+def run_tests(ids: Sequence[str], out: Path, until: float, per_test: float, cwd: Path = ROOT) -> list[dict[str, Any]]:
     """Every id, a module to a ``pytest -v`` process (one import of torch and Lightning for several tests), none
     started after ``until`` (a monotonic time). Where a process times out or crashes, the test it was in is named
     from the live output and the tests after it run one to a process."""
@@ -138,26 +161,25 @@ def run_tests(ids: Sequence[str], out: Path, until: float, per_test: float) -> l
             for test in batch:
                 results[test] = {"id": test, "status": "not run: the time budget", "seconds": 0.0}
             continue
-        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", batch[0].removeprefix("tests/gpu/") if len(batch) == 1 else batch[0])
-        command = [sys.executable, "-m", "pytest", *batch, "-v", "-rA", "-p", "no:cacheprovider"]
-        log = out / "tests" / f"{name.split('::')[0]}.log"
-        code, seconds, output = run(command, log, min(per_test * len(batch), left))
-        found = outcomes(output)
-        unfinished = [test for test in batch if test not in found]
+        name = batch[0].removeprefix("tests/gpu/")
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", name if len(batch) == 1 else name.split("::")[0])
+        command = [sys.executable, "-m", "pytest", *batch, "-v", "-rA", "--durations=0", "-p", "no:cacheprovider"]
+        command += ["-p", "benchmarks.pytest_live_report"]  # a failure's report as it happens
+        code, seconds, output = run(command, out / "tests" / f"{name}.log", min(per_test * len(batch), left), cwd)
+        found, timed = outcomes(output), durations(output)
         for test in batch:
             if test in found:
-                results[test] = {"id": test, "status": found[test], "seconds": round(seconds / len(batch), 1)}
+                results[test] = {"id": test, "status": found[test], "seconds": round(timed.get(test, 0.0), 1)}
+        unfinished = [test for test in batch if test not in found]
         if unfinished:  # the first was running when the process timed out or died; the rest never started
-            hung = unfinished[0]
-            status = status_of(code, output) if code is not None else "timeout"
-            status = "timeout" if code is None else (status if status != "passed" else f"crashed (exit {code})")
-            results[hung] = {"id": hung, "status": status, "seconds": round(seconds, 1)}
+            status = "timeout" if code is None else f"crashed (exit {code})"
+            results[unfinished[0]] = {"id": unfinished[0], "status": status, "seconds": round(seconds, 1)}
             batches = [[test] for test in unfinished[1:]] + batches
         for test in batch:
-            if test in results and results[test]["status"] != "passed" and "tail" not in results[test]:
-                results[test]["tail"] = _tail(output, test)
-                print(f"{results[test]['status']:>8}  {test}", flush=True)
-        print(f"{len(batch)} test(s) in {seconds:.0f} s: {', '.join(sorted({found.get(t, '-') for t in batch}))}")
+            result = results.get(test)
+            if result is not None and result["status"] != "passed" and "tail" not in result:
+                result["tail"] = _tail(output, test)
+        print(f"{seconds:6.1f} s  " + ", ".join(f"{t}: {results[t]['status']}" for t in batch if t in results))
     return [results[test] for test in ids if test in results]
 
 
@@ -210,7 +232,8 @@ def verdict(summary: dict[str, Any]) -> tuple[str, str | None]:
     not_passed = [t for t in summary.get("tests", []) if t["status"] != "passed"]
     if summary["dry_run"]:
         state = "collected" if summary["collected"] else "NOT collected (see collect.log in the archive)"
-        return f"DRY RUN: nothing ran on a GPU; tests/gpu {state}; the numbers below are synthetic", cause
+        starts = "" if (summary.get("gpu_shares") or {}).get("starts") else "; gpu_shares.py does NOT start"
+        return f"DRY RUN: nothing ran on a GPU; tests/gpu {state}{starts}; the numbers below are synthetic", cause
     parts = []
     if not summary["collected"]:
         parts.append("tests/gpu not collected")
@@ -219,6 +242,10 @@ def verdict(summary: dict[str, Any]) -> tuple[str, str | None]:
     status = (summary.get("gpu_shares") or {}).get("status")
     if status not in (None, "ok"):
         parts.append(f"gpu_shares {status}")
+    unpaired = [w for w, s in workloads.items() if not s.get("pairs")]
+    if unpaired:
+        skipped = {r["status"] for r in shares.get("runs", []) if r.get("workload") in unpaired}
+        parts.append(f"no DDP/Cannikin pair for {', '.join(unpaired)} ({', '.join(sorted(skipped))})")
     return ("PASS" if summary["ok"] else "FAIL: " + "; ".join(parts or ["see the tests"])), cause
 
 
@@ -249,8 +276,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     out: Path = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".gpu_check_", dir=out))  # packed into the archive at the end
-    if str(ROOT) not in sys.path:  # run as a script, this checkout is not on the path
-        sys.path.insert(0, str(ROOT))
 
     import torch  # here, not above: `--help` stays instant; `is_available` creates no CUDA context (MPS comes later)
 
@@ -266,13 +291,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     if not gpu:
         why = "--dry-run" if args.dry_run else "no CUDA device"
-        code, _, output = run([sys.executable, str(SHARES), "--help"], work / "gpu_shares_help.log", 60.0)
+        help_timeout = max(min(60.0, closing - time.monotonic()), 1.0)
+        code, _, output = run([sys.executable, str(SHARES), "--help"], work / "gpu_shares_help.log", help_timeout)
         from benchmarks.gpu_shares import synthetic_result
 
         state = "collected" if collected else "NOT collected (collect.log says why)"
         summary["note"] = f"dry run ({why}): tests/gpu {state}, nothing run; gpu_shares' numbers are synthetic"
         summary["synthetic"] = True
         summary["tests"] = [{"id": test, "status": "not run (dry run)"} for test in ids]
+        summary["counts"] = {"not run (dry run)": len(ids)}
         shares = synthetic_result()
         (work / "gpu_shares.json").write_text(json.dumps(shares, indent=1))
         summary["gpu_shares"] = {"starts": code == 0, "status": "synthetic", "result": _reported(shares)}

@@ -830,9 +830,10 @@ class Mps:
         if mps.active:
             ok, why = probe_client(probe, probe_timeout, share)
             if not ok:
+                stopped = "stopped" if mps.started else "left running (not started here), bypassed"
                 mps.stop()
                 mps.active = False
-                mps.note += f"; a client did not work under it ({why}): stopped, the ranks time-slice the GPU"
+                mps.note += f"; a client did not work under it ({why}): {stopped}, the ranks time-slice the GPU"
         mps.sharing = "MPS shares" if mps.active else "time-sliced"
         mps.seconds = time.monotonic() - began
         return mps
@@ -1004,8 +1005,11 @@ def rank_env(config: Config, rank: int, port: int, run_id: str) -> dict[str, str
     return env
 
 
-def launch(config: Config, job: dict[str, Any], run_dir: Path, timeout: float) -> dict[str, Any]:
-    """Start every rank of ``job``, wait (a rank that fails ends the run: the others would wait on it), collect."""
+def launch(
+    config: Config, job: dict[str, Any], run_dir: Path, timeout: float, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Start every rank of ``job`` (``env`` added to each rank's), wait (a rank that fails ends the run: the others
+    would wait on it), collect."""
     run_dir.mkdir(parents=True, exist_ok=True)
     job_path = run_dir / "job.json"
     job_path.write_text(json.dumps({**job, "config": asdict(config)}, indent=1))
@@ -1022,7 +1026,7 @@ def launch(config: Config, job: dict[str, Any], run_dir: Path, timeout: float) -
                 processes.append(
                     subprocess.Popen(
                         [sys.executable, str(Path(__file__).resolve()), "--worker", str(job_path)],
-                        env=rank_env(config, rank, port, run_dir.name),
+                        env={**rank_env(config, rank, port, run_dir.name), **(env or {})},
                         cwd=run_dir,
                         stdout=log,
                         stderr=subprocess.STDOUT,
@@ -1095,17 +1099,27 @@ def run_benchmark(
     def left() -> float:
         return config.deadline - (time.monotonic() - began)
 
+    def sharing_env() -> dict[str, str]:
+        """Time-sliced on a GPU: the ranks look for MPS's pipes in an empty folder, so a daemon that does not answer
+        (one running before, not stopped here) cannot take them as its clients; they run without MPS."""
+        if config.smoke or mps.active:
+            return {}
+        empty = logs / "no-mps-pipes"
+        empty.mkdir(parents=True, exist_ok=True)
+        return {"CUDA_MPS_PIPE_DIRECTORY": str(empty)}
+
     try:
         timeout = max(min(config.run_timeout, left()), 1.0)
-        calibration_run = launch(config, {"kind": "calibrate"}, logs / "calibrate", timeout)
+        calibration_run = launch(config, {"kind": "calibrate"}, logs / "calibrate", timeout, sharing_env())
         if calibration_run["status"] != "ok" and mps.active:
             # the ranks could not use the daemon (its logs say why): measure time-sliced rather than not at all;
             # speed_vs_share then shows the shares did not take effect
+            stopped = "stopped" if mps.started else "bypassed (not started here)"
             mps.stop()
             mps.active, mps.sharing = False, "time-sliced"
-            mps.note += "; the calibration failed under it: stopped, the ranks time-slice the GPU"
+            mps.note += f"; the calibration failed under it: {stopped}, the ranks time-slice the GPU"
             timeout = max(min(config.run_timeout, left()), 1.0)
-            calibration_run = launch(config, {"kind": "calibrate"}, logs / "calibrate-no-mps", timeout)
+            calibration_run = launch(config, {"kind": "calibrate"}, logs / "calibrate-no-mps", timeout, sharing_env())
         longest = calibration_run["seconds"]
         for repeat in range(config.repeats):
             for workload in config.workloads:
@@ -1118,7 +1132,8 @@ def run_benchmark(
                 for strategy in STRATEGIES:  # DDP, Cannikin, DDP, Cannikin...: a drift of the machine hits both
                     job = {"kind": "fit", "workload": workload, "strategy": strategy, "repeat": repeat}
                     name = f"{workload}-{strategy}-{repeat}"
-                    run = launch(config, job, logs / name, max(min(config.run_timeout, left()), 1.0))
+                    timeout = max(min(config.run_timeout, left()), 1.0)
+                    run = launch(config, job, logs / name, timeout, sharing_env())
                     longest = max(longest, run["seconds"])
                     runs.append(run)
                     print(f"{name}: {run['status']} in {run['seconds']:.0f} s", flush=True)

@@ -99,6 +99,26 @@ def test_each_tests_status_comes_from_pytests_live_lines_and_a_hung_test_has_non
     }
 
 
+def test_a_hung_test_costs_its_own_time_only_and_the_tests_after_it_still_run(tmp_path: Path) -> None:
+    # a module as tests/gpu holds them, under a rootdir of its own: one passes, one fails, one hangs, one passes after
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "tests" / "gpu").mkdir(parents=True)
+    (tmp_path / "tests" / "gpu" / "test_fake.py").write_text(
+        "import time\n"
+        "def test_a():\n    pass\n"
+        "def test_b():\n    assert 1 == 2, 'the assertion'\n"
+        "def test_c():\n    time.sleep(120)\n"
+        "def test_d():\n    pass\n"
+    )
+    ids = [f"tests/gpu/test_fake.py::test_{name}" for name in "abcd"]
+    started = time.monotonic()
+    results = gpu_check.run_tests(ids, tmp_path / "out", time.monotonic() + 100, per_test=4.0, cwd=tmp_path)
+    assert time.monotonic() - started < 60
+    assert [r["status"] for r in results] == ["passed", "failed", "timeout", "passed"]
+    assert any("the assertion" in line for line in results[1]["tail"])
+    assert results[2]["seconds"] >= 4 * 4 - 1  # the module's timeout: four tests' worth
+
+
 def test_water_filling_ends_every_busy_rank_together_and_leaves_out_a_rank_too_slow_to_help() -> None:
     # no intercepts: T* = B / sum(1 / a_i), split in proportion to speed
     best, split = water_fill([(1.0, 0.0), (2.0, 0.0), (4.0, 0.0)], 7)
