@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -233,7 +234,11 @@ def verdict(summary: dict[str, Any]) -> tuple[str, str | None]:
     if summary["dry_run"]:
         state = "collected" if summary["collected"] else "NOT collected (see collect.log in the archive)"
         starts = "" if (summary.get("gpu_shares") or {}).get("starts") else "; gpu_shares.py does NOT start"
-        return f"DRY RUN: nothing ran on a GPU; tests/gpu {state}{starts}; the numbers below are synthetic", cause
+        failed = f"; the check itself failed: {summary['error'][-1]}" if summary.get("error") else ""
+        return (
+            f"DRY RUN: nothing ran on a GPU; tests/gpu {state}{starts}{failed}; any numbers below are synthetic",
+            cause,
+        )
     parts = []
     if not summary["collected"]:
         parts.append("tests/gpu not collected")
@@ -246,6 +251,8 @@ def verdict(summary: dict[str, Any]) -> tuple[str, str | None]:
     if unpaired:
         skipped = {r["status"] for r in shares.get("runs", []) if r.get("workload") in unpaired}
         parts.append(f"no DDP/Cannikin pair for {', '.join(unpaired)} ({', '.join(sorted(skipped))})")
+    if summary.get("error"):
+        parts.append(f"the check itself failed: {summary['error'][-1]}")
     return ("PASS" if summary["ok"] else "FAIL: " + "; ".join(parts or ["see the tests"])), cause
 
 
@@ -289,34 +296,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         "collected": collected,
         "collect_seconds": round(collect_s, 1),
     }
-    if not gpu:
-        why = "--dry-run" if args.dry_run else "no CUDA device"
-        help_timeout = max(min(60.0, closing - time.monotonic()), 1.0)
-        code, _, output = run([sys.executable, str(SHARES), "--help"], work / "gpu_shares_help.log", help_timeout)
-        from benchmarks.gpu_shares import synthetic_result
+    try:
+        if not gpu:
+            why = "--dry-run" if args.dry_run else "no CUDA device"
+            help_timeout = max(min(60.0, closing - time.monotonic()), 1.0)
+            code, _, output = run([sys.executable, str(SHARES), "--help"], work / "gpu_shares_help.log", help_timeout)
+            from benchmarks.gpu_shares import synthetic_result
 
-        state = "collected" if collected else "NOT collected (collect.log says why)"
-        summary["note"] = f"dry run ({why}): tests/gpu {state}, nothing run; gpu_shares' numbers are synthetic"
-        summary["synthetic"] = True
-        summary["tests"] = [{"id": test, "status": "not run (dry run)"} for test in ids]
-        summary["counts"] = {"not run (dry run)": len(ids)}
-        shares = synthetic_result()
-        (work / "gpu_shares.json").write_text(json.dumps(shares, indent=1))
-        summary["gpu_shares"] = {"starts": code == 0, "status": "synthetic", "result": _reported(shares)}
-        if code != 0:
-            summary["gpu_shares"]["tail"] = output.splitlines()[-25:]
-        ok = collected and code == 0
-    else:
-        until = closing - (0.0 if args.no_shares else SHARES_RESERVE_S)
-        tests = run_tests(ids, work, until, args.test_timeout)
-        summary["tests"] = tests
-        summary["counts"] = {
-            status: sum(t["status"] == status for t in tests) for status in sorted({t["status"] for t in tests})
-        }
-        ok = collected and bool(tests) and all(t["status"] == "passed" for t in tests)
-        if not args.no_shares:
-            summary["gpu_shares"] = run_shares(work, closing - time.monotonic())
-            ok = ok and summary["gpu_shares"]["status"] == "ok"
+            state = "collected" if collected else "NOT collected (collect.log says why)"
+            summary["note"] = f"dry run ({why}): tests/gpu {state}, nothing run; gpu_shares' numbers are synthetic"
+            summary["synthetic"] = True
+            summary["tests"] = [{"id": test, "status": "not run (dry run)"} for test in ids]
+            summary["counts"] = {"not run (dry run)": len(ids)}
+            shares = synthetic_result()
+            (work / "gpu_shares.json").write_text(json.dumps(shares, indent=1))
+            summary["gpu_shares"] = {"starts": code == 0, "status": "synthetic", "result": _reported(shares)}
+            if code != 0:
+                summary["gpu_shares"]["tail"] = output.splitlines()[-25:]
+            ok = collected and code == 0
+        else:
+            until = closing - (0.0 if args.no_shares else SHARES_RESERVE_S)
+            tests = run_tests(ids, work, until, args.test_timeout)
+            summary["tests"] = tests
+            summary["counts"] = {
+                status: sum(t["status"] == status for t in tests) for status in sorted({t["status"] for t in tests})
+            }
+            ok = collected and bool(tests) and all(t["status"] == "passed" for t in tests)
+            if not args.no_shares:
+                summary["gpu_shares"] = run_shares(work, closing - time.monotonic())
+                ok = ok and summary["gpu_shares"]["status"] == "ok"
+    except Exception:  # the three files are written whatever went wrong here, with what it was
+        summary["error"] = traceback.format_exc().splitlines()[-25:]
+        ok = False
     summary["ok"] = ok
     summary["seconds"] = round(time.monotonic() - started, 1)
     report = finish(out, work, summary)

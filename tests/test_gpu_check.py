@@ -74,6 +74,19 @@ def test_a_dry_run_whose_collection_fails_says_so(tmp_path: Path, monkeypatch, c
     assert "NOT collected" in summary["verdict"] and "NOT collected" in capsys.readouterr().out
 
 
+def test_the_three_files_are_written_whatever_fails_in_the_check(tmp_path: Path, monkeypatch) -> None:
+    def broken(*args, **kwargs):
+        raise RuntimeError("the synthetic result broke")
+
+    monkeypatch.setattr(gpu_check, "collect", lambda out, timeout: (["tests/gpu/test_x.py::test_y"], True, 0.5))
+    monkeypatch.setattr(gpu_shares, "synthetic_result", broken)
+    assert gpu_check.main(["--dry-run", "--out", str(tmp_path)]) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["artifacts.tar.gz", "report.md", "summary.json"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["ok"] is False and "RuntimeError: the synthetic result broke" in summary["verdict"]
+    assert "the synthetic result broke" in (tmp_path / "report.md").read_text()
+
+
 def test_status_comes_from_the_exit_status_and_the_closing_counts() -> None:
     assert status_of(0, "1 passed in 3.1s") == "passed"
     assert status_of(0, "1 skipped in 3.1s") == "skipped"
