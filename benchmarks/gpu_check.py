@@ -243,7 +243,9 @@ def verdict(summary: dict[str, Any]) -> tuple[str, str | None]:
     if not summary["collected"]:
         parts.append("tests/gpu not collected")
     if not_passed:
-        parts.append(f"{len(not_passed)} of {len(summary.get('tests', []))} tests did not pass")
+        kinds = sorted({t["status"] for t in not_passed})
+        counts = ", ".join(f"{sum(t['status'] == kind for t in not_passed)} {kind}" for kind in kinds)
+        parts.append(f"{len(not_passed)} of {len(summary.get('tests', []))} tests did not pass ({counts})")
     status = (summary.get("gpu_shares") or {}).get("status")
     if status not in (None, "ok"):
         parts.append(f"gpu_shares {status}")

@@ -135,6 +135,10 @@ def render(summary: Mapping[str, Any]) -> str:
         lines += ["", "## Where a step goes (ms on the critical path; the gap's parts in ratio points)", ""]
         lines += [*decomposition_table(result), "", "## Every rank (ms, steady medians)", ""]
         lines += [*ranks_table(result), ""]
+    if shares.get("tail"):
+        lines += ["## gpu_shares did not complete: its last lines", "", "```", *shares["tail"], "```", ""]
+    if summary.get("error"):
+        lines += ["## The check itself failed", "", "```", *summary["error"], "```", ""]
     if summary.get("tests"):
         lines += ["## tests/gpu", "", *tests_table(summary["tests"]), ""]
     lines += ["Files: `summary.json` (the verdict and every ratio), this report, `artifacts.tar.gz` (every log)."]
