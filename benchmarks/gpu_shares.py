@@ -1,9 +1,11 @@
 """Real heterogeneous devices on one GPU: three ranks held to 60 / 25 / 15% of its SMs by MPS, Lightning DDP against
 Cannikin, and the ideal those shares allow.
 
-``python benchmarks/gpu_shares.py --out DIR`` on a machine with one CUDA GPU (about 4 minutes; as root it starts the
-MPS daemon, ``nvidia-cuda-mps-control -d``, and stops it at the end, also when ended by SIGTERM, which ends every rank
-it started too; a daemon already running is used and left alone).
+``python benchmarks/gpu_shares.py --out DIR`` on a machine with one CUDA GPU (``--deadline``, default 180 s, plans
+the repeats). As root it starts the MPS daemon, ``nvidia-cuda-mps-control -d`` (without pipes, under a 10 s bound),
+probes it with one CUDA client (25 s), and stops it at the end, also when ended by SIGTERM, which ends every rank it
+started too (SIGTERM, then SIGKILL); a daemon already running is used and left alone. A daemon that does not start or
+answer is stopped and skipped within seconds, and the run goes on time-sliced, labelled so (``sharing``).
 Every run starts three rank processes as torchelastic would (``devices=1, num_nodes=3``; ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK=0``, ``GROUP_RANK``, ``NODE_RANK``, ``LOCAL_WORLD_SIZE=1``, ``MASTER_ADDR``, ``MASTER_PORT``,
 ``TORCHELASTIC_RUN_ID``; the rendezvous store is held by this script, as torchrun's agent holds it), each with its
@@ -18,25 +20,25 @@ What runs, in this order:
    (forward, backward, SGD step) at three batch sizes with CUDA events and fits ``t_i(b) = a_i * b + a0_i``; then all
    ranks together at the even split (MPS splits the SMs but not the memory bandwidth: this is the interference); and
    each rank's host loader alone (samples a second its workers deliver to the device).
-2. Lightning DDP and Cannikin (``CannikinStrategy``, default balancing, fixed total) interleaved, ``--repeats`` times,
+2. Lightning DDP and Cannikin (``CannikinStrategy``, default balancing, fixed total) interleaved, in as many pairs as
+   the deadline leaves time for (at most ``--repeats``),
    on two workloads with the same model, initial weights and global batch: ``compute`` (uint8 images resident on the
    device, fetched as one gather a batch: no host cost) and ``loader`` (host tensors, a DataLoader with 2 workers and
    pinned memory, per-sample indexing and collation, as most training reads data).
 
 Every rank records every step with the package's own step timer (``step_timer_for``: CUDA events read lazily, no
-synchronisation per step), in both strategies alike: the device span (forward start to its last gradient ready:
-``StepRecord.compute``), the input span (``StepRecord.host``: the device idle between the previous step's end and this
-one's start, where the loop fetches and copies the next batch), the step (batch start to end, the all-reduce and the
-optimizer included), the all-reduce's exposed part and what follows it (``StepRecord.after``: the optimizer step).
-Epochs are timed on the wall clock, synchronised at epoch starts and at the end only.
+synchronisation per step), in both strategies alike: the device span (forward start to its last gradient ready), the
+input (the loader's fetch, marked by a hook on the training loader, to the batch's start), the wait before it (the
+step's end to the fetch: Lightning's per-step broadcast), the step (batch start to end), the all-reduce's exposed part
+and what follows it (the optimizer step). Epochs are timed on the wall clock, synchronised at epoch starts and at the
+end only.
 
-The JSON (``gpu_shares.json``; ``definitions`` in it says the same) gives per workload the measured Cannikin / DDP time
-ratio (steady epochs: every epoch but the first; the whole training loop; the median step), the ideal ratio (the
-optimal split of the calibrated lines against the even split of the same lines), the ideal against measured DDP
-(DDP's measured step less what the optimal split saves on the lines), the fraction of the ideal reached,
-``(1 - measured) / (1 - ideal)``, and ``gap``: the ratio points lost to DDP's per-step cost outside the lines, to the
-split Cannikin chose and to Cannikin's steps costing more than that split predicts, with every rank's medians to show
-which part of a step it was.
+The JSON (``gpu_shares.json``; ``definitions`` in it says the same) gives per workload the measured Cannikin / DDP
+time ratios, the ideal ``(T* + fixed) / (T_even + fixed)`` from the solo compute lines and DDP's fixed per-step costs,
+the fraction of it reached, and ``shortfall`` (:mod:`benchmarks.shortfall`): every rank's step split into solo
+compute, interference, input, broadcast wait, all-reduce and optimizer, each part's ratio points of the gap, and the
+one that holds Cannikin back most, in one line. ``synthetic_result`` builds the same JSON from a loop whose every part
+is known (the GPU check's dry run).
 """
 
 from __future__ import annotations
@@ -44,7 +46,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import faulthandler
-import inspect
 import itertools
 import json
 import os
@@ -57,7 +58,7 @@ import tempfile
 import time
 import traceback
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -65,11 +66,23 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
+from typing_extensions import override
+
+if __package__ in (None, ""):  # run as a script: this checkout's benchmarks, not an installed copy
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.shortfall import decompose, fit_line, fraction_of_ideal, line_time, water_fill
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results"
 MPS_CONTROL = "nvidia-cuda-mps-control"
 MPS_CONTROL_PATH = "/usr/local/nvidia/bin/nvidia-cuda-mps-control"
+MPS_CONTROL_ENV = "GPU_SHARES_MPS_CONTROL"  # another control program (a test's stand-in)
+# the daemon's start, a client's probe and its quit are bounded: an MPS that does not answer costs seconds, not a run
+MPS_START_TIMEOUT_S, MPS_PROBE_TIMEOUT_S, MPS_QUIT_TIMEOUT_S = 10.0, 25.0, 5.0
+MPS_PROBE = "import torch; x = torch.ones(1 << 20, device='cuda'); torch.cuda.synchronize(); print(float(x.sum()))"
+# a rank or a probe that must end gets SIGTERM, then this long, then SIGKILL (a SIGKILLed MPS client can wedge the
+# server: pytorch#32575)
+CLIENT_TERM_GRACE_S = 3.0
 STRATEGIES = ("ddp", "cannikin")
 WORKLOADS = ("compute", "loader")
 LR, MOMENTUM = 0.02, 0.9
@@ -82,28 +95,31 @@ PAUSE_GAP_S = 5.0
 _FOREIGN_PREFIXES = ("SLURM_", "TORCHELASTIC_", "LSB_", "PL_", "OMPI_", "PMI_", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
 
 DEFINITIONS = {
+    "sharing": "how the ranks shared the GPU: MPS shares (each held to its SM share), time-sliced (MPS absent, failed"
+    " or skipped: no SM limits), CPU (smoke) or synthetic (the GPU check's dry run: every number made up)",
     "measured_ratio_steady": "Cannikin / DDP wall time of the steady epochs (every epoch but the first, which holds"
     " Cannikin's probing), rank 0's clock synchronised at epoch starts; median over the repeats' pairs",
     "measured_ratio_fit": "the same over the whole training loop (on_train_start to on_train_end, every epoch)",
-    "measured_ratio_step": "Cannikin / DDP median steady step on rank 0 (input span + batch start to batch end)",
-    "ideal_ratio": "T* / T_even on the calibrated lines t_i(b) = a_i b + a0_i (each rank alone at its share, full"
-    " training steps): T* the optimal continuous split of the total, T_even = max_i t_i(total / n)",
-    "ideal_ratio_vs_measured_ddp": "1 - (T_even - T*) / DDP's measured step: DDP as measured, less what the optimal"
-    " split saves on the lines (every other per-step cost kept)",
+    "measured_ratio_step": "Cannikin / DDP median steady cycle on rank 0 (the previous step's end to this one's)",
+    "ideal_ratio_lines": "T* / T_even on the calibrated solo compute lines t_i(b) = a_i b + a0_i (each rank alone at"
+    " its share, forward and backward): T* the optimal continuous split of the total, T_even = max_i t_i(total / n)",
+    "ideal_ratio": "(T* + fixed) / (T_even + fixed), fixed = DDP's all-reduce, broadcast wait and optimizer step on"
+    " its critical path (costs no split shrinks); see shortfall",
     "fraction_of_ideal": "(1 - measured_ratio_steady) / (1 - ideal_ratio); null where the ideal saves under 2%",
-    "fraction_of_ideal_vs_measured_ddp": "(1 - measured_ratio_steady) / (1 - ideal_ratio_vs_measured_ddp)",
-    "gap": "ratio points between ideal_ratio and measured_ratio_step: ddp_overhead = ideal_ratio_vs_measured_ddp -"
-    " ideal_ratio (DDP's per-step cost outside the lines: all-reduce, input, interference, Lightning); split = the"
-    " ratio of Cannikin's chosen split on the lines plus DDP's overhead, less ideal_ratio_vs_measured_ddp;"
-    " cannikin_steps = measured_ratio_step less that (Cannikin's steps cost more than its split and DDP's overhead"
-    " predict)",
+    "fraction_of_ideal_step": "the same on the critical path's cycles (shortfall.measured_ratio)",
+    "shortfall": "benchmarks/shortfall.py: every rank's steady cycle split into lines (its solo compute line at its"
+    " batch), interference (measured compute less that), input (the loader's fetch to the batch's start), broadcast"
+    " (the step's end to the loader's fetch: the loop's work and its wait at Lightning's broadcast), allreduce (last"
+    " gradient ready to the reduction's end), optimizer (the reduction's end to the step's end) and other; the"
+    " critical path (the last rank at the all-reduce up to it, the last at the broadcast after it); contributions:"
+    " each part's ratio points of measured_ratio - ideal_ratio, which they add up to; cause: the largest",
     "ranks": "per strategy, per rank, medians over the steady steps (then over repeats): batch, compute_ms (device"
     " span: forward start to the last gradient ready), solo_compute_ms (the calibrated compute line at that batch),"
-    " host_ms (device idle for its input between steps), exposed_ms (last gradient ready to the all-reduce's end:"
-    " waiting for slower ranks plus the reduction), after_ms (the all-reduce's end to the step's end: the optimizer"
-    " step and Lightning's closing work), gap_ms (the step's end to the next input request: Lightning's loop,"
-    " whose broadcast at each step's start, from 2.5.2, waits for the other ranks and, on CUDA, for the device),"
-    " step_ms (batch start to end), cycle_ms (host_ms + step_ms)",
+    " host_ms (the loader's fetch to the batch's start: on CUDA, device idle for its input), exposed_ms (last"
+    " gradient ready to the all-reduce's end: waiting for slower ranks plus the reduction), after_ms (the all-reduce's"
+    " end to the step's end: the optimizer step and Lightning's closing work), gap_ms (the step's end to the loader's"
+    " fetch for the next: Lightning's loop, whose broadcast at each step's start, from 2.5.2, waits for the other ranks"
+    " and, on CUDA, for the device), step_ms (batch start to end), cycle_ms (gap_ms + host_ms + step_ms)",
 }
 
 
@@ -115,7 +131,7 @@ class Config:
     shares: tuple[int, ...] = (60, 25, 15)
     total: int = 768  # global batch: 256 a rank under DDP
     steps: int = 30  # a epoch's global batches
-    epochs: int = 4
+    epochs: int = 3  # the first holds Cannikin's probing; the other two are the steady ones
     width: int = 64  # channels of the first convolution
     image: int = 64  # side of the 3 x image x image inputs
     classes: int = 10
@@ -124,10 +140,10 @@ class Config:
     calib_steps: int = 8
     concurrent_seconds: float = 2.0
     threads: int = 4  # torch's CPU threads a rank (16 cores for 3 ranks and their workers)
-    repeats: int = 2
+    repeats: int = 3  # at most: a (DDP, Cannikin) pair starts only where the deadline leaves time for both
     workloads: tuple[str, ...] = WORKLOADS
-    run_timeout: float = 150.0
-    deadline: float = 300.0  # no run starts that the longest run so far says cannot end before it
+    run_timeout: float = 120.0
+    deadline: float = 180.0  # no run starts that the longest run so far says cannot end before it
 
     @property
     def world_size(self) -> int:
@@ -224,14 +240,55 @@ def whole_batch(batch: Any) -> Any:
     return batch
 
 
-def training_loader(config: Config, workload: str, device: torch.device) -> DataLoader:
-    """The even split's per-rank loader (Lightning adds DDP's sampler; Cannikin rebuilds it around its own)."""
+class FetchTimedLoader(DataLoader):
+    """A DataLoader that calls ``on_fetch`` where the loop asks it for a batch after an iteration's first: where the
+    fetch really starts (after the loop's broadcast at the step's start; Lightning's loop keeps one batch ahead, so the
+    batch fetched there is the next step's, as the package's own loader times it). Lightning rebuilds a DataLoader
+    with its sampler as the same class; the Cannikin strategy rebuilds it as its own loader, which has the same hook.
+    """
+
+    on_fetch: Callable[[], None] | None = None
+
+    @override
+    def __iter__(self) -> Iterator[Any]:
+        return _calling_on_fetch(super().__iter__(), self)
+
+
+def _calling_on_fetch(batches: Iterator[Any], loader: Any) -> Iterator[Any]:
+    for batch in batches:
+        yield batch
+        if loader.on_fetch is not None:  # resumed: the loop asks for the next batch, which the loop below fetches
+            loader.on_fetch()
+
+
+def hook_fetch(loader: Any, callback: Callable[[], None]) -> bool:
+    """Have ``loader`` call ``callback`` (too) where it starts a fetch; ``False`` where it has no such hook."""
+    if not hasattr(loader, "on_fetch"):
+        return False
+    previous = loader.on_fetch
+    if previous is None or previous == callback or getattr(previous, "chained", None) == callback:
+        loader.on_fetch = callback if previous is None else previous
+        return True
+
+    def both() -> None:
+        previous()  # the Cannikin engine's own input mark
+        callback()
+
+    both.chained = callback  # type: ignore[attr-defined]
+    loader.on_fetch = both
+    return True
+
+
+def training_loader(config: Config, workload: str, device: torch.device, strategy: str = "ddp") -> DataLoader:
+    """The even split's per-rank loader (Lightning adds DDP's sampler; Cannikin rebuilds it around its own, as its
+    own loader class, which calls the same ``on_fetch``: it is given a plain DataLoader, as it asks for)."""
+    cls = FetchTimedLoader if strategy == "ddp" else DataLoader
     count = config.steps * config.total
     if workload == "compute":
         images, labels = synthetic_images(count, config, device, seed=1)
-        return DataLoader(DeviceBatches(images, labels), batch_size=config.even, shuffle=True, collate_fn=whole_batch)
+        return cls(DeviceBatches(images, labels), batch_size=config.even, shuffle=True, collate_fn=whole_batch)
     images, labels = synthetic_images(count, config, torch.device("cpu"), seed=1)
-    return DataLoader(
+    return cls(
         TensorDataset(images, labels),
         batch_size=config.even,
         shuffle=True,
@@ -369,12 +426,10 @@ def fit_rank(config: Config, workload: str, strategy_name: str, run_dir: Path) -
     from lightning.pytorch.strategies import DDPStrategy
 
     from lightning_cannikin import Cannikin, CannikinStrategy
-    from lightning_cannikin.training.grad_ready import GradientReadiness
-    from lightning_cannikin.training.step_timer import step_timer_for
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = rank_device(config)
-    loader = training_loader(config, workload, device)
+    loader = training_loader(config, workload, device, strategy_name)
 
     class Classifier(pl.LightningModule):
         """The model; sums its loss over each epoch's samples on the device (read once, after the fit)."""
@@ -398,72 +453,9 @@ def fit_rank(config: Config, workload: str, strategy_name: str, run_dir: Path) -
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
 
-    class Spans(Callback):
-        """Every step of this rank on the package's step timer, whichever strategy trains, and the epochs' clock."""
-
-        def __init__(self) -> None:
-            self.timer = step_timer_for(device)
-            # the input span (StepRecord.host) where the timer has it: an epoch's first step has none
-            self.takes_input = "after_input" in inspect.signature(self.timer.start).parameters
-            self.readiness: Any = None
-            self.step = self.epoch = 0
-            self.first = True
-            self.epoch_of: dict[int, int] = {}
-            self.sizes_of: dict[int, tuple[int, ...]] = {}
-            self.clock: list[float] = []  # every epoch's start, then the end of training
-            self.records: list[Any] = []
-
-        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-            # no Python comm hook under DDP's own all-reduce: the last gradient ready ends the device span, as the
-            # Cannikin strategy times it too
-            self.readiness = GradientReadiness(pl_module.parameters(), self.timer.gradient_ready)
-
-        def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-            synchronize(device)  # epochs end on the device, not where the host queued them
-            self.clock.append(time.perf_counter())
-            self.epoch, self.first = trainer.current_epoch, True
-
-        def on_train_batch_start(
-            self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int
-        ) -> None:
-            if self.takes_input:
-                self.timer.start(after_input=not self.first)
-            else:
-                self.timer.start()
-            self.timer.forward_start()
-            self.first = False
-
-        def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-            self.timer.will_reduce(True)  # no accumulation: every backward reduces
-
-        def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-            self.timer.backward_done()
-            self.readiness.backward_done()
-
-        def on_train_batch_end(
-            self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int
-        ) -> None:
-            # after Cannikin's callback (listed first): its re-plan is inside this step, not in the next one's input
-            sizes = getattr(trainer.strategy, "step_sizes", None)
-            self.sizes_of[self.step] = tuple(sizes) if sizes else (len(batch[1]),) * world
-            self.epoch_of[self.step] = self.epoch
-            self.timer.finish(self.step, rank, len(batch[1]))
-            if hasattr(self.timer, "input_starts"):
-                self.timer.input_starts()
-            self.step += 1
-
-        def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-            self.records += self.timer.records()  # those the device has finished; the rest stay queued
-
-        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-            synchronize(device)
-            self.clock.append(time.perf_counter())
-            self.records += self.timer.records(wait=True)
-            self.readiness.remove()
-
     torch.manual_seed(0)  # the same initial weights in every rank and run (DDP broadcasts rank 0's anyway)
     model = Classifier()
-    spans = Spans()
+    spans = spans_callback(device, world)
     if strategy_name == "ddp":
         strategy: Any = DDPStrategy(process_group_backend="gloo")
         callbacks: list[Callback] = [spans]
@@ -500,6 +492,7 @@ def fit_rank(config: Config, workload: str, strategy_name: str, run_dir: Path) -
         "epoch_s": [end - start for start, end in itertools.pairwise(clock)],
         "loss_sum": float(model.loss_sum),  # the last epoch's
         "loss_samples": model.samples,
+        "input_from": "the loader's fetch" if spans.fetch_hooked else "the batch's end (no fetch hook)",
         **step_medians(spans.records, spans.epoch_of, spans.sizes_of),
     }
     if strategy_name == "cannikin" and rank == 0:
@@ -507,14 +500,89 @@ def fit_rank(config: Config, workload: str, strategy_name: str, run_dir: Path) -
     return result
 
 
+def spans_callback(device: torch.device, world: int) -> Any:
+    """The callback that times every step of this rank on the package's step timer, whichever strategy trains, and
+    the epochs on the wall clock: its ``records``, ``epoch_of``, ``sizes_of`` and ``clock`` after the fit."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_cannikin.training.grad_ready import GradientReadiness
+    from lightning_cannikin.training.step_timer import step_timer_for
+
+    class Spans(Callback):
+        """Every step of this rank on the package's step timer, whichever strategy trains, and the epochs' clock."""
+
+        def __init__(self) -> None:
+            self.rank, self.world = int(os.environ.get("RANK", "0")), world
+            self.timer = step_timer_for(device)
+            self.readiness: Any = None
+            self.step = self.epoch = 0
+            self.first = True
+            self.epoch_of: dict[int, int] = {}
+            self.sizes_of: dict[int, tuple[int, ...]] = {}
+            self.clock: list[float] = []  # every epoch's start, then the end of training
+            self.records: list[Any] = []
+            self.fetch_hooked = False
+
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            # no Python comm hook under DDP's own all-reduce: the last gradient ready ends the device span, as the
+            # Cannikin strategy times it too
+            self.readiness = GradientReadiness(pl_module.parameters(), self.timer.gradient_ready)
+
+        def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            # the next input is timed from the loader's fetch (a loader built for this epoch gets the hook too): the
+            # loop's broadcast at a step's start lies before it, in `gap`, not in `host`
+            self.fetch_hooked = hook_fetch(trainer.train_dataloader, self.timer.input_starts)
+            synchronize(device)  # epochs end on the device, not where the host queued them
+            self.clock.append(time.perf_counter())
+            self.epoch, self.first = trainer.current_epoch, True
+
+        def on_train_batch_start(
+            self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int
+        ) -> None:
+            self.timer.start(after_input=not self.first)  # an epoch's first step has no input span
+            self.timer.forward_start()
+            self.first = False
+
+        def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+            self.timer.will_reduce(True)  # no accumulation: every backward reduces
+
+        def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            self.timer.backward_done()
+            self.readiness.backward_done()
+
+        def on_train_batch_end(
+            self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int
+        ) -> None:
+            # after Cannikin's callback (listed first): its re-plan is inside this step, not in the next one's input
+            sizes = getattr(trainer.strategy, "step_sizes", None)
+            self.sizes_of[self.step] = tuple(sizes) if sizes else (len(batch[1]),) * self.world
+            self.epoch_of[self.step] = self.epoch
+            self.timer.finish(self.step, self.rank, len(batch[1]))
+            if not self.fetch_hooked:  # a loader without the hook: the next input is timed from here (gap about 0)
+                self.timer.input_starts()
+            self.step += 1
+
+        def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            self.records += self.timer.records()  # those the device has finished; the rest stay queued
+
+        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            synchronize(device)
+            self.clock.append(time.perf_counter())
+            self.records += self.timer.records(wait=True)
+            self.readiness.remove()
+
+    return Spans()
+
+
 def step_medians(records: Sequence[Any], epoch_of: dict[int, int], sizes_of: dict[int, tuple[int, ...]]) -> dict:
     """Medians of this rank's steady steps (every epoch but the first) and of each epoch, and the splits run."""
 
     def medians(rows: Sequence[Any]) -> dict[str, float | None]:
-        host = [r.host for r in rows if getattr(r, "host", None) is not None]
+        host = [r.host for r in rows if r.host is not None]
         exposed = [r.exposed for r in rows if r.exposed is not None]
-        after = [r.after for r in rows if getattr(r, "after", None) is not None]
-        gap = [r.gap for r in rows if getattr(r, "gap", None) is not None]
+        after = [r.after for r in rows if r.after is not None]
+        gap = [r.gap for r in rows if r.gap is not None]
         return {
             "steps": len(rows),
             "batch": _median([r.batch_size for r in rows]),
@@ -524,7 +592,8 @@ def step_medians(records: Sequence[Any], epoch_of: dict[int, int], sizes_of: dic
             "after_ms": _ms(_median(after)),
             "gap_ms": _ms(_median(gap)),
             "step_ms": _ms(_median([r.step_time for r in rows])),
-            "cycle_ms": _ms(_median([r.step_time + (getattr(r, "host", None) or 0.0) for r in rows])),
+            # previous step's end to this one's: the loop between the steps, the input, the step
+            "cycle_ms": _ms(_median([r.step_time + (r.host or 0.0) + (r.gap or 0.0) for r in rows])),
         }
 
     epochs = sorted(set(epoch_of.values()))
@@ -563,6 +632,8 @@ def worker_main(job_path: Path) -> int:
     rank = int(os.environ["RANK"])
     # a run that times out is asked for every thread's stack before it is ended (its loader workers inherit this)
     faulthandler.register(STACKS_SIGNAL, all_threads=True)
+    # asked to end (a run past its time, the launcher ended): unwind, so that a CUDA client leaves MPS cleanly
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     torch.set_num_threads(config.threads)
     out = job_path.parent / f"rank{rank}.json"
     try:
@@ -581,49 +652,14 @@ def worker_main(job_path: Path) -> int:
 # -- the ideal and the summary (the parent; pure) ---------------------------------------------------------------------
 
 
-def fit_line(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
-    """Least-squares ``(a, a0)`` of ``t = a * b + a0``; the slope is kept positive (a device never gets faster with
-    more samples; a flat measurement stays a tiny slope, so water-filling stays defined)."""
-    mean_b, mean_t = statistics.fmean(sizes), statistics.fmean(seconds)
-    spread = sum((b - mean_b) ** 2 for b in sizes)
-    slope = sum((b - mean_b) * (t - mean_t) for b, t in zip(sizes, seconds, strict=True)) / spread if spread else 0.0
-    slope = max(slope, 1e-12)
-    return slope, mean_t - slope * mean_b
-
-
-def line_time(line: tuple[float, float], batch: float) -> float:
-    return line[0] * batch + max(line[1], 0.0)
-
-
-def water_fill(lines: Sequence[tuple[float, float]], total: float) -> tuple[float, list[float]]:
-    """The shortest step ``T*`` for ``total`` samples over devices whose step takes ``a_i * b + a0_i`` (continuous
-    split, ``b_i >= 0``, intercepts clipped at 0) and that split: every rank with work ends at ``T*``."""
-
-    def load(limit: float) -> float:
-        return sum(max(0.0, (limit - max(a0, 0.0)) / a) for a, a0 in lines)
-
-    low, high = 0.0, max(line_time(line, total) for line in lines)
-    for _ in range(200):
-        middle = (low + high) / 2
-        low, high = (middle, high) if load(middle) < total else (low, middle)
-    return high, [max(0.0, (high - max(a0, 0.0)) / a) for a, a0 in lines]
-
-
-def fraction_of_ideal(measured: float | None, ideal: float | None) -> float | None:
-    """``(1 - measured) / (1 - ideal)``: 1 where Cannikin saved all the ideal allows, 0 where it saved nothing."""
-    if measured is None or ideal is None or 1.0 - ideal < 0.02:
-        return None
-    return (1.0 - measured) / (1.0 - ideal)
-
-
 def summarise_calibration(config: Config, ranks: Sequence[dict | None]) -> dict[str, Any] | None:
-    """Each rank's lines and interference, the optimal and the even split's step on them."""
+    """Each rank's solo lines (compute, and full steps with the optimizer), its speed and interference."""
     if not ranks or any(r is None or not r.get("ok") for r in ranks):
         return None
     step_lines = [fit_line(r["sizes"], r["solo_step_s"]) for r in ranks]
     compute_lines = [fit_line(r["sizes"], r["solo_compute_s"]) for r in ranks]
-    best, split = water_fill(step_lines, config.total)
-    even = max(line_time(line, config.even) for line in step_lines)
+    best, split = water_fill(compute_lines, config.total)
+    even = max(line_time(line, config.even) for line in compute_lines)
     # each rank's measured solo step at the even split (one of the calibrated sizes): its speed at its share
     solo_even = [r["solo_step_s"][r["sizes"].index(config.even)] for r in ranks]
     speeds = [config.even / t for t in solo_even]
@@ -638,12 +674,11 @@ def summarise_calibration(config: Config, ranks: Sequence[dict | None]) -> dict[
         "speed_vs_share": [v / speeds[0] / (s / config.shares[0]) for v, s in zip(speeds, config.shares, strict=True)],
         "interference": [r["concurrent_step_s"] / solo for r, solo in zip(ranks, solo_even, strict=True)],
         "loader_samples_per_s": [r["loader_samples_per_s"] for r in ranks],
-        "ideal_step_ms": best * 1e3,
+        "ideal_compute_ms": best * 1e3,
         "ideal_split": [round(b, 1) for b in split],
-        "even_step_ms": even * 1e3,
-        "ideal_ratio": best / even,
+        "even_compute_ms": even * 1e3,
+        "ideal_ratio_lines": best / even,
         "ranks": ranks,
-        "_lines": {"step": step_lines, "compute": compute_lines},
     }
 
 
@@ -664,7 +699,8 @@ def run_view(run: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def summarise_workload(config: Config, calibration: dict[str, Any] | None, runs: Sequence[dict]) -> dict[str, Any]:
-    """Measured ratios over the repeats' (DDP, Cannikin) pairs, the ideal, the fraction reached and the gap's parts."""
+    """Measured ratios over the repeats' (DDP, Cannikin) pairs, the ideal from the solo lines and DDP's fixed costs,
+    the fraction of it reached and the shortfall's parts (:func:`benchmarks.shortfall.decompose`)."""
     views = {(r["strategy"], r["repeat"]): run_view(r) for r in runs}
     pairs = [
         (views[("ddp", k)], views[("cannikin", k)])
@@ -676,6 +712,7 @@ def summarise_workload(config: Config, calibration: dict[str, Any] | None, runs:
         values = [c[key] / d[key] for d, c in pairs if c[key] and d[key]]
         return statistics.median(values) if values else None
 
+    table = rank_table(calibration, runs)
     summary: dict[str, Any] = {
         "pairs": len(pairs),
         "measured_ratio_steady": ratio("steady_s"),
@@ -689,33 +726,21 @@ def summarise_workload(config: Config, calibration: dict[str, Any] | None, runs:
             "ddp": _median([d["loss"] for d, _ in pairs]),
             "cannikin": _median([c["loss"] for _, c in pairs]),
         },
-        "ranks": rank_table(calibration, runs),
+        "ranks": table,
     }
     cannikin = [r["ranks"][0].get("cannikin") for r in runs if r["strategy"] == "cannikin" and run_view(r)]
     summary["cannikin_view"] = cannikin[-1] if cannikin else None
     if calibration is None:
         return summary
-    lines = calibration["_lines"]["step"]
-    best, even = calibration["ideal_step_ms"] / 1e3, calibration["even_step_ms"] / 1e3
-    summary["ideal_ratio"] = calibration["ideal_ratio"]
+    summary["ideal_ratio_lines"] = calibration["ideal_ratio_lines"]
     summary["ideal_split"] = calibration["ideal_split"]
-    summary["fraction_of_ideal"] = fraction_of_ideal(summary["measured_ratio_steady"], calibration["ideal_ratio"])
-    ddp_step = summary["ddp_step_ms"]
-    if ddp_step:
-        ddp_step /= 1e3
-        vs_ddp = 1.0 - (even - best) / ddp_step
-        summary["ideal_ratio_vs_measured_ddp"] = vs_ddp
-        summary["fraction_of_ideal_vs_measured_ddp"] = fraction_of_ideal(summary["measured_ratio_steady"], vs_ddp)
-        split = summary["cannikin_split"]
-        if split and summary["measured_ratio_step"] is not None:
-            on_lines = max(line_time(line, b) for line, b in zip(lines, split, strict=True))
-            with_split = (on_lines + ddp_step - even) / ddp_step
-            summary["cannikin_split_on_lines_ms"] = on_lines * 1e3
-            summary["gap"] = {
-                "ddp_overhead": vs_ddp - calibration["ideal_ratio"],
-                "split": with_split - vs_ddp,
-                "cannikin_steps": summary["measured_ratio_step"] - with_split,
-            }
+    decomposition = decompose(table, calibration["compute_lines_ms"], config.total) if pairs else None
+    summary["shortfall"] = decomposition
+    if decomposition is not None:
+        summary["ideal_ratio"] = decomposition["ideal_ratio"]
+        summary["fraction_of_ideal"] = fraction_of_ideal(summary["measured_ratio_steady"], summary["ideal_ratio"])
+        summary["fraction_of_ideal_step"] = decomposition["fraction_of_ideal"]
+        summary["cause"] = decomposition["cause_line"]
     return summary
 
 
@@ -733,7 +758,7 @@ def rank_table(calibration: dict[str, Any] | None, runs: Sequence[dict]) -> dict
             for key in ("batch", "compute_ms", "host_ms", "exposed_ms", "after_ms", "gap_ms", "step_ms", "cycle_ms"):
                 row[key] = _median([s[key] for s in steady])
             if calibration is not None and row["batch"] is not None:
-                solo = line_time(calibration["_lines"]["compute"][rank], row["batch"]) * 1e3
+                solo = line_time(calibration["compute_lines_ms"][rank], row["batch"])
                 row["solo_compute_ms"] = solo
                 row["compute_vs_solo"] = row["compute_ms"] / solo if row["compute_ms"] and solo > 0 else None
             rows.append(row)
@@ -741,82 +766,210 @@ def rank_table(calibration: dict[str, Any] | None, runs: Sequence[dict]) -> dict
     return table
 
 
+HEADLINE_KEYS = (
+    "measured_ratio_steady",
+    "measured_ratio_fit",
+    "measured_ratio_step",
+    "ideal_ratio",
+    "ideal_ratio_lines",
+    "fraction_of_ideal",
+    "fraction_of_ideal_step",
+    "cannikin_split",
+    "ideal_split",
+    "cause",
+)
+
+
 def headline(result: dict[str, Any]) -> dict[str, Any]:
     """The numbers a summary shows, per workload."""
-    keys = (
-        "measured_ratio_steady",
-        "measured_ratio_fit",
-        "measured_ratio_step",
-        "ideal_ratio",
-        "ideal_ratio_vs_measured_ddp",
-        "fraction_of_ideal",
-        "fraction_of_ideal_vs_measured_ddp",
-        "cannikin_split",
-        "ideal_split",
-        "gap",
-    )
-    out: dict[str, Any] = {"mps": result["mps"]["active"], "device": result.get("device")}
+    out: dict[str, Any] = {"sharing": result["sharing"], "device": result.get("device")}
     for workload, summary in result["summary"].items():
-        out[workload] = {key: _rounded(summary.get(key)) for key in keys}
+        out[workload] = {key: _rounded(summary.get(key)) for key in HEADLINE_KEYS}
+        contributions = (summary.get("shortfall") or {}).get("contributions")
+        out[workload]["contributions"] = _rounded(contributions)
     return out
-
-
-# -- the parent: MPS, launches, the JSON ------------------------------------------------------------------------------
 
 
 @dataclass
 class Mps:
-    """The MPS control daemon: started here where it can be (and then stopped here), used as is where it runs."""
+    """The MPS control daemon: started here where it can be (and then stopped here), used as is where it runs.
+
+    Nothing about it can hang the run: the daemon starts under a bounded wait, a short probe (a CUDA client in a process
+    of its own) must answer before any rank uses it, a daemon that does not answer is stopped and skipped within
+    seconds, and the ranks then time-slice the GPU (``sharing``: ``"time-sliced"``)."""
 
     control: str | None = None
     started: bool = False
     active: bool = False
     note: str = ""
+    sharing: str = "time-sliced"
+    seconds: float = 0.0  # spent starting and probing it
     log: list[str] = field(default_factory=list)
 
     @classmethod
-    def start(cls) -> Mps:
-        control = mps_control()
+    def start(
+        cls,
+        control: str | None = None,
+        start_timeout: float = MPS_START_TIMEOUT_S,
+        probe: Sequence[str] | None = None,
+        probe_timeout: float = MPS_PROBE_TIMEOUT_S,
+        share: int = 100,
+    ) -> Mps:
+        """Start (or find) the daemon and probe it.
+
+        Args:
+            control: the control program (default: ``$GPU_SHARES_MPS_CONTROL``, the path, the GPU machines' place).
+            start_timeout: seconds ``control -d`` may take.
+            probe: the client command that must finish within ``probe_timeout`` (default: a CUDA init and a sum).
+            probe_timeout: seconds the probe may take.
+            share: the probe's ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``.
+
+        """
+        began = time.monotonic()
+        mps = cls._start(control or mps_control(), start_timeout)
+        if mps.active:
+            ok, why = probe_client(probe, probe_timeout, share)
+            if not ok:
+                stopped = "stopped" if mps.started else "left running (not started here), bypassed"
+                mps.stop()
+                mps.active = False
+                mps.note += f"; a client did not work under it ({why}): {stopped}, the ranks time-slice the GPU"
+        mps.sharing = "MPS shares" if mps.active else "time-sliced"
+        mps.seconds = time.monotonic() - began
+        return mps
+
+    @classmethod
+    def _start(cls, control: str | None, timeout: float) -> Mps:
         if control is None:
-            return cls(note=f"{MPS_CONTROL} not found: the ranks share the GPU without SM limits")
+            return cls(note=f"{MPS_CONTROL} not found: the ranks time-slice the GPU without SM limits")
         if mps_daemon_running():
             return cls(control, active=True, note="an MPS daemon was running already: used, left running")
-        done = subprocess.run([control, "-d"], capture_output=True, text=True, timeout=30, check=False)
+        try:
+            # no pipes: the daemon forks and would hold them open, and a wait for their end would never return
+            done = subprocess.run(
+                [control, "-d"],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                timeout=timeout,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            mps = cls(control, started=mps_daemon_running())
+            mps.stop()  # one that came up after all does not outlive the run
+            return cls(control, note=f"`{control} -d` did not return in {timeout:.0f} s: MPS skipped, time-sliced")
+        except OSError as error:
+            return cls(control, note=f"`{control} -d` could not run ({error}): MPS skipped, time-sliced")
         if done.returncode != 0:
-            why = (done.stderr or done.stdout).strip()
-            return cls(control, note=f"`{control} -d` failed ({why or done.returncode}): no SM limits (root needed?)")
+            return cls(control, note=f"`{control} -d` exited with {done.returncode} (root needed?): time-sliced")
         for _ in range(50):
             if mps_daemon_running():
                 return cls(control, started=True, active=True, note="started here, stopped at the end")
             time.sleep(0.1)
-        return cls(control, started=True, note="`-d` returned 0 but no daemon process appeared")
+        return cls(control, note="`-d` returned 0 but no daemon process appeared: time-sliced")
 
     def stop(self) -> None:
-        """Stop the daemon started here, and wait (up to 10 s) until it has exited."""
-        if self.started and self.control is not None:
-            subprocess.run([self.control], input="quit\n", text=True, timeout=30, check=False, capture_output=True)
-            self.started = False
-            for _ in range(100):
+        """Stop the daemon started here: ``quit`` under a timeout, then SIGTERM and SIGKILL to what is left of it."""
+        if not (self.started and self.control is not None):
+            return
+        self.started = False
+        with contextlib.suppress(subprocess.TimeoutExpired, OSError):
+            subprocess.run(
+                [self.control],
+                input="quit\n",
+                text=True,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                timeout=MPS_QUIT_TIMEOUT_S,
+                check=False,
+            )
+        for sent in (None, signal.SIGTERM, signal.SIGKILL):
+            if sent is not None:
+                for pid in mps_daemon_pids():
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, sent)
+            for _ in range(30):
                 if not mps_daemon_running():
-                    break
+                    return
                 time.sleep(0.1)
 
 
+def probe_client(command: Sequence[str] | None, timeout: float, share: int) -> tuple[bool, str]:
+    """Run one MPS client (``command``; default a CUDA init and a sum) in a session of its own; ``(worked, why not)``.
+    One past ``timeout`` is asked to end (SIGTERM) before it is killed: a SIGKILLed client can wedge the server."""
+    command = list(command) if command is not None else [sys.executable, "-c", MPS_PROBE]
+    env = {**os.environ, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(share)}
+    try:
+        process = subprocess.Popen(
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+    except OSError as error:
+        return False, str(error)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        end_session(process, grace=CLIENT_TERM_GRACE_S)
+        return False, f"no answer in {timeout:.0f} s"
+    if process.returncode != 0:
+        return False, f"exit {process.returncode}: {' '.join(output.strip().splitlines()[-1:])}"
+    return True, ""
+
+
+def end_session(process: subprocess.Popen, grace: float) -> None:
+    """End ``process`` and the rest of its session: SIGTERM, up to ``grace`` seconds, then SIGKILL."""
+    end_sessions([process], grace)
+
+
+def end_sessions(processes: Sequence[subprocess.Popen], grace: float) -> None:
+    """End every process we started (each the leader of a session of its own, with its children: loader workers),
+    asking first: SIGTERM to every session, up to ``grace`` seconds together, then SIGKILL to what is left. A leader
+    is reaped only after the last signal to its group, so its id cannot have been reused by then."""
+    live = [p for p in processes if not _exited(p)]
+    for process in live:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+    until = time.monotonic() + grace
+    while any(not _exited(p) for p in live) and time.monotonic() < until:
+        time.sleep(0.05)
+    for process in live:
+        with contextlib.suppress(ProcessLookupError):  # the session has ended, workers and all
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def _exited(process: subprocess.Popen) -> bool:
+    """Whether ``process`` has ended, without reaping it (its id stays its own until ``wait``)."""
+    if process.returncode is not None:
+        return True
+    try:
+        return os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
+
 def mps_control() -> str | None:
-    """The MPS control program: on the path, or where the GPU machines seen so far have it."""
+    """The MPS control program: ``$GPU_SHARES_MPS_CONTROL``, on the path, or where the GPU machines seen so far have
+    it."""
+    if os.environ.get(MPS_CONTROL_ENV):
+        return os.environ[MPS_CONTROL_ENV]
     return shutil.which(MPS_CONTROL) or (MPS_CONTROL_PATH if os.access(MPS_CONTROL_PATH, os.X_OK) else None)
 
 
-def mps_daemon_running() -> bool:
-    """Whether a process named ``nvidia-cuda-mps-control`` runs (its comm, cut to 15 characters), read from /proc: the
-    control client itself would wait on a pipe where no daemon listens."""
+def mps_daemon_pids() -> list[int]:
+    """Processes named ``nvidia-cuda-mps-*`` (the control daemon and its server; their comm, cut to 15 characters),
+    read from /proc: the control client itself would wait on a pipe where no daemon listens."""
+    pids = []
     for comm in Path("/proc").glob("[0-9]*/comm"):
         try:
             if comm.read_text().strip() == MPS_CONTROL[:15]:
-                return True
-        except OSError:
+                pids.append(int(comm.parent.name))
+        except (OSError, ValueError):
             continue
-    return False
+    return pids
+
+
+def mps_daemon_running() -> bool:
+    return bool(mps_daemon_pids())
 
 
 def _agent_store(world_size: int) -> Any:
@@ -852,8 +1005,11 @@ def rank_env(config: Config, rank: int, port: int, run_id: str) -> dict[str, str
     return env
 
 
-def launch(config: Config, job: dict[str, Any], run_dir: Path, timeout: float) -> dict[str, Any]:
-    """Start every rank of ``job``, wait (a rank that fails ends the run: the others would wait on it), collect."""
+def launch(
+    config: Config, job: dict[str, Any], run_dir: Path, timeout: float, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Start every rank of ``job`` (``env`` added to each rank's), wait (a rank that fails ends the run: the others
+    would wait on it), collect."""
     run_dir.mkdir(parents=True, exist_ok=True)
     job_path = run_dir / "job.json"
     job_path.write_text(json.dumps({**job, "config": asdict(config)}, indent=1))
@@ -870,7 +1026,7 @@ def launch(config: Config, job: dict[str, Any], run_dir: Path, timeout: float) -
                 processes.append(
                     subprocess.Popen(
                         [sys.executable, str(Path(__file__).resolve()), "--worker", str(job_path)],
-                        env=rank_env(config, rank, port, run_dir.name),
+                        env={**rank_env(config, rank, port, run_dir.name), **(env or {})},
                         cwd=run_dir,
                         stdout=log,
                         stderr=subprocess.STDOUT,
@@ -894,15 +1050,14 @@ def launch(config: Config, job: dict[str, Any], run_dir: Path, timeout: float) -
         if status == "timeout":  # say where each rank waits before ending it: the log alone ends mid-step
             _dump_stacks(processes)
     finally:  # a run that failed or timed out, or this script ended (SIGTERM): no rank outlives it on the GPU
-        for process in processes:
-            _end(process)
+        end_sessions(processes, CLIENT_TERM_GRACE_S)
     if status == "ok" and any(p.returncode != 0 for p in processes):
         status = "failed"
     del store  # every rank has ended
     if status != "ok":
         for rank, process in enumerate(processes):
             # a rank that failed on its own says why; a timed-out run shows every rank, its stacks included
-            if status == "timeout" or process.returncode not in (0, -signal.SIGKILL):
+            if status == "timeout" or process.returncode not in (0, -signal.SIGKILL, -signal.SIGTERM):
                 lines = (run_dir / f"rank{rank}.log").read_text(errors="replace").splitlines()
                 tail = lines[-(TIMEOUT_TAIL if status == "timeout" else 15) :]
                 print(f"{run_dir.name}: rank {rank} exited with {process.returncode}:", *tail, sep="\n  ", flush=True)
@@ -923,67 +1078,217 @@ def _dump_stacks(processes: Sequence[subprocess.Popen]) -> None:
     time.sleep(STACKS_GRACE_S)
 
 
-def _end(process: subprocess.Popen) -> None:
-    """End one rank we started, with the children of its session (DataLoader workers)."""
-    if process.poll() is None:
-        with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+def run_benchmark(
+    config: Config, out: Path, logs: Path, mps_control_path: str | None = None, mps_timeout: float | None = None
+) -> dict[str, Any]:
+    """Calibrate, run the interleaved fits within the deadline, summarise; writes ``out/gpu_shares.json``.
 
-
-def run_benchmark(config: Config, out: Path, logs: Path) -> dict[str, Any]:
-    """Calibrate, run the interleaved fits within the deadline, summarise; writes ``out/gpu_shares.json``."""
+    The deadline plans the run: a (DDP, Cannikin) pair starts only where the longest run so far says both can end
+    before it (the first pair of every workload before any second one), so a short budget runs fewer repeats, not
+    half pairs. ``mps_control_path`` (a smoke run tries MPS only with it) and ``mps_timeout`` bound the daemon."""
     began = time.monotonic()
-    mps = Mps(note="smoke run on CPU: no MPS") if config.smoke else Mps.start()
+    if config.smoke and mps_control_path is None:
+        mps = Mps(note="smoke run on CPU: no MPS", sharing="CPU (smoke)")
+    else:
+        timeout = MPS_START_TIMEOUT_S if mps_timeout is None else mps_timeout
+        mps = Mps.start(mps_control_path, start_timeout=timeout, share=min(config.shares))
+        print(f"MPS: {mps.sharing} ({mps.note}; {mps.seconds:.1f} s)", flush=True)
     runs: list[dict[str, Any]] = []
     calibration_run: dict[str, Any] = {}
+
+    def left() -> float:
+        return config.deadline - (time.monotonic() - began)
+
+    def sharing_env() -> dict[str, str]:
+        """Time-sliced on a GPU: the ranks look for MPS's pipes in an empty folder, so a daemon that does not answer
+        (one running before, not stopped here) cannot take them as its clients; they run without MPS."""
+        if config.smoke or mps.active:
+            return {}
+        empty = logs / "no-mps-pipes"
+        empty.mkdir(parents=True, exist_ok=True)
+        return {"CUDA_MPS_PIPE_DIRECTORY": str(empty)}
+
     try:
-        calibration_run = launch(config, {"kind": "calibrate"}, logs / "calibrate", config.run_timeout)
-        if calibration_run["status"] != "ok" and mps.started:
-            # the ranks could not use the daemon started here (its logs say why): measure without SM limits rather
-            # than not at all; speed_vs_share then shows the shares did not take effect
+        timeout = max(min(config.run_timeout, left()), 1.0)
+        calibration_run = launch(config, {"kind": "calibrate"}, logs / "calibrate", timeout, sharing_env())
+        if calibration_run["status"] != "ok" and mps.active:
+            # the ranks could not use the daemon (its logs say why): measure time-sliced rather than not at all;
+            # speed_vs_share then shows the shares did not take effect
+            stopped = "stopped" if mps.started else "bypassed (not started here)"
             mps.stop()
-            mps.active, mps.note = False, mps.note + "; the calibration failed under it: stopped, run without SM limits"
-            calibration_run = launch(config, {"kind": "calibrate"}, logs / "calibrate-no-mps", config.run_timeout)
+            mps.active, mps.sharing = False, "time-sliced"
+            mps.note += f"; the calibration failed under it: {stopped}, the ranks time-slice the GPU"
+            timeout = max(min(config.run_timeout, left()), 1.0)
+            calibration_run = launch(config, {"kind": "calibrate"}, logs / "calibrate-no-mps", timeout, sharing_env())
         longest = calibration_run["seconds"]
         for repeat in range(config.repeats):
             for workload in config.workloads:
+                if left() < 2.1 * longest:  # both runs of the pair, or neither
+                    if repeat == 0:
+                        for strategy in STRATEGIES:
+                            job = {"kind": "fit", "workload": workload, "strategy": strategy, "repeat": repeat}
+                            runs.append({**job, "status": "skipped: the deadline", "ranks": []})
+                    continue
                 for strategy in STRATEGIES:  # DDP, Cannikin, DDP, Cannikin...: a drift of the machine hits both
                     job = {"kind": "fit", "workload": workload, "strategy": strategy, "repeat": repeat}
-                    left = config.deadline - (time.monotonic() - began)
-                    if left < 1.2 * longest:
-                        runs.append({**job, "status": "skipped: the deadline", "ranks": []})
-                        continue
                     name = f"{workload}-{strategy}-{repeat}"
-                    run = launch(config, job, logs / name, min(config.run_timeout, left))
+                    timeout = max(min(config.run_timeout, left()), 1.0)
+                    run = launch(config, job, logs / name, timeout, sharing_env())
                     longest = max(longest, run["seconds"])
                     runs.append(run)
                     print(f"{name}: {run['status']} in {run['seconds']:.0f} s", flush=True)
     finally:
         mps.stop()
+    result = assemble(config, mps, calibration_run, runs, time.monotonic() - began, str(logs))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_shares.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def assemble(
+    config: Config, mps: Mps, calibration_run: dict[str, Any], runs: list[dict[str, Any]], seconds: float, logs: str
+) -> dict[str, Any]:
+    """The JSON of a run from its calibration and fits (the rank processes' results): the same for a real run, a
+    smoke run and the dry run's synthetic one."""
     calibration = summarise_calibration(config, calibration_run.get("ranks") or [])
     summary = {
         w: summarise_workload(config, calibration, [r for r in runs if r["workload"] == w]) for w in config.workloads
     }
-    if calibration is not None:
-        calibration.pop("_lines")
     result = {
         "benchmark": "gpu_shares",
         "mode": "smoke (CPU)" if config.smoke else "gpu",
+        "sharing": mps.sharing,
         "device": calibration["device"] if calibration else None,
         "torch": torch.__version__,
         "config": asdict(config),
         "mps": asdict(mps),
-        "seconds": time.monotonic() - began,
+        "seconds": seconds,
         "definitions": DEFINITIONS,
         "calibration": calibration if calibration is not None else {"status": calibration_run.get("status")},
         "summary": summary,
         "runs": runs,
-        "logs": str(logs),
+        "logs": logs,
     }
     result["headline"] = headline(result)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_shares.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+@dataclass(frozen=True)
+class SyntheticLoop:
+    """A loop whose every part is known (ms): the dry run's numbers and the tests'. Ranks meet at the all-reduce and
+    at the broadcast, so each rank's step is built as a real one is: its input and compute, then waiting at the
+    all-reduce for the slowest rank and the reduction, its optimizer step, then waiting at the broadcast."""
+
+    per_sample_ms: tuple[float, ...] = (0.10, 0.24, 0.34)  # about 3.4 : 1.4 : 1, as the only real-GPU run learned
+    intercept_ms: float = 2.0
+    interference: float = 1.08  # measured compute over the solo line
+    input_ms: tuple[float, float] = (0.3, 0.3)  # a step's host input: DDP, Cannikin
+    pre_ms: float = 0.2  # batch start to forward start
+    allreduce_ms: tuple[float, float] = (6.0, 6.5)
+    broadcast_ms: tuple[float, float] = (4.0, 9.0)  # the broadcast itself, past waiting for the slowest optimizer
+    optimizer_ms: tuple[float, ...] = (1.0, 1.6, 2.2)
+    cannikin_split: tuple[int, ...] | None = None  # default: the optimal split of the lines, rounded
+
+    def ranks(self, config: Config, strategy: str) -> list[dict[str, Any]]:
+        """Every rank's fit result (the steady medians a rank process reports) under ``strategy``."""
+        which = STRATEGIES.index(strategy)
+        if strategy == "ddp":
+            split = [config.even] * config.world_size
+        else:
+            split = list(self.cannikin_split or _rounded_split(self.lines_ms(), config.total))
+        computes = [self.interference * line_time(line, b) for line, b in zip(self.lines_ms(), split, strict=True)]
+        arrive = [self.input_ms[which] + self.pre_ms + c for c in computes]
+        slowest_optimizer = max(self.optimizer_ms)
+        rows = []
+        for rank, (b, compute, x) in enumerate(zip(split, computes, arrive, strict=True)):
+            exposed = self.allreduce_ms[which] + max(arrive) - x
+            after = self.optimizer_ms[rank]
+            gap = self.broadcast_ms[which] + slowest_optimizer - after
+            step = self.pre_ms + compute + exposed + after
+            cycle = gap + self.input_ms[which] + step
+            steady = {
+                "steps": config.steps * (config.epochs - 1),
+                "batch": b,
+                "compute_ms": compute,
+                "host_ms": self.input_ms[which],
+                "exposed_ms": exposed,
+                "after_ms": after,
+                "gap_ms": gap,
+                "step_ms": step,
+                "cycle_ms": cycle,
+            }
+            epoch_s = [1.3 * cycle * config.steps / 1e3] + [cycle * config.steps / 1e3] * (config.epochs - 1)
+            rows.append(
+                {
+                    "ok": True,
+                    "rank": rank,
+                    "fit_s": sum(epoch_s) + 1.0,
+                    "train_s": sum(epoch_s),
+                    "epoch_s": epoch_s,
+                    "loss_sum": 2.0 * b,
+                    "loss_samples": b,
+                    "input_from": "synthetic",
+                    "steady": steady,
+                    "per_epoch": [steady] * config.epochs,
+                    "split": split,
+                    "splits_per_epoch": [split] * config.epochs,
+                }
+            )
+        if strategy == "cannikin":
+            rows[0]["cannikin"] = {"plan": split, "predicted_step_ms": None, "history": 0, "lines_ms": None}
+        return rows
+
+    def lines_ms(self) -> list[tuple[float, float]]:
+        return [(a, self.intercept_ms) for a in self.per_sample_ms]
+
+    def calibration_ranks(self, config: Config) -> list[dict[str, Any]]:
+        """Every rank's calibration result: its solo compute on the lines, its solo step with its optimizer step."""
+        ranks = []
+        for rank, line in enumerate(self.lines_ms()):
+            compute = [line_time(line, b) / 1e3 for b in config.calib_sizes]
+            step = [c + self.optimizer_ms[rank] / 1e3 for c in compute]
+            ranks.append(
+                {
+                    "ok": True,
+                    "rank": rank,
+                    "device": "synthetic",
+                    "torch": torch.__version__,
+                    "sizes": list(config.calib_sizes),
+                    "solo_compute_s": compute,
+                    "solo_step_s": step,
+                    "concurrent_step_s": self.interference * step[1],
+                    "concurrent_compute_s": self.interference * compute[1],
+                    "loader_samples_per_s": 5e4,
+                }
+            )
+        return ranks
+
+
+def _rounded_split(lines: Sequence[Sequence[float]], total: int) -> list[int]:
+    """The optimal continuous split rounded to whole samples that add up to ``total``."""
+    _, split = water_fill(lines, total)
+    whole = [int(b) for b in split]
+    for index in sorted(range(len(split)), key=lambda i: whole[i] - split[i])[: total - sum(whole)]:
+        whole[index] += 1
+    return whole
+
+
+def synthetic_result(config: Config | None = None, loop: SyntheticLoop | None = None) -> dict[str, Any]:
+    """A whole ``gpu_shares`` result on a :class:`SyntheticLoop`'s numbers, through the same summary as a real run's
+    (:func:`assemble`): what the GPU check's dry run reports, marked ``"synthetic": true``."""
+    config = config or Config(repeats=1)
+    loop = loop or SyntheticLoop()
+    calibration_run = {"kind": "calibrate", "status": "ok", "seconds": 0.0, "ranks": loop.calibration_ranks(config)}
+    runs = [
+        {"kind": "fit", "workload": w, "strategy": s, "repeat": k, "status": "ok", "seconds": 0.0,
+         "ranks": loop.ranks(config, s)}
+        for k in range(config.repeats)
+        for w in config.workloads
+        for s in STRATEGIES
+    ]  # fmt: skip
+    mps = Mps(note="synthetic: nothing ran", sharing="synthetic")
+    result = assemble(config, mps, calibration_run, runs, 0.0, "")
+    result.update(mode="synthetic (dry run: no GPU; every number is made up)", synthetic=True, loop=asdict(loop))
     return result
 
 
@@ -1028,7 +1333,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=None, help="the model's first channel count")
     parser.add_argument("--shares", type=str, default=None, help="SM percentages, one a rank (default 60,25,15)")
     parser.add_argument("--workloads", type=str, default=None, help="compute,loader (default both)")
-    parser.add_argument("--deadline", type=float, default=None, help="seconds after which no run starts (default 300)")
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        help="seconds after which no run starts (default 180): plans the repeats",
+    )
+    parser.add_argument(
+        "--mps-control",
+        type=str,
+        default=None,
+        help=f"the MPS control program (default ${MPS_CONTROL_ENV}, the path, {MPS_CONTROL_PATH}); a smoke run tries"
+        " MPS only with it",
+    )
+    parser.add_argument(
+        "--mps-timeout", type=float, default=None, help=f"seconds its `-d` may take (default {MPS_START_TIMEOUT_S:.0f})"
+    )
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -1060,13 +1380,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("gpu_shares: no CUDA device; `--smoke` runs the code path on CPU", file=sys.stderr)
         return 2
     logs = args.logs or Path(tempfile.mkdtemp(prefix="gpu_shares_"))
-    result = run_benchmark(config, args.out, logs)
+    result = run_benchmark(config, args.out, logs, args.mps_control, args.mps_timeout)
     print(json.dumps(result["headline"], indent=1))
-    print(f"MPS: {result['mps']['note']}; logs in {logs}; JSON in {args.out / 'gpu_shares.json'}")
+    print(f"{result['sharing']}: {result['mps']['note']}; logs in {logs}; JSON in {args.out / 'gpu_shares.json'}")
     # runs the deadline skipped are reported, not failures; a failed or timed-out run, or a workload without a pair, is
     failed = any(r["status"] in ("failed", "timeout") for r in result["runs"])
     unpaired = any(summary["pairs"] == 0 for summary in result["summary"].values())
-    return 1 if failed or unpaired or result["calibration"].get("ideal_ratio") is None else 0
+    return 1 if failed or unpaired or result["calibration"].get("ideal_ratio_lines") is None else 0
 
 
 if __name__ == "__main__":
