@@ -18,6 +18,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+# the samples a smoke run (`--smoke`: a check that an example runs, as CI's `.ci/examples` does) trains and tests on
+SMOKE_SAMPLES = 384
 
 
 def _read_idx(path: Path) -> np.ndarray:
@@ -62,6 +64,11 @@ def load_dataset(name: str, seed: int = 0) -> tuple[TensorDataset, TensorDataset
         return TensorDataset(torch.from_numpy(np.ascontiguousarray(x)).reshape(-1, *shape), torch.from_numpy(y).long())
 
     return tensors(x_train, y_train), tensors(x_test, y_test), shape
+
+
+def smoke_subset(dataset: TensorDataset, samples: int = SMOKE_SAMPLES) -> TensorDataset:
+    """The first ``samples`` of ``dataset``: what a smoke run uses, so that every step of an example runs in seconds."""
+    return TensorDataset(*(tensor[:samples] for tensor in dataset.tensors))
 
 
 class ImageClassifier(pl.LightningModule):
