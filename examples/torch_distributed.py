@@ -2,12 +2,14 @@
 
     python examples/torch_distributed.py                      # starts 2 CPU processes itself (gloo)
     torchrun --nproc_per_node 2 examples/torch_distributed.py # or any launcher that sets RANK and WORLD_SIZE
+    python examples/torch_distributed.py --smoke              # a quick check that it runs: 1 epoch, 256 samples
 
 Rank r trains on ``--local-batch-sizes[r]`` samples per step (a fast device gets more), drawn by
 ``UnevenDistributedSampler`` from one permutation that every rank shares: every rank runs the same number of steps
-and every sample is used once per epoch. The weighted all-reduce hook multiplies each rank's gradient by its share of
-the step's samples (``sampler.weight(step)``) and sums, so the update is the exact mean gradient over the global batch,
-where DDP's plain average would over-weight the small batches.
+and every sample is used once per epoch. Each rank's loss, a mean over its own samples, is multiplied by the world
+size times its share of the step's samples (``sampler.weight(step)``, ``b_r / B``); DDP's own all-reduce averages
+over the ranks, so the update is the exact mean gradient over the global batch, where DDP's plain average of the
+ranks' mean losses would over-weight the small batches. (The library's strategies put the same weight on the loss.)
 
 ``import lightning_cannikin`` here imports neither Lightning nor anything but torch: the package is lazy.
 """
@@ -31,7 +33,6 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lightning_cannikin import UnevenDistributedSampler
-from lightning_cannikin.training.comm_hook import WeightedAllReduceState, weighted_allreduce_hook
 
 
 def make_dataset(num_samples: int = 1000, dim: int = 8, seed: int = 0) -> TensorDataset:
@@ -51,8 +52,6 @@ def train(rank: int, world_size: int, args: argparse.Namespace, store_port: int 
     torch.manual_seed(0)
     dataset = make_dataset(args.num_samples)
     model = DistributedDataParallel(nn.Linear(dataset.tensors[0].shape[1], 1))
-    state = WeightedAllReduceState()
-    model.register_comm_hook(state, weighted_allreduce_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
 
     sampler = UnevenDistributedSampler(dataset, args.local_batch_sizes, shuffle=True, seed=args.seed)
@@ -61,10 +60,10 @@ def train(rank: int, world_size: int, args: argparse.Namespace, store_port: int 
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         for step, (x, y, index) in enumerate(loader):
-            state.weight = sampler.weight(step)  # this rank's share of the step's samples
             params = [p.detach().flatten().tolist() for p in model.parameters()]
             loss = nn.functional.mse_loss(model(x), y)  # the mean over this rank's samples
-            loss.backward()  # the hook: sum over ranks of weight * gradient = the mean over the global batch
+            # DDP averages the ranks' gradients: (1/n) sum_r n (b_r/B) grad_r = the mean over the global batch
+            (loss * (world_size * sampler.weight(step))).backward()
             grads = [p.grad.flatten().tolist() for p in model.parameters()]
             optimizer.step()
             optimizer.zero_grad()
@@ -73,7 +72,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace, store_port: int 
         Path(args.record, f"rank{rank}.json").write_text(json.dumps(steps))
     samples = sum(len(s["indices"]) for s in steps)
     print(f"rank {rank}: {len(steps)} steps, {samples} samples, local batch {args.local_batch_sizes[rank]}", flush=True)
-    # Free the DDP reducer (it holds the process group, the hook and its last futures) while the interpreter is fully
+    # Free the DDP reducer (it holds the process group and its last futures) while the interpreter is fully
     # alive: gloo work still referenced at interpreter shutdown can abort the process after all the work is done.
     del model, optimizer, loss
     gc.collect()
@@ -98,7 +97,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--record", metavar="DIR", help="write each rank's indices, parameters and gradients here")
-    return parser.parse_args(argv)
+    parser.add_argument("--smoke", action="store_true", help="1 epoch of 256 samples: a check that it runs")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.epochs, args.num_samples = 1, 256
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -162,9 +162,9 @@ class UnevenDistributedSampler(UnevenBatchSampler):
     (folded into the previous one when it has fewer samples than ranks) unless ``drop_last``.
 
     Every rank's loss is a mean over its own batch, so averaging gradients over ranks, as DDP does, over-weights the
-    small batches. Multiply each rank's gradient by :meth:`weight` (its share of the step's samples) and *sum* over the
-    ranks, e.g. with :func:`~lightning_cannikin.training.comm_hook.weighted_allreduce_hook` as the DDP comm hook, and
-    the update is the exact mean gradient over the global batch.
+    small batches. Multiply each rank's loss by the world size times :meth:`weight` (its share of the step's samples)
+    and DDP's own average is the exact mean gradient over the global batch (equally: weight each rank's gradient by
+    :meth:`weight` and *sum* over the ranks).
 
     Args:
         dataset: the map-style dataset, or its length.
@@ -178,12 +178,11 @@ class UnevenDistributedSampler(UnevenBatchSampler):
 
         sampler = UnevenDistributedSampler(dataset, local_batch_sizes=[48, 16])
         loader = DataLoader(dataset, batch_sampler=sampler)
-        ddp.register_comm_hook(state := WeightedAllReduceState(), weighted_allreduce_hook)
         for epoch in range(epochs):
             sampler.set_epoch(epoch)
             for step, (x, y) in enumerate(loader):
-                state.weight = sampler.weight(step)
-                loss_fn(ddp(x), y).backward()  # the mean loss over this rank's batch
+                loss = loss_fn(ddp(x), y)  # the mean loss over this rank's batch
+                (loss * (dist.get_world_size() * sampler.weight(step))).backward()
                 optimizer.step()
                 optimizer.zero_grad()
 
