@@ -2,6 +2,7 @@
 
     python examples/emulated_cluster.py                  # both runs, their training times and the ratio
     python examples/emulated_cluster.py --strategy ddp   # one run only: cannikin or ddp
+    python examples/emulated_cluster.py --smoke          # a quick check that it runs: 2 epochs on a slice of the data
 
 Both runs train the same model from the same initial weights on scikit-learn's digits with the same total batch
 (``--batch-size`` x 3) for the same epochs. ``EmulatedCluster`` makes rank r sleep ``fixed_ms + per_sample_ms[r] * b_r``
@@ -27,7 +28,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import lightning_cannikin  # noqa: F401  (registers strategy="cannikin")
-from examples.data import ImageClassifier, accuracy, load_dataset
+from examples.data import ImageClassifier, accuracy, load_dataset, smoke_subset
 from lightning_cannikin import EmulatedCluster
 
 
@@ -70,13 +71,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
+    parser.add_argument("--smoke", action="store_true", help="2 epochs on a slice of the data: a check that it runs")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.epochs = 2
+    return args
 
 
 def run(name: str, args: argparse.Namespace) -> dict:
     """One fit on the emulated cluster; returns rank zero's training time and the test accuracy."""
     pl.seed_everything(args.seed, verbose=False)  # the same initial weights for every run
     train, test, shape = load_dataset(args.data, seed=args.seed)
+    if args.smoke:
+        train, test = smoke_subset(train), smoke_subset(test)
     devices = len(args.per_sample_ms)
     callbacks = [EmulatedCluster(args.per_sample_ms, args.fixed_ms), SplitReporter(), TrainClock()]
     trainer = pl.Trainer(

@@ -2,6 +2,7 @@
 
     python examples/fabric_loop.py                    # digits, 3 CPU processes, fork launcher
     python examples/fabric_loop.py --epochs 2 --per-sample-ms 1 3
+    python examples/fabric_loop.py --smoke            # a quick check that it runs: 2 epochs on a slice of the data
 
 Three additions to an ordinary Fabric loop: the strategy, ``strategy.uneven_dataloader(...)`` for the training
 loader, and ``with strategy.step():`` around forward and backward (it weights the all-reduce for the batch in hand,
@@ -23,12 +24,14 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from examples.data import ImageClassifier, accuracy, load_dataset
+from examples.data import ImageClassifier, accuracy, load_dataset, smoke_subset
 from lightning_cannikin import CannikinFabricStrategy
 
 
 def train(fabric: L.Fabric, strategy: CannikinFabricStrategy, args: argparse.Namespace) -> None:
     train_set, test_set, shape = load_dataset("digits", seed=args.seed)
+    if args.smoke:
+        train_set, test_set = smoke_subset(train_set), smoke_subset(test_set)
     model = ImageClassifier(shape).net  # the example CNN as a plain nn.Module
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     model, optimizer = fabric.setup(model, optimizer)
@@ -60,7 +63,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
+    parser.add_argument("--smoke", action="store_true", help="2 epochs on a slice of the data: a check that it runs")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.epochs = 2
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,6 +2,7 @@
 
     pip install torch==2.13.0 -e ".[ray]" && python examples/ray_train.py
     python examples/ray_train.py --resume-workers 2   # then one more epoch from Ray's checkpoint, on 2 workers
+    python examples/ray_train.py --smoke              # a quick check that it runs: 1 epoch on a slice of the data
 
 The script starts a local Ray cluster (``ray.init``, no dashboard) and shuts it down at the end. Each Ray worker builds
 a Lightning ``Trainer`` with ``strategy="cannikin_ray"`` and ``RayLightningEnvironment``, passes it through
@@ -28,7 +29,7 @@ from torch.utils.data import DataLoader
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from examples.data import ImageClassifier, accuracy, load_dataset  # noqa: E402
+from examples.data import ImageClassifier, accuracy, load_dataset, smoke_subset  # noqa: E402
 from examples.emulated_cluster import SplitReporter  # noqa: E402
 
 
@@ -44,6 +45,8 @@ def train_loop(config: dict[str, Any]) -> None:
     torch.set_num_threads(1)  # the workers share the machine's cores
     pl.seed_everything(config["seed"], verbose=False)
     train, test, shape = load_dataset("digits", seed=config["seed"])
+    if config["smoke"]:
+        train, test = smoke_subset(train), smoke_subset(test)
     world = ray.train.get_context().get_world_size()
     per_sample_ms = config["per_sample_ms"][:world]
     trainer = pl.Trainer(
@@ -88,6 +91,7 @@ def fit(args: argparse.Namespace, workers: int, epochs: int, storage: str, check
         "epochs": epochs,
         "lr": args.lr,
         "seed": args.seed,
+        "smoke": args.smoke,
         "checkpoint": checkpoint,
     }
     trainer = TorchTrainer(
@@ -112,7 +116,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--resume-workers", type=int, default=None, help="then 1 more epoch on this many workers")
     parser.add_argument("--storage", default=None, help="Ray's storage path (default: a temporary folder)")
-    return parser.parse_args(argv)
+    parser.add_argument("--smoke", action="store_true", help="1 epoch on a slice of the data: a check that it runs")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.epochs = 1
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,6 +3,8 @@
     python examples/train_cli.py fit --config examples/cannikin_cli.yaml
     python examples/train_cli.py fit --config examples/cannikin_cli.yaml --trainer.max_epochs 2 --data.batch_size 64
     python examples/train_cli.py fit --print_config            # every option, with its default
+    python examples/train_cli.py fit --config examples/cannikin_cli.yaml --data.smoke true --trainer.max_epochs 2
+                                                               # a quick check that it runs, on a slice of the data
 
 Needs ``jsonargparse[signatures]`` (``pip install "lightning[pytorch-extra]"`` brings it). ``import lightning_cannikin``
 below registers ``strategy: cannikin``; the YAML names ``lightning_cannikin.Cannikin`` and
@@ -25,7 +27,7 @@ from torchmetrics.classification import MulticlassAccuracy
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import lightning_cannikin  # noqa: F401  (registers strategy="cannikin")
-from examples.data import ImageClassifier, load_dataset
+from examples.data import ImageClassifier, load_dataset, smoke_subset
 from lightning_cannikin import Cannikin
 
 IMAGE_SHAPES: dict[str, tuple[int, ...]] = {"digits": (1, 8, 8), "fashion-mnist": (1, 28, 28)}
@@ -55,10 +57,13 @@ class ImageDataModule(pl.LightningDataModule):
         batch_size: the per-device batch of Lightning's convention (initial total batch = batch_size x world size).
         seed: seed of the train/test split.
         num_workers: DataLoader workers (Cannikin keeps them when it rebuilds the training loader).
+        smoke: train and validate on a slice of the data (a quick check that the configuration runs).
 
     """
 
-    def __init__(self, data: str = "digits", batch_size: int = 32, seed: int = 0, num_workers: int = 0) -> None:
+    def __init__(
+        self, data: str = "digits", batch_size: int = 32, seed: int = 0, num_workers: int = 0, smoke: bool = False
+    ) -> None:
         super().__init__()
         if data not in IMAGE_SHAPES:
             raise ValueError(f"`data` must be one of {sorted(IMAGE_SHAPES)}, got {data!r}.")
@@ -66,6 +71,7 @@ class ImageDataModule(pl.LightningDataModule):
         self.batch_size = batch_size
         self.seed = seed
         self.num_workers = num_workers
+        self.smoke = smoke
         self.image_shape = IMAGE_SHAPES[data]
         self.train: TensorDataset | None = None
         self.test: TensorDataset | None = None
@@ -73,6 +79,8 @@ class ImageDataModule(pl.LightningDataModule):
     def setup(self, stage: str) -> None:
         if self.train is None:
             self.train, self.test, _ = load_dataset(self.data, seed=self.seed)
+            if self.smoke:
+                self.train, self.test = smoke_subset(self.train), smoke_subset(self.test)
 
     def train_dataloader(self) -> DataLoader:
         assert self.train is not None

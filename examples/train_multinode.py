@@ -11,6 +11,7 @@ launcher-specific. ``--num-nodes`` and ``--devices`` must match what the launche
 
 Rank zero prints the cluster environment Lightning detected, the split in force each epoch, the final split and the
 test accuracy. ``--per-sample-ms`` (one value per global rank) emulates devices of different speeds by sleeping.
+``--smoke``: 2 epochs on a slice of the data, a quick check that a launch works.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import lightning_cannikin  # noqa: F401  (registers strategy="cannikin")
-from examples.data import ImageClassifier, accuracy, load_dataset
+from examples.data import ImageClassifier, accuracy, load_dataset, smoke_subset
 from examples.emulated_cluster import SplitReporter
 from lightning_cannikin import Cannikin, CannikinSettings, EmulatedCluster
 
@@ -53,7 +54,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data", default="digits", choices=["digits", "fashion-mnist"])
-    return parser.parse_args(argv)
+    parser.add_argument("--smoke", action="store_true", help="2 epochs on a slice of the data: a check that it runs")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.epochs = 2
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -61,6 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)  # several ranks may share a couple of cores
     pl.seed_everything(args.seed, verbose=False)
     train, test, shape = load_dataset(args.data, seed=args.seed)
+    if args.smoke:
+        train, test = smoke_subset(train), smoke_subset(test)
     callbacks: list[pl.Callback] = [SplitReporter()]
     if args.strategy.startswith("cannikin"):
         callbacks.append(Cannikin(settings=CannikinSettings(warmup_steps=args.warmup_steps)))
