@@ -9,7 +9,8 @@
 # must equal --nodes and --ntasks-per-node, or Lightning stops with a ValueError naming both; this script passes
 # SLURM's own values. Nodes may carry different GPU models (that is what Cannikin balances), but every node must run
 # the same number of tasks. Do not name the job "bash" or "interactive": Lightning then ignores SLURM.
-# Not run in CI (no SLURM there); tests/test_launchers.py emulates what srun gives each task.
+# CI (.ci/examples) runs it under a stand-in srun on CPU (2 tasks as 2 nodes, --accelerator cpu --smoke);
+# tests/test_launchers.py emulates what srun gives each task.
 #
 #SBATCH --job-name=cannikin
 #SBATCH --nodes=2

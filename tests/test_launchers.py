@@ -264,7 +264,7 @@ def test_lightning_cli_yaml(tmp_path: Path) -> None:
 
 
 def test_shell_examples_parse() -> None:
-    """The shell examples are valid bash, shellcheck-clean where shellcheck exists (the sbatch script is not run)."""
+    """The shell examples are valid bash, shellcheck-clean where shellcheck exists (.ci/examples runs them)."""
     for script in ("torchrun_two_nodes.sh", "slurm_job.sh"):
         path = EXAMPLES / script
         subprocess.run(["bash", "-n", str(path)], check=True, timeout=30)
