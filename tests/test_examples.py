@@ -8,8 +8,8 @@ holds for what the YAML and shell examples name (a ``class_path``, ``python -m .
 ``examples/`` (its own helper modules, torch, Lightning, Ray) is allowed.
 
 CI's example step is ``.ci/examples``: its ``run NAME EXPECT COMMAND...`` lines are parsed here, so the list of
-examples the docs name and the list CI runs cannot drift apart. Running them is CI's job (about two minutes), not this
-file's: these checks only read files.
+examples the docs name and the list CI runs cannot drift apart. Running them is CI's job (about three minutes), not
+this file's: these checks only read files.
 """
 
 from __future__ import annotations
