@@ -30,6 +30,7 @@ class NoiseRun:
     totals: list[int] = field(default_factory=list)
     factors: list[float] = field(default_factory=list)
     bounds: list[tuple[float, float] | None] = field(default_factory=list)
+    estimates: list[float | None] = field(default_factory=list)  # the point estimate after each step
     precise: list[bool] = field(default_factory=list)  # both averages within 25% (one standard error) of themselves
 
     def first_growth(self) -> int | None:
@@ -42,16 +43,18 @@ def run_engine(
     steps: int,
     seed: int = 0,
     base: int = 64,
-    cap: int = 1024,
+    cap: int | None = 1024,
     dim: int = 64,
     grad_sqr: Callable[[int], float] | None = None,
     lr_scaling: str = "adascale",
     shares: tuple[int, ...] = (5, 3),
+    total: int | None = None,
     **settings: object,
 ) -> NoiseRun:
     """Drive an even-split ``BalancingEngine`` for ``steps`` steps on statistics whose true noise scale after ``step``
     steps is ``noise_scale(step)`` (``inf``: no signal) and whose ``|G|^2`` is ``grad_sqr(step)`` (default 1), from
-    groups (ranks) that hold ``shares`` of every total (by default 5/8 and 3/8)."""
+    groups (ranks) that hold ``shares`` of every total (by default 5/8 and 3/8), starting at ``total`` (default the
+    base batch; ``cap=None``: kept)."""
     rng = np.random.default_rng(seed)
     direction = np.ones(dim) / np.sqrt(dim)
     engine = BalancingEngine(
@@ -62,8 +65,8 @@ def run_engine(
         settings=CannikinSettings(**settings),
     )
     engine.bind(OneRank())
-    plan = engine.bounds.first_plan(base)
-    sampler = UnevenBatchSampler(cap * (steps + 2), rank=0, plan=plan, shuffle=False)
+    plan = engine.bounds.first_plan(total or base)
+    sampler = UnevenBatchSampler((cap or plan.total_batch_size) * (steps + 2), rank=0, plan=plan, shuffle=False)
     engine.use_loader(plan, sampler)
     engine.start()
     run, batches = NoiseRun(engine), iter(sampler)
@@ -88,6 +91,7 @@ def run_engine(
         run.factors.append(engine.lr_factor)
         engine.end_step()
         run.bounds.append(engine.noise_bounds())
+        run.estimates.append(engine.noise_scale)
         run.precise.append(_precise(engine))
     return run
 

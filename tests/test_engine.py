@@ -3,6 +3,7 @@ weights and learning-rate factor (multi-process behaviour is in test_balancing, 
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -308,10 +309,12 @@ def test_a_scheduled_answer_goes_out_as_the_next_backward_starts_and_is_read_at_
     assert vote.poll(check_due=True) and ranks.sent == [0, 0], "another rank's change, read at the check after"
 
 
-def test_the_engine_acts_on_the_lower_bound_never_on_an_infinite_estimate():
+def test_the_engine_never_acts_on_an_infinite_estimate():
     # B = 96 against a true noise scale of 20,000: after 20 updates the averaged |G|^2 is often <= 0 (an infinite
-    # noise scale, which would send the total to max_batch_size and the gain to B / B0); the lower bound is finite
+    # noise scale, which would send the total to max_batch_size and the gain to B / B0); the lower bound is finite,
+    # and the gain takes the estimate held within the bounds, the lower bound where the estimate is infinite
     from lightning_cannikin.core.goodput import adascale_gain
+    from lightning_cannikin.core.policy import gain_noise_scale
     from tests.test_real_devices import _synthetic_estimator
 
     bounded, counted = (
@@ -327,7 +330,12 @@ def test_the_engine_acts_on_the_lower_bound_never_on_an_infinite_estimate():
             continue
         infinite += counted.noise_bounds()[0] == float("inf")
         assert bounds[0] <= 1.5 * 20_000, (estimator.num_updates, bounds)
-        gain = adascale_gain(bounds[0], 960, 96)
+        held, estimate = gain_noise_scale(bounds, estimator.noise_scale), estimator.noise_scale
+        if math.isfinite(estimate):
+            assert held == min(max(estimate, bounds[0]), bounds[1]), (estimate, bounds, held)
+        else:
+            assert held == bounds[0], (bounds, held)
+        gain = adascale_gain(held, 960, 96)
         assert bounded._scale(960) == (pytest.approx(gain), pytest.approx(gain)) and gain < 10.0
     assert infinite > 0, "the check must be able to fail: the point estimate lets an infinite one through"
 

@@ -121,7 +121,9 @@ def test_a_real_loop_times_the_input_from_the_loaders_fetch_and_the_wait_before_
     steady = gpu_shares.step_medians(spans.records, spans.epoch_of, spans.sizes_of)["steady"]
     assert fetch_s * 1e3 - 1 <= steady["host_ms"] < fetch_s * 1e3 + 15, steady
     assert wait_s * 1e3 - 1 <= steady["gap_ms"] < wait_s * 1e3 + 15, steady
-    assert steady["cycle_ms"] >= steady["host_ms"] + steady["gap_ms"] + steady["step_ms"] - 1e-6
+    # the cycle is each step's gap + input + step, and its median: the parts' medians add up to it within the jitter
+    # of a loaded host (they need not add up exactly: 62.79 against 62.87 ms once here)
+    assert abs(steady["cycle_ms"] - (steady["host_ms"] + steady["gap_ms"] + steady["step_ms"])) < 2.0, steady
 
 
 def _script(path: Path, body: str) -> str:

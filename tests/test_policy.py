@@ -326,11 +326,15 @@ def test_a_decision_says_why_it_kept_or_changed_the_total_and_the_split():
     assert stale.best_total is None and stale.total_gain is None
 
 
-def test_the_gain_takes_the_lower_bound_whatever_the_total():
+def test_the_gain_takes_the_estimate_held_within_the_bounds():
     from lightning_cannikin.core.policy import gain_noise_scale
 
-    assert gain_noise_scale(None) is None, "no bounds: no gain"
-    assert gain_noise_scale((50.0, 800.0)) == 50.0 and gain_noise_scale((300.0, float("inf"))) == 300.0
+    assert gain_noise_scale(None) is None and gain_noise_scale(None, 400.0) is None, "no bounds: no gain"
+    assert gain_noise_scale((50.0, 800.0), 400.0) == 400.0
+    assert gain_noise_scale((50.0, 800.0), 20.0) == 50.0 and gain_noise_scale((50.0, 800.0), 5e3) == 800.0
+    assert gain_noise_scale((300.0, float("inf")), 1e4) == 1e4
+    # an estimate that is not finite (the squared mean gradient's average not above zero), or none: the lower bound
+    assert gain_noise_scale((300.0, float("inf")), float("inf")) == 300.0 and gain_noise_scale((50.0, 800.0)) == 50.0
 
 
 @pytest.mark.parametrize("balance", [True, False])

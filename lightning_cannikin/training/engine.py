@@ -527,12 +527,13 @@ class BalancingEngine:
 
     def _scale(self, total_batch_size: int) -> tuple[float, float]:
         """``(lr factor, AdaScale gain)`` of a step at ``total_batch_size`` with what is known now (the same on every
-        rank): the gain the noise scale's lower bound supports, never more
+        rank): the gain at the noise scale's point estimate, held within its bounds
         (:func:`~lightning_cannikin.core.policy.gain_noise_scale`)."""
         if self.estimator is None:
             return 1.0, 1.0
         base = self.estimator.base_batch_size
-        return learning_rate_scale(self._policy.lr_scaling, total_batch_size, base, self.noise_bounds(), self._adam)
+        rule, bounds, estimate = self._policy.lr_scaling, self.noise_bounds(), self.noise_scale
+        return learning_rate_scale(rule, total_batch_size, base, bounds, self._adam, estimate)
 
     # -- re-plans ------------------------------------------------------------------------------------------------------
 
@@ -554,7 +555,9 @@ class BalancingEngine:
         policy = replace(self._policy, accumulate=False) if mid_epoch else self._policy
         adapt_total = not mid_epoch if adapt_total is None else adapt_total
         noise, base = self.noise_bounds(), self.estimator.base_batch_size
-        decision = decide(self.speed_model, current, policy, noise, base, adapt_total=adapt_total, adam=self._adam)
+        decision = decide(
+            self.speed_model, current, policy, noise, base, adapt_total, adam=self._adam, estimate=self.noise_scale
+        )
         return replace(decision, changing=self.speed_model.changing, unconfirmed=self.speed_model.watch.unconfirmed)
 
     def _replan(self, mid_epoch: bool, adapt_total: bool, epoch: int = 0) -> Decision | None:

@@ -83,7 +83,8 @@ class CannikinSettings:
             that, over a whole run, however long and however often they are looked at, exclude the truth in at most
             about this share of runs (:meth:`~lightning_cannikin.core.noise_scale.NoiseScaleEstimator.run_bounds`:
             a Student-t width on the statistics' own spread, spent over the run's windows). The total is chosen over
-            the whole interval (:mod:`~lightning_cannikin.core.interval_choice`) and the gain takes ``low``. ``low``
+            the whole interval (:mod:`~lightning_cannikin.core.interval_choice`) and the gain takes the point estimate
+            held within the bounds. ``low``
             is finite even while ``|G|^2`` may still be zero, so a larger total that pays is taken early.
         noise_bound_sigmas: instead of ``noise_bound_level``, bounds a fixed number of standard errors wide at each
             look (:meth:`~lightning_cannikin.core.noise_scale.NoiseScaleEstimator.bounds`): each look holds the truth
