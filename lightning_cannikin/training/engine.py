@@ -39,13 +39,15 @@ from lightning_cannikin.training.comm_hook import WeightedAllReduceState, weight
 from lightning_cannikin.training.cost_aware_sampler import CostTimeFit, SampleCosts, with_time_models
 from lightning_cannikin.training.explain import explain
 from lightning_cannikin.training.grad_stats import GradientNormObserver
-from lightning_cannikin.training.loader import UnevenDataLoader, loader_batch_size, rebuild_uneven
+from lightning_cannikin.training.loader import UnevenDataLoader, kept_arguments, loader_batch_size, rebuild_uneven
 from lightning_cannikin.training.loss_weights import LossScaleCheck, WindowWeights
 from lightning_cannikin.training.optimizers import optimizer_family_of, unwrapped
 from lightning_cannikin.training.sampler import UnevenBatchSampler
 from lightning_cannikin.training.settings import EngineOptions
 from lightning_cannikin.training.sharded_grad_stats import NoiseReduceScatter, ShardedGradientNormObserver
 from lightning_cannikin.training.step_timer import HostClock, StepTimer, step_timer_for
+from lightning_cannikin.training.stream_checks import is_litdata
+from lightning_cannikin.training.streaming import rebuild_streaming
 
 __all__ = ["ENGINE_API", "BalancingEngine"]
 
@@ -263,7 +265,15 @@ class BalancingEngine:
         else:
             bounds = self.bounds or BatchBounds((1,) * world_size)
             plan = bounds.first_plan(loader_batch_size(dataloader) * world_size, accumulation)
-        loader = rebuild_uneven(dataloader, plan, self.collective.rank, sample_costs=sample_costs)
+        if is_litdata(dataloader.dataset):  # a stream: its own shares, re-planned at epoch ends only
+            if sample_costs is not None:
+                raise ValueError(
+                    "`sample_costs` splits map-style data by each sample's cost; a streaming data set is split by"
+                    " count. Drop `sample_costs` (use `batch_units` for a count mean), or use a map-style dataset."
+                )
+            loader = rebuild_streaming(dataloader, plan, self.collective.rank, kept_arguments(dataloader))
+        else:
+            loader = rebuild_uneven(dataloader, plan, self.collective.rank, sample_costs=sample_costs)
         self.use_loader(plan, loader.uneven_sampler)
         loader.on_fetch = self._input_starts
         self._loader = loader
@@ -425,8 +435,8 @@ class BalancingEngine:
             return None  # no re-plan mid-window: a window's micro-batches share one layout
         replanner = self._replanner
         replanner.voted(self._vote is not None and self._vote.poll(replanner.check_due(self.step)))
-        if epoch_ends:
-            return None  # the epoch's end decides (the vote kept for it)
+        if epoch_ends or not getattr(self._sampler, "mid_epoch_plans", True):
+            return None  # the epoch's end decides (the vote kept for it); a stream's shares change only there
         due, adapt = replanner.after_step(self.step, self.noise_bounds(), resizable)
         return self._replan(mid_epoch=True, adapt_total=adapt, epoch=epoch) if due else None
 

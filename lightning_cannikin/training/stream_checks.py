@@ -1,0 +1,60 @@
+"""Which streamed training loaders Cannikin can split exactly, told before any process is launched.
+
+LitData's ``StreamingDataset`` (through :mod:`lightning_cannikin.training.streaming`) is split into exact uneven
+shares; what it cannot split is refused here with the fix. Nothing here imports LitData unless a data set from it is
+given.
+"""
+
+from __future__ import annotations
+
+from torch.utils.data import DataLoader
+
+__all__ = ["INSTALL_HINT", "check_streaming", "is_litdata", "is_litdata_loader"]
+
+INSTALL_HINT = 'pip install "lightning-cannikin[litdata]"'
+
+
+def is_litdata(dataset: object) -> bool:
+    """Whether ``dataset`` is one of LitData's data sets (read off its class's module: LitData is not imported)."""
+    return any(cls.__module__.split(".")[0] == "litdata" for cls in type(dataset).__mro__)
+
+
+def is_litdata_loader(dataloader: object) -> bool:
+    """Whether ``dataloader`` is LitData's ``StreamingDataLoader`` (or another loader class of LitData's)."""
+    return type(dataloader).__module__.split(".")[0] == "litdata"
+
+
+def check_streaming(dataloader: DataLoader) -> tuple[bool, int]:
+    """Refuse a LitData training loader Cannikin cannot split exactly, with the fix; returns ``(shuffle, seed)``.
+
+    Cheap (no data is read), so the launching process runs it before it spawns.
+
+    Raises:
+        ValueError: for combined or parallel streaming data sets, a window shuffle, or direct-I/O windows.
+
+    """
+    from litdata import StreamingDataset
+
+    dataset = dataloader.dataset
+    if not isinstance(dataset, StreamingDataset):
+        # CombinedStreamingDataset and ParallelStreamingDataset draw from several data sets at rates of their own
+        raise ValueError(
+            f"Cannikin splits one LitData `StreamingDataset` unevenly across ranks; got a {type(dataset).__name__}."
+            " Combined and parallel streaming data sets mix several streams at their own rates, which cannot be cut"
+            " into exact per-rank shares. Optimize the sources into one data set (`litdata.optimize` or"
+            " `litdata.merge_datasets`), or use `strategy='ddp'`."
+        )
+    posix = getattr(dataset, "posix_fast", None)
+    if dataset.shuffle and posix is not None and posix.window_shuffle:
+        raise ValueError(
+            "This `StreamingDataset` would shuffle with LitData's `WindowShuffle` (POSIX-fast reads on a parallel file"
+            " system, or `LITDATA_POSIX_FAST=1`), whose sliding window assumes every rank reads an equal stripe."
+            " Cannikin shuffles the uneven shares itself: set `LITDATA_POSIX_FAST=0` before creating the data set, pass"
+            " `shuffle=False`, or use `strategy='ddp'`."
+        )
+    if getattr(dataset, "window_direct_io", False):
+        raise ValueError(
+            "A `StreamingDataset` with `window_direct_io=True` reads whole windows only, but Cannikin reads each rank's"
+            " share item by item. Create the data set with `window_direct_io=False`, or use `strategy='ddp'`."
+        )
+    return bool(dataset.shuffle), int(dataset.seed)
