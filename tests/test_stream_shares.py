@@ -7,7 +7,7 @@ import pytest
 
 from lightning_cannikin.core.layout import epoch_layout
 from lightning_cannikin.core.plan import Plan
-from lightning_cannikin.core.stream_shares import item_order, share_key, stream_shares
+from lightning_cannikin.core.stream_shares import global_batches, item_order, share_key, stream_shares
 
 
 def _cases(count: int, seed: int = 0):
@@ -97,3 +97,18 @@ def test_share_key_changes_with_any_field():
     assert share_key(**base) == share_key(**dict(reversed(list(base.items()))))
     for name, other in (("plan", [1, 2, 3]), ("seed", 41), ("epoch", 1), ("workers", 1)):
         assert share_key(**{**base, name: other}) != share_key(**base)
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_stream_of_unknown_length_is_cut_as_epoch_layout_cuts_it(drop_last):
+    for plan, chunk_sizes, _, _, _ in _cases(300, seed=11 + int(drop_last)):
+        total = sum(chunk_sizes)
+        expected = [b.local_batch_sizes for b in epoch_layout(total, {0: plan}, drop_last)]
+        batches = list(global_batches(iter(range(total)), plan.local_batch_sizes, drop_last))
+        assert [sizes for _, sizes in batches] == expected
+        taken = [i for items, _ in batches for i in items]
+        assert taken == list(range(len(taken)))  # in stream order, each item once
+        assert len(taken) == sum(map(sum, expected))
+        assert all(len(items) == sum(sizes) for items, sizes in batches)
+    with pytest.raises(ValueError, match="fewer than the 3 ranks"):
+        list(global_batches(range(2), (1, 1, 1)))

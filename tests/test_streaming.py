@@ -152,3 +152,56 @@ def test_ranks_that_disagree_stop_with_a_clear_error(tmp_path, stream_dir, case,
         kwargs = {"workers": lambda rank: 1 if rank == 1 else 2}
     with pytest.raises(Exception, match=match):
         fit(tmp_path, stream_dir, **kwargs)
+
+
+def _dataset(stream_dir, **kwargs):
+    return StreamingDataset(str(stream_dir), shuffle=True, **kwargs)
+
+
+def _direct_io(dataset):
+    dataset.window_direct_io = True
+    return dataset
+
+
+REFUSED = {
+    "combined": (
+        lambda d: StreamingDataLoader(litdata.CombinedStreamingDataset([_dataset(d), _dataset(d)]), batch_size=2),
+        r"got a CombinedStreamingDataset.*Optimize the sources into one data set",
+    ),
+    "parallel": (
+        lambda d: StreamingDataLoader(litdata.ParallelStreamingDataset([_dataset(d), _dataset(d)]), batch_size=2),
+        r"got a ParallelStreamingDataset.*Optimize the sources into one data set",
+    ),
+    "window shuffle": (
+        lambda d: StreamingDataLoader(_dataset(d), batch_size=2),  # built under LITDATA_POSIX_FAST=1
+        r"`WindowShuffle`.*set `LITDATA_POSIX_FAST=0`.*pass `shuffle=False`",
+    ),
+    "direct-I/O windows": (
+        # LitData accepts `window_direct_io=True` on NFS only; the flag is set after building on this disk
+        lambda d: StreamingDataLoader(_direct_io(_dataset(d)), batch_size=2),
+        r"`window_direct_io=True`.*Create the data set with `window_direct_io=False`",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_what_cannot_be_split_exactly_is_refused_before_the_ranks_start(stream_dir, monkeypatch, case):
+    build, message = REFUSED[case]
+    monkeypatch.setenv("LITDATA_POSIX_FAST", "1" if case == "window shuffle" else "0")
+    model = StreamingRegressor(IndexedRegression(8), batch_size=2, record_dir="", stream_dir=str(stream_dir))
+    trainer = pl.Trainer(
+        strategy=CannikinStrategy(start_method="fork"), devices=3, accelerator="cpu", max_epochs=1, logger=False
+    )
+    # a ValueError here, not the fork launcher's ProcessRaisedException: raised before any rank started
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(model, train_dataloaders=build(stream_dir))
+
+
+def test_a_plan_cannot_change_mid_epoch(stream_dir):
+    from lightning_cannikin.training.streaming import StreamShareSampler
+
+    sampler = StreamShareSampler([8] * 12 + [5], 0, Plan((2, 4, 8)), num_workers=2, shuffle=True, seed=7)
+    with pytest.raises(RuntimeError, match="epoch boundaries only"):
+        sampler.set_plan(Plan((3, 3, 3)), from_batch=3)
+    sampler.set_plan(Plan((3, 3, 3)), from_batch=0)  # the next epoch's: allowed
+    assert sampler.schedule == {0: Plan((3, 3, 3))}

@@ -22,11 +22,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import islice
+from typing import Any
 
 import numpy as np
 
-__all__ = ["item_order", "rank_span", "share_key", "stream_shares"]
+from lightning_cannikin.core.plan import proportional_sizes
+
+__all__ = ["global_batches", "item_order", "rank_span", "share_key", "stream_shares"]
 
 
 def item_order(chunk_sizes: Sequence[int], shuffle: bool, seed: int, epoch: int) -> np.ndarray:
@@ -101,3 +105,44 @@ def share_key(**fields: object) -> str:
     rank with another plan, seed, data set or worker count stops with a clear error instead of reading other items."""
     text = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def global_batches(
+    items: Iterable[Any], local_batch_sizes: Sequence[int], drop_last: bool = False
+) -> Iterator[tuple[list[Any], tuple[int, ...]]]:
+    """A stream of unknown length cut into global batches: ``(the batch's items, every rank's count)``, rank ``r``
+    taking the ``r``-th contiguous slice.
+
+    The steps are :func:`~lightning_cannikin.core.layout.epoch_layout`'s for the stream's length, found by reading one
+    global batch ahead: full batches of the plan, then the remainder split in proportion to the plan (folded into
+    the last full batch when it has fewer items than ranks; dropped with ``drop_last``). For a stream every rank
+    reads whole (an ``IterableDataset`` without per-rank shares).
+
+    Raises:
+        ValueError: when the stream has fewer items than ranks.
+
+    """
+    sizes = tuple(int(b) for b in local_batch_sizes)
+    total, world = sum(sizes), len(sizes)
+    stream = iter(items)
+    previous: list[Any] | None = None
+    while True:
+        batch = list(islice(stream, total))
+        if len(batch) == total:
+            if previous is not None:
+                yield previous, sizes
+            previous = batch
+            continue
+        if batch and not drop_last:
+            if len(batch) >= world:
+                if previous is not None:
+                    yield previous, sizes
+                previous, last = None, batch
+            elif previous is not None:  # too few left to give every rank one: fold them into the last full batch
+                previous, last = None, previous + batch
+            else:
+                raise ValueError(f"The stream has {len(batch)} items, fewer than the {world} ranks.")
+            yield last, proportional_sizes(len(last), sizes)
+        if previous is not None:
+            yield previous, sizes
+        return

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn  # Lightning's and Fabric's
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_cannikin.core.change import LocalChangeCheck
 from lightning_cannikin.core.change_vote import ChangeVote
@@ -42,6 +42,7 @@ from lightning_cannikin.training.grad_stats import GradientNormObserver
 from lightning_cannikin.training.loader import UnevenDataLoader, kept_arguments, loader_batch_size, rebuild_uneven
 from lightning_cannikin.training.loss_weights import LossScaleCheck, WindowWeights
 from lightning_cannikin.training.optimizers import optimizer_family_of, unwrapped
+from lightning_cannikin.training.replicated_stream import rebuild_replicated
 from lightning_cannikin.training.sampler import UnevenBatchSampler
 from lightning_cannikin.training.settings import EngineOptions
 from lightning_cannikin.training.sharded_grad_stats import NoiseReduceScatter, ShardedGradientNormObserver
@@ -272,6 +273,15 @@ class BalancingEngine:
                     " count. Drop `sample_costs` (use `batch_units` for a count mean), or use a map-style dataset."
                 )
             loader = rebuild_streaming(dataloader, plan, self.collective.rank, kept_arguments(dataloader))
+        elif isinstance(dataloader.dataset, IterableDataset):  # any other stream: every rank reads it whole
+            if sample_costs is not None or accumulation > 1:
+                raise ValueError(
+                    "An IterableDataset other than LitData's is read whole by every rank, which learns each global"
+                    " batch's sizes only as it reads it: it supports neither `sample_costs` nor"
+                    f" `accumulate_grad_batches` > 1 (got {accumulation}). Drop them, or stream with LitData's"
+                    " `StreamingDataset`."
+                )
+            loader = rebuild_replicated(dataloader, plan, self.collective.rank, world_size)
         else:
             loader = rebuild_uneven(dataloader, plan, self.collective.rank, sample_costs=sample_costs)
         self.use_loader(plan, loader.uneven_sampler)
@@ -287,7 +297,10 @@ class BalancingEngine:
     @property
     def epoch_length(self) -> int | None:
         """Global batches in the running epoch (``None`` without a training loader)."""
-        return len(self._sampler) if self._sampler is not None else None
+        try:
+            return len(self._sampler) if self._sampler is not None else None
+        except TypeError:  # a stream read whole by every rank: its length is known at its end only
+            return None
 
     def set_plan(self, plan: Plan, from_batch: int | None = None, interleave: tuple[Plan, int] | None = None) -> None:
         """Put ``plan`` (as many ranks as the plan in force) in force: in the running epoch from global batch

@@ -18,7 +18,7 @@ from lightning_cannikin.core.layout import epoch_layout
 from lightning_cannikin.core.plan import Plan
 from lightning_cannikin.training.cost_aware_sampler import CostAwareBatchSampler, SampleCosts, resolve_costs
 from lightning_cannikin.training.sampler import UnevenBatchSampler
-from lightning_cannikin.training.stream_checks import check_streaming, is_litdata, is_litdata_loader
+from lightning_cannikin.training.stream_checks import check_replicable, check_streaming, is_litdata, is_litdata_loader
 
 # DataLoader arguments carried over from the user's loader unchanged.
 _KEPT_ARGUMENTS = (
@@ -151,9 +151,9 @@ def check_trainable(dataloader: DataLoader, global_batch_size: int) -> tuple[boo
     Cheap (it reads the loader and the dataset's length), so the launching process can run it before it spawns.
 
     Raises:
-        ValueError: for DataLoader subclasses, iterable-style datasets other than LitData's ``StreamingDataset``
-            (:func:`~lightning_cannikin.training.stream_checks.check_streaming`), custom samplers, or a global batch
-            larger than the dataset.
+        ValueError: for DataLoader subclasses, streams Cannikin cannot split exactly
+            (:mod:`~lightning_cannikin.training.stream_checks`), custom samplers, or a global batch larger than the
+            dataset.
 
     """
     dataset = dataloader.dataset
@@ -168,14 +168,8 @@ def check_trainable(dataloader: DataLoader, global_batch_size: int) -> tuple[boo
     if streamed:  # LitData's StreamingDataset: exact uneven shares of the stream (training/streaming.py)
         return check_streaming(dataloader)
     if isinstance(dataset, IterableDataset):
-        # a stream has no sample index to split, and ranks reading their own shards cannot be given uneven shares of
-        # each global batch, nor be kept at the same number of batches, without a coordinator
-        raise ValueError(
-            "Cannikin needs a map-style training dataset (with `__len__` and `__getitem__`) to split each global batch"
-            f" across ranks; got an IterableDataset ({type(dataset).__name__}). Stream with LitData's"
-            ' `StreamingDataset` (split exactly; `pip install "lightning-cannikin[litdata]"`), or use'
-            " `strategy='ddp'`."
-        )
+        # any other stream: every rank reads it whole and keeps its slice of each global batch (replicated_stream.py)
+        return check_replicable(dataloader)
     options = sampling_options(dataloader)
     num_samples = len(dataset)  # type: ignore[arg-type]
     if global_batch_size > num_samples:

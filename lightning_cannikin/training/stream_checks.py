@@ -1,7 +1,8 @@
 """Which streamed training loaders Cannikin can split exactly, told before any process is launched.
 
-LitData's ``StreamingDataset`` (through :mod:`lightning_cannikin.training.streaming`) is split into exact uneven
-shares; what it cannot split is refused here with the fix. Nothing here imports LitData unless a data set from it is
+LitData's ``StreamingDataset`` is split into exact uneven shares (:mod:`lightning_cannikin.training.streaming`), any
+other ``IterableDataset`` is read whole by every rank (:mod:`lightning_cannikin.training.replicated_stream`); what
+neither can split exactly is refused here with the fix. Nothing here imports LitData unless a data set from it is
 given.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from torch.utils.data import DataLoader
 
-__all__ = ["INSTALL_HINT", "check_streaming", "is_litdata", "is_litdata_loader"]
+__all__ = ["INSTALL_HINT", "check_replicable", "check_streaming", "is_litdata", "is_litdata_loader"]
 
 INSTALL_HINT = 'pip install "lightning-cannikin[litdata]"'
 
@@ -58,3 +59,28 @@ def check_streaming(dataloader: DataLoader) -> tuple[bool, int]:
             " share item by item. Create the data set with `window_direct_io=False`, or use `strategy='ddp'`."
         )
     return bool(dataset.shuffle), int(dataset.seed)
+
+
+def check_replicable(dataloader: DataLoader) -> tuple[bool, int]:
+    """Refuse an ``IterableDataset`` loader whose stream is already split across ranks, with the fix; returns
+    ``(shuffle, seed)`` (the stream shuffles itself: ``(False, 0)``). Cheap: runs before the ranks start.
+
+    Raises:
+        ValueError: for a stream split by node (Hugging Face ``split_dataset_by_node``, a ``nodesplitter``).
+
+    """
+    dataset = dataloader.dataset
+    name = type(dataset).__name__
+    if getattr(dataset, "_distributed", None) is not None:  # Hugging Face `datasets.distributed.split_dataset_by_node`
+        raise ValueError(
+            f"The training stream ({name}) was split across ranks with `split_dataset_by_node`. Cannikin gives every"
+            " rank its uneven slice of each global batch itself: pass the unsplit stream, or use `strategy='ddp'`."
+        )
+    if getattr(dataset, "nodesplitter", None) is not None:  # WebDataset and the like: shards per node
+        raise ValueError(
+            f"The training stream ({name}) has a `nodesplitter`: it splits its shards across ranks evenly, and how"
+            " many samples each shard holds is unknown. Build it with `nodesplitter=None` (Cannikin gives every rank"
+            " its uneven slice of each global batch), convert it to LitData (`litdata.optimize`), or use"
+            " `strategy='ddp'`."
+        )
+    return False, 0
