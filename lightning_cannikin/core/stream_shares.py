@@ -11,8 +11,9 @@ What differs from map-style data is where each rank's items come from. Reading a
 each rank reads one contiguous run of the epoch's chunk order (whole chunks, cut at single items only where two ranks
 meet, as LitData cuts them), and within a rank each DataLoader worker reads one contiguous block of that run: step
 ``k`` of a rank is produced by worker ``k % num_workers`` (the order a DataLoader asks its workers in), so a worker's
-block holds exactly the items of its steps. With ``shuffle`` the chunk order is a seeded permutation per epoch and each
-worker's block is permuted too. Everything is a function of ``(chunk sizes, every rank's step sizes, rank, workers,
+block holds exactly the items of its steps. With ``shuffle`` the chunk order is a seeded permutation per epoch and
+the items of each chunk are permuted within the worker's block, which reads its chunks one after another, as
+LitData's own shuffle does. Everything is a function of ``(chunk sizes, every rank's step sizes, rank, workers,
 shuffle, seed, epoch)``, so a rank can rebuild any step of the epoch (a resume) without asking anyone.
 
 Pure: numpy only.
@@ -90,7 +91,9 @@ def stream_shares(
     bounds = np.concatenate(([0], np.cumsum(counts)))
     blocks = [mine[bounds[w] : bounds[w + 1]] for w in range(workers)]
     if shuffle:
-        blocks = [np.random.RandomState([int(seed), int(epoch), rank, w]).permutation(b) for w, b in enumerate(blocks)]
+        chunk_ends = np.cumsum(np.asarray(chunk_sizes, dtype=np.int64))
+        seeds = [[int(seed), int(epoch), rank, w] for w in range(workers)]
+        blocks = [_shuffle_within_chunks(block, chunk_ends, seeds[w]) for w, block in enumerate(blocks)]
     cursors = [0] * workers
     steps = []
     for k, size in enumerate(sizes):
@@ -98,6 +101,17 @@ def stream_shares(
         steps.append(blocks[w][cursors[w] : cursors[w] + size])
         cursors[w] += size
     return steps
+
+
+def _shuffle_within_chunks(block: np.ndarray, chunk_ends: np.ndarray, seed: list[int]) -> np.ndarray:
+    """``block``'s items permuted within each chunk, the chunks kept in their order: a worker reads one chunk after
+    another (a chunk switch per item costs LitData's reader about 40x a read in order), as LitData's own shuffle
+    does."""
+    if len(block) < 2:
+        return block
+    chunks = np.searchsorted(chunk_ends, block, side="right")
+    keys = np.random.RandomState(seed).random_sample(len(block))
+    return block[np.lexsort((keys, np.cumsum(np.r_[0, np.diff(chunks) != 0])))]
 
 
 def share_key(**fields: object) -> str:
