@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from litdata import StreamingDataLoader, StreamingDataset  # noqa: E402
 from litdata.streaming.writer import BinaryWriter  # noqa: E402
 
-from lightning_cannikin import Cannikin, CannikinStrategy  # noqa: E402
+from lightning_cannikin import Cannikin, CannikinStrategy, EmulatedCluster  # noqa: E402
 from lightning_cannikin.core.plan import Plan  # noqa: E402
 from tests.models import IndexedRegression, RecordingRegressor, read_records  # noqa: E402
 from tests.test_core_distributed import max_error, replay  # noqa: E402
@@ -138,6 +138,35 @@ def test_uneven_shares_every_item_once_exact_gradient_and_resume(tmp_path, strea
         for name, value in records[rank]["params"].items():
             error = (torch.tensor(resumed[rank]["params"][name]) - torch.tensor(value)).abs().max().item()
             assert error < 1e-6, f"rank {rank}: {name} differs by {error} after resuming at step {stop}"
+
+
+@pytest.mark.timeout(300)
+def test_plans_the_balancing_engine_picks_keep_every_item_once(tmp_path, stream_dir):
+    # the engine's own re-plans (at epoch ends for a stream) on an emulated 1x:2x:4x cluster, whatever they pick
+    torch.manual_seed(0)
+    model = StreamingRegressor(
+        IndexedRegression(NUM_ITEMS), batch_size=4, record_dir=str(tmp_path), stream_dir=str(stream_dir)
+    )
+    trainer = pl.Trainer(
+        strategy=CannikinStrategy(start_method="fork"),
+        devices=3,
+        accelerator="cpu",
+        max_epochs=4,
+        callbacks=[EmulatedCluster([1.0, 2.0, 4.0], fixed_ms=2.0)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model)
+    records = read_records(tmp_path, 3)
+    for epoch in range(4):
+        per_rank = epoch_steps(records, epoch)
+        assert len({len(steps) for steps in per_rank}) == 1, f"epoch {epoch}: {[len(s) for s in per_rank]}"
+        seen = sorted(i for steps in per_rank for step in steps for i in step)
+        assert seen == list(range(NUM_ITEMS)), f"epoch {epoch}: lost or repeated items"
+        # within an epoch every step but the last runs one plan: plans change at epoch boundaries only
+        assert len({tuple(len(step[k]) for step in per_rank) for k in range(len(per_rank[0]) - 1)}) == 1
 
 
 @pytest.mark.timeout(300)
