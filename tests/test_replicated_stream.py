@@ -109,6 +109,14 @@ def test_a_stream_that_differs_across_ranks_stops_every_rank_with_a_clear_error(
         fit(tmp_path, by_rank=True)
 
 
+def split_by_node(urls):
+    return urls
+
+
+def identity(urls):
+    return urls
+
+
 class NodeSplit(IterableDataset):
     def __init__(self, **attributes) -> None:
         self.__dict__.update(attributes)
@@ -121,14 +129,23 @@ class NodeSplit(IterableDataset):
     ("attributes", "message"),
     [
         ({"_distributed": object()}, r"split across ranks with `split_dataset_by_node`.*pass the unsplit stream"),
-        ({"nodesplitter": object()}, r"has a `nodesplitter`.*Build it with `nodesplitter=None`"),
+        ({"nodesplitter": lambda urls: urls[1::3]}, r"has a `nodesplitter`.*Build it with `nodesplitter=None`"),
+        ({"pipeline": [list, split_by_node]}, r"has a `split_by_node` stage.*Split by node with an identity"),
     ],
 )
 def test_a_stream_split_by_node_is_refused_before_the_ranks_start(attributes, message):
-    # stand-ins: Hugging Face's `split_dataset_by_node` leaves `_distributed` set; WebDataset keeps its `nodesplitter`
+    # stand-ins (neither library is installed here): Hugging Face's `split_dataset_by_node` leaves `_distributed` set;
+    # WebDataset's older ShardList keeps its `nodesplitter` (identity without one), its pipelines the stage
     trainer = pl.Trainer(
         strategy=CannikinStrategy(start_method="fork"), devices=3, accelerator="cpu", max_epochs=1, logger=False
     )
     model = StreamRegressor(IndexedRegression(8), batch_size=2, record_dir="")
     with pytest.raises(ValueError, match=message):
         trainer.fit(model, train_dataloaders=DataLoader(NodeSplit(**attributes), batch_size=2))
+
+
+def test_a_stream_that_does_not_split_by_node_is_taken():
+    from lightning_cannikin.training.stream_checks import check_replicable
+
+    for attributes in ({"nodesplitter": identity}, {"nodesplitter": None}, {"pipeline": [list, identity]}, {}):
+        assert check_replicable(DataLoader(NodeSplit(**attributes), batch_size=2)) == (False, 0)

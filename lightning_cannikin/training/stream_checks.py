@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from torch.utils.data import DataLoader
 
-__all__ = ["INSTALL_HINT", "check_replicable", "check_streaming", "is_litdata", "is_litdata_loader"]
-
-INSTALL_HINT = 'pip install "lightning-cannikin[litdata]"'
+__all__ = ["check_replicable", "check_streaming", "is_litdata", "is_litdata_loader"]
 
 
 def is_litdata(dataset: object) -> bool:
@@ -76,11 +74,25 @@ def check_replicable(dataloader: DataLoader) -> tuple[bool, int]:
             f"The training stream ({name}) was split across ranks with `split_dataset_by_node`. Cannikin gives every"
             " rank its uneven slice of each global batch itself: pass the unsplit stream, or use `strategy='ddp'`."
         )
-    if getattr(dataset, "nodesplitter", None) is not None:  # WebDataset and the like: shards per node
+    # WebDataset and the like: a `nodesplitter` kept as an attribute (an identity one splits nothing) or a stage
+    splitter = getattr(dataset, "nodesplitter", None)
+    if splitter is not None and _name(splitter) != "identity":
         raise ValueError(
             f"The training stream ({name}) has a `nodesplitter`: it splits its shards across ranks evenly, and how"
             " many samples each shard holds is unknown. Build it with `nodesplitter=None` (Cannikin gives every rank"
             " its uneven slice of each global batch), convert it to LitData (`litdata.optimize`), or use"
             " `strategy='ddp'`."
         )
+    if any(_name(stage) == "split_by_node" for stage in getattr(dataset, "pipeline", None) or []):
+        raise ValueError(
+            f"The training stream ({name}) has a `split_by_node` stage: it splits its shards across ranks evenly, and"
+            " how many samples each shard holds is unknown. Split by node with an identity instead (WebDataset:"
+            " `nodesplitter=lambda urls: urls`; Cannikin gives every rank its uneven slice of each global batch),"
+            " convert it to LitData (`litdata.optimize`), or use `strategy='ddp'`."
+        )
     return False, 0
+
+
+def _name(function: object) -> str:
+    """A function's name, or a ``functools.partial``'s function's."""
+    return str(getattr(function, "__name__", None) or getattr(getattr(function, "func", None), "__name__", ""))
