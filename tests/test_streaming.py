@@ -234,3 +234,25 @@ def test_a_plan_cannot_change_mid_epoch(stream_dir):
         sampler.set_plan(Plan((3, 3, 3)), from_batch=3)
     sampler.set_plan(Plan((3, 3, 3)), from_batch=0)  # the next epoch's: allowed
     assert sampler.schedule == {0: Plan((3, 3, 3))}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"stream": {"items": NUM_ITEMS, "seed": 7, "shuffle": True, "num_workers": 2}}, "Resume with the same"),
+        ({"schedule": [[0, Plan((2, 4)).to_dict()]]}, "ran on another world size"),
+    ],
+)
+def test_a_resume_that_cannot_continue_the_shares_is_refused(stream_dir, change, message):
+    from lightning_cannikin.training.loader import kept_arguments
+    from lightning_cannikin.training.streaming import rebuild_streaming
+
+    user_loader = StreamingDataLoader(_dataset(stream_dir), batch_size=2)  # seed 42, no workers
+    loader = rebuild_streaming(user_loader, Plan(SIZES), 0, kept_arguments(user_loader))
+    state = {**loader.state_dict(), "batches_consumed": 3}
+    loader.load_state_dict({**state, **change})
+    with pytest.raises(ValueError, match=message):
+        next(iter(loader))
+    loader.load_state_dict(state)  # the same settings: it continues at global batch 3
+    next(iter(loader))
+    assert loader.pending_steps[0] == (3, SIZES)
