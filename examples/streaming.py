@@ -3,6 +3,7 @@
     pip install "lightning-cannikin[litdata]"   # a CPU-only torch: see the README's "Streaming data" for the install
     python examples/streaming.py                 # both runs, their training times and the ratio
     python examples/streaming.py --strategy ddp  # one run only: cannikin or ddp
+    python examples/streaming.py --smoke         # a quick check that it runs: 2 epochs on a slice of the data
 
 scikit-learn's digits are written once with ``litdata.optimize`` into a local folder of chunks (``--data-dir``; a
 temporary one by default), then streamed back by a ``StreamingDataset`` and ``StreamingDataLoader`` built in the
@@ -30,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import lightning_cannikin  # noqa: F401  (registers strategy="cannikin")
-from examples.data import ImageClassifier, accuracy, load_dataset
+from examples.data import ImageClassifier, accuracy, load_dataset, smoke_subset
 from examples.emulated_cluster import STRATEGIES, SplitReporter, TrainClock
 from lightning_cannikin import EmulatedCluster
 
@@ -55,11 +56,13 @@ def _digit(sample: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, int
     return image, int(label)
 
 
-def write_stream(data_dir: Path, seed: int) -> None:
-    """The digits' training split as LitData chunks of 64 items in ``data_dir``."""
+def write_stream(data_dir: Path, seed: int, smoke: bool = False) -> None:
+    """The digits' training split (a slice of it for ``smoke``) as LitData chunks of 64 items in ``data_dir``."""
     from litdata import optimize
 
     train, _, _ = load_dataset("digits", seed=seed)
+    if smoke:
+        train = smoke_subset(train)
     start = multiprocessing.get_start_method()
     optimize(fn=_digit, inputs=list(train), output_dir=str(data_dir), chunk_size=64, num_workers=1, mode="overwrite")
     multiprocessing.set_start_method(start, force=True)  # optimize switches the whole process to spawn
@@ -75,13 +78,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
+    parser.add_argument("--smoke", action="store_true", help="2 epochs on a slice of the data: a check that it runs")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.epochs = 2
+    return args
 
 
 def run(name: str, args: argparse.Namespace, data_dir: Path) -> dict:
     """One fit on the emulated cluster; returns rank zero's training time and the test accuracy."""
     pl.seed_everything(args.seed, verbose=False)  # the same initial weights for every run
     _, test, shape = load_dataset("digits", seed=args.seed)
+    if args.smoke:
+        test = smoke_subset(test)
     devices = len(args.per_sample_ms)
     callbacks = [EmulatedCluster(args.per_sample_ms, args.fixed_ms), SplitReporter(), TrainClock()]
     trainer = pl.Trainer(
@@ -109,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as temporary:
         data_dir = Path(args.data_dir or temporary)
         started = time.perf_counter()
-        write_stream(data_dir, args.seed)
+        write_stream(data_dir, args.seed, args.smoke)
         print(f"optimized the digits into {data_dir} in {time.perf_counter() - started:.1f}s", flush=True)
         names = list(STRATEGIES) if args.strategy == "both" else [args.strategy]
         results = {name: run(name, args, data_dir) for name in names}
