@@ -45,6 +45,10 @@ def _fit(tmp_path, make_loaders, callbacks=(), **trainer_kwargs) -> None:
 
 
 class ShuffledStream(IterableDataset):
+    """A stream already split by node (Hugging Face's `split_dataset_by_node` leaves `_distributed` set)."""
+
+    _distributed = (0, 2)
+
     def __iter__(self):
         yield from IndexedRegression(96)
 
@@ -66,7 +70,10 @@ REFUSED = {
         lambda ds, b: PrefetchingLoader(ds, batch_size=b, shuffle=True),
         r"is a subclass \(PrefetchingLoader\).*plain `torch.utils.data.DataLoader`",
     ),
-    "IterableDataset": (lambda ds, b: DataLoader(ShuffledStream(), batch_size=b), "map-style training dataset"),
+    "IterableDataset split by node": (
+        lambda ds, b: DataLoader(ShuffledStream(), batch_size=b),
+        "split across ranks with `split_dataset_by_node`",
+    ),
 }
 
 

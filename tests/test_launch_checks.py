@@ -45,6 +45,11 @@ class Regressor(pl.LightningModule):
 
 
 class Stream(IterableDataset):
+    """A stream already split across ranks (WebDataset keeps its `nodesplitter`): every rank reading the whole stream
+    and keeping its slice would be wrong."""
+
+    nodesplitter = staticmethod(lambda urls: urls)
+
     def __iter__(self):
         yield from IndexedRegression(32)
 
@@ -88,7 +93,7 @@ REFUSED = {
         r"upper bounds \[5, 2\] hold at most 7 samples.*Lower the DataLoader `batch_size` to at most 3, or raise the"
         r" upper bounds",
     ),
-    "IterableDataset": (DataLoader(Stream(), batch_size=8), [], {}, "map-style training dataset"),
+    "IterableDataset split by node": (DataLoader(Stream(), batch_size=8), [], {}, "has a `nodesplitter`"),
     "custom sampler": (
         DataLoader(DATA, batch_size=8, sampler=EveryOther(64)),
         [],
@@ -162,12 +167,12 @@ def test_one_device_gets_a_note_that_there_is_nothing_to_balance(monkeypatch):
     notes = []
     monkeypatch.setattr(launch_checks, "rank_zero_info", notes.append)
     trainer = quiet_trainer("cannikin", 1, max_epochs=1)
-    with pytest.raises(ValueError, match="map-style"):  # stops the fit right after the note, before training
+    with pytest.raises(ValueError, match="nodesplitter"):  # stops the fit right after the note, before training
         trainer.fit(Regressor(), train_dataloaders=DataLoader(Stream(), batch_size=8))
     assert notes == [launch_checks.SINGLE_DEVICE_NOTE]
     assert "no split to balance" in notes[0]
     notes.clear()
     trainer = quiet_trainer(CannikinStrategy(start_method="fork"), 2, max_epochs=1)
-    with pytest.raises(ValueError, match="map-style"):
+    with pytest.raises(ValueError, match="nodesplitter"):
         trainer.fit(Regressor(), train_dataloaders=DataLoader(Stream(), batch_size=8))
     assert notes == []

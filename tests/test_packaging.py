@@ -61,7 +61,7 @@ def _declared(project: dict) -> set[str]:
     for working on the package, not for using it)."""
     extras = project["optional-dependencies"]
     return _requirement_names(project["dependencies"]).union(
-        *(_requirement_names(extras[x]) for x in ("plots", "cli", "ray"))
+        *(_requirement_names(extras[x]) for x in ("plots", "cli", "ray", "litdata"))
     )
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn  # Lightning's and Fabric's
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_cannikin.core.change import LocalChangeCheck
 from lightning_cannikin.core.change_vote import ChangeVote
@@ -39,13 +39,16 @@ from lightning_cannikin.training.comm_hook import WeightedAllReduceState, weight
 from lightning_cannikin.training.cost_aware_sampler import CostTimeFit, SampleCosts, with_time_models
 from lightning_cannikin.training.explain import explain
 from lightning_cannikin.training.grad_stats import GradientNormObserver
-from lightning_cannikin.training.loader import UnevenDataLoader, loader_batch_size, rebuild_uneven
+from lightning_cannikin.training.loader import UnevenDataLoader, kept_arguments, loader_batch_size, rebuild_uneven
 from lightning_cannikin.training.loss_weights import LossScaleCheck, WindowWeights
 from lightning_cannikin.training.optimizers import optimizer_family_of, unwrapped
+from lightning_cannikin.training.replicated_stream import rebuild_replicated
 from lightning_cannikin.training.sampler import UnevenBatchSampler
 from lightning_cannikin.training.settings import EngineOptions
 from lightning_cannikin.training.sharded_grad_stats import NoiseReduceScatter, ShardedGradientNormObserver
 from lightning_cannikin.training.step_timer import HostClock, StepTimer, step_timer_for
+from lightning_cannikin.training.stream_checks import is_litdata
+from lightning_cannikin.training.streaming import rebuild_streaming
 
 __all__ = ["ENGINE_API", "BalancingEngine"]
 
@@ -263,7 +266,24 @@ class BalancingEngine:
         else:
             bounds = self.bounds or BatchBounds((1,) * world_size)
             plan = bounds.first_plan(loader_batch_size(dataloader) * world_size, accumulation)
-        loader = rebuild_uneven(dataloader, plan, self.collective.rank, sample_costs=sample_costs)
+        if is_litdata(dataloader.dataset):  # a stream: its own shares, re-planned at epoch ends only
+            if sample_costs is not None:
+                raise ValueError(
+                    "`sample_costs` splits map-style data by each sample's cost; a streaming data set is split by"
+                    " count. Drop `sample_costs` (use `batch_units` for a count mean), or use a map-style dataset."
+                )
+            loader = rebuild_streaming(dataloader, plan, self.collective.rank, kept_arguments(dataloader))
+        elif isinstance(dataloader.dataset, IterableDataset):  # any other stream: every rank reads it whole
+            if sample_costs is not None or accumulation > 1:
+                raise ValueError(
+                    "An IterableDataset other than LitData's is read whole by every rank, which learns each global"
+                    " batch's sizes only as it reads it: it supports neither `sample_costs` nor"
+                    f" `accumulate_grad_batches` > 1 (got {accumulation}). Drop them, or stream with LitData's"
+                    " `StreamingDataset`."
+                )
+            loader = rebuild_replicated(dataloader, plan, self.collective.rank, world_size)
+        else:
+            loader = rebuild_uneven(dataloader, plan, self.collective.rank, sample_costs=sample_costs)
         self.use_loader(plan, loader.uneven_sampler)
         loader.on_fetch = self._input_starts
         self._loader = loader
@@ -277,7 +297,10 @@ class BalancingEngine:
     @property
     def epoch_length(self) -> int | None:
         """Global batches in the running epoch (``None`` without a training loader)."""
-        return len(self._sampler) if self._sampler is not None else None
+        try:
+            return len(self._sampler) if self._sampler is not None else None
+        except TypeError:  # a stream read whole by every rank: its length is known at its end only
+            return None
 
     def set_plan(self, plan: Plan, from_batch: int | None = None, interleave: tuple[Plan, int] | None = None) -> None:
         """Put ``plan`` (as many ranks as the plan in force) in force: in the running epoch from global batch
@@ -425,8 +448,8 @@ class BalancingEngine:
             return None  # no re-plan mid-window: a window's micro-batches share one layout
         replanner = self._replanner
         replanner.voted(self._vote is not None and self._vote.poll(replanner.check_due(self.step)))
-        if epoch_ends:
-            return None  # the epoch's end decides (the vote kept for it)
+        if epoch_ends or not getattr(self._sampler, "mid_epoch_plans", True):
+            return None  # the epoch's end decides (the vote kept for it); a stream's shares change only there
         due, adapt = replanner.after_step(self.step, self.noise_bounds(), resizable)
         return self._replan(mid_epoch=True, adapt_total=adapt, epoch=epoch) if due else None
 

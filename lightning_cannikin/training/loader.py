@@ -18,6 +18,7 @@ from lightning_cannikin.core.layout import epoch_layout
 from lightning_cannikin.core.plan import Plan
 from lightning_cannikin.training.cost_aware_sampler import CostAwareBatchSampler, SampleCosts, resolve_costs
 from lightning_cannikin.training.sampler import UnevenBatchSampler
+from lightning_cannikin.training.stream_checks import check_replicable, check_streaming, is_litdata, is_litdata_loader
 
 # DataLoader arguments carried over from the user's loader unchanged.
 _KEPT_ARGUMENTS = (
@@ -150,25 +151,25 @@ def check_trainable(dataloader: DataLoader, global_batch_size: int) -> tuple[boo
     Cheap (it reads the loader and the dataset's length), so the launching process can run it before it spawns.
 
     Raises:
-        ValueError: for DataLoader subclasses, iterable-style datasets, custom samplers, or a global batch larger than
-            the dataset.
+        ValueError: for DataLoader subclasses, streams Cannikin cannot split exactly
+            (:mod:`~lightning_cannikin.training.stream_checks`), custom samplers, or a global batch larger than the
+            dataset.
 
     """
-    if type(dataloader) not in (DataLoader, UnevenDataLoader):
+    dataset = dataloader.dataset
+    streamed = is_litdata(dataset)
+    if type(dataloader) not in (DataLoader, UnevenDataLoader) and not (streamed and is_litdata_loader(dataloader)):
         raise ValueError(
             f"The training DataLoader is a subclass ({type(dataloader).__name__}). Cannikin rebuilds the training"
             " loader around its own batch sampler, which would drop what the subclass adds. Use a plain"
             " `torch.utils.data.DataLoader` (move the subclass's logic into the Dataset, `collate_fn` or"
             " `worker_init_fn`: all are kept), or use `strategy='ddp'`."
         )
-    dataset = dataloader.dataset
+    if streamed:  # LitData's StreamingDataset: exact uneven shares of the stream (training/streaming.py)
+        return check_streaming(dataloader)
     if isinstance(dataset, IterableDataset):
-        # a stream has no sample index to split, and ranks reading their own shards cannot be given uneven shares of
-        # each global batch, nor be kept at the same number of batches, without a coordinator
-        raise ValueError(
-            "Cannikin needs a map-style training dataset (with `__len__` and `__getitem__`) to split each global batch"
-            f" across ranks; got an IterableDataset ({type(dataset).__name__}). Use `strategy='ddp'` for it."
-        )
+        # any other stream: every rank reads it whole and keeps its slice of each global batch (replicated_stream.py)
+        return check_replicable(dataloader)
     options = sampling_options(dataloader)
     num_samples = len(dataset)  # type: ignore[arg-type]
     if global_batch_size > num_samples:
@@ -193,9 +194,14 @@ def rebuild_uneven(
         batch_sampler = UnevenBatchSampler(num_samples, rank=rank, plan=plan, **options)
     else:
         batch_sampler = CostAwareBatchSampler(num_samples, rank, plan, costs, **options)
+    return UnevenDataLoader(dataset, batch_sampler=batch_sampler, **kept_arguments(dataloader))
+
+
+def kept_arguments(dataloader: DataLoader) -> dict[str, Any]:
+    """The user's DataLoader arguments a rebuilt training loader keeps (workers, collate function, pinning, ...)."""
     kwargs = {name: getattr(dataloader, name) for name in _KEPT_ARGUMENTS if hasattr(dataloader, name)}
     if kwargs.get("num_workers", 0) == 0:
         # DataLoader rejects these without workers, even at their defaults' off values
         kwargs.pop("prefetch_factor", None)
         kwargs["persistent_workers"] = False
-    return UnevenDataLoader(dataset, batch_sampler=batch_sampler, **kwargs)
+    return kwargs

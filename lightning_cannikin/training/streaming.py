@@ -1,0 +1,226 @@
+"""LitData's ``StreamingDataset`` under ``strategy="cannikin"``: uneven per-rank shares of a chunked stream.
+
+The user's ``StreamingDataset`` and ``StreamingDataLoader`` stay as they are; the strategy rebuilds the training loader
+around them as it does for map-style data. Which items a rank reads in each step is
+:func:`~lightning_cannikin.core.stream_shares.stream_shares`' (every item once per epoch, steps of the plan, the same
+number of steps on every rank); the loader's workers read them through the data set's own ``dataset[i]`` (LitData's
+chunk reader, its ``transform`` and cache), and the user's collate function batches them. LitData's shuffler and its
+resume state are not used: its ``get_chunks_and_intervals_per_workers`` gives every rank an even share, and its
+resume re-stripes the stream evenly whenever the ranks' batch sizes differ (Lightning saves rank zero's loader state
+only), which would read items twice and miss others. The position this loader saves is rank-independent (the epoch,
+the global batches consumed, the plan), so every rank rebuilds its own place from rank zero's state exactly.
+
+The plan changes at epoch boundaries only (a mid-epoch re-plan would move every rank's run of the chunk order);
+before each epoch the ranks compare a digest of everything their shares depend on and stop together with a clear
+error when any differs.
+
+LitData is optional (``pip install "lightning-cannikin[litdata]"``): it is imported here only when a data set from it
+is given, and this module is what the rest of the package reaches it through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_cannikin.core.plan import Plan
+from lightning_cannikin.core.stream_shares import share_key, stream_shares
+from lightning_cannikin.training.loader import UnevenDataLoader
+from lightning_cannikin.training.sampler import UnevenBatchSampler
+from lightning_cannikin.training.stream_checks import check_streaming
+
+__all__ = ["StreamShareSampler", "StreamingUnevenLoader", "rebuild_streaming"]
+
+
+def chunk_sizes_of(dataset: Any) -> list[int]:
+    """Items in each chunk of a LitData ``StreamingDataset``, in storage order (what ``dataset[i]`` indexes)."""
+    from litdata.utilities.env import _WorkerEnv
+
+    cache = dataset._create_cache(worker_env=_WorkerEnv.detect())
+    # each interval is (chunk start, region start, region end, chunk end); `dataset[i]` counts region items
+    return [int(interval[2]) - int(interval[1]) for interval in cache.get_chunk_intervals()]
+
+
+class StreamShareSampler(UnevenBatchSampler):
+    """This rank's item ids of a chunked stream, one list per global batch of the epoch.
+
+    The epoch's layout (every rank's size in each step) is :class:`UnevenBatchSampler`'s; the ids are
+    :func:`~lightning_cannikin.core.stream_shares.stream_shares`'. Lightning selects the epoch through
+    ``sampler.set_epoch``, as for map-style data.
+
+    Args:
+        chunk_sizes: items in each chunk of the data set, in storage order.
+        rank: this process's global rank.
+        plan: the split of the epoch.
+        num_workers: the loader's workers (each reads one contiguous block of the rank's share).
+        shuffle: a seeded chunk order and item order per epoch.
+        seed: the shared seed.
+        drop_last: drop the epoch's last, partial global batch.
+
+    """
+
+    mid_epoch_plans = False  # the engine re-plans at epoch ends only
+
+    def __init__(
+        self,
+        chunk_sizes: list[int],
+        rank: int,
+        plan: Plan,
+        num_workers: int,
+        shuffle: bool = False,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        super().__init__(sum(chunk_sizes), rank, plan, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        self.chunk_sizes = list(chunk_sizes)
+        self.num_workers = int(num_workers)
+        self._shares: list[np.ndarray] | None = None
+        self._shares_key: tuple | None = None
+
+    def set_plan(self, plan: Plan, from_batch: int = 0, interleave: tuple[Plan, int] | None = None) -> None:
+        if 0 < from_batch < len(self.layout()):
+            raise RuntimeError(
+                "A streaming data set's shares change at epoch boundaries only: a plan from global batch"
+                f" {from_batch} of {len(self.layout())} would move every rank's run of the stream."
+            )
+        super().set_plan(plan, from_batch, interleave)
+
+    def key(self) -> dict[str, Any]:
+        """Everything this rank's shares depend on, which every rank must agree on."""
+        plan = self.schedule[0]
+        return {
+            "epoch": self.sampler.epoch,
+            "plan": list(plan.local_batch_sizes),
+            "items": self.num_samples,
+            "chunks": share_key(sizes=self.chunk_sizes),
+            "shuffle": self.sampler.shuffle,
+            "seed": self.sampler.seed,
+            "drop_last": self.drop_last,
+            "num_workers": self.num_workers,
+            "start": self.start_batch,
+        }
+
+    def shares(self) -> list[np.ndarray]:
+        """This rank's ids in every global batch of the current epoch (cached until the epoch or plan changes)."""
+        key = (self.sampler.epoch, self.schedule[0], self.drop_last)
+        if self._shares is None or key != self._shares_key:
+            if len(self.schedule) > 1:
+                raise RuntimeError("A streaming data set's shares follow one plan per epoch.")
+            step_sizes = [batch.local_batch_sizes for batch in self.layout()]
+            self._shares = stream_shares(
+                self.chunk_sizes,
+                step_sizes,
+                self.rank,
+                self.num_workers,
+                self.sampler.shuffle,
+                self.sampler.seed,
+                self.sampler.epoch,
+            )
+            self._shares_key = key
+        return self._shares
+
+    def __iter__(self) -> Iterator[list[int]]:
+        check_agreement(self.key())
+        shares = self.shares()
+        self.yielded = self.start_batch
+        for index in range(self.start_batch, len(shares)):
+            self.yielded = index + 1
+            yield shares[index].tolist()
+
+
+def check_agreement(key: dict[str, Any]) -> None:
+    """Every rank compares what its shares depend on before an epoch (one small all-gather); all ranks raise the same
+    clear error when any differs, so none reads another's items or waits in a collective."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (share_key(**key), key))
+    if len({digest for digest, _ in every}) == 1:
+        return
+    fields = sorted({name for _, k in every for name in k if any(other[name] != k[name] for _, other in every)})
+    table = "; ".join(
+        f"{name}: " + ", ".join(f"rank {r}={k[name]}" for r, (_, k) in enumerate(every)) for name in fields
+    )
+    raise ValueError(
+        f"The ranks disagree on what splits the stream ({table}). Every rank must train with the same plan, data"
+        " set, seed, shuffle and `num_workers` (a plan set on one rank only, a DataLoader built differently per rank)."
+    )
+
+
+class _StreamItems(Dataset):
+    """The stream as a map-style view (``view[i]`` is ``dataset[i]``): the loader's workers read the ids they get."""
+
+    def __init__(self, stream: Any, num_items: int) -> None:
+        self.stream = stream
+        self.num_items = num_items
+
+    def __len__(self) -> int:
+        return self.num_items
+
+    def __getitem__(self, index: int) -> Any:
+        return self.stream[int(index)]
+
+
+class StreamingUnevenLoader(UnevenDataLoader):
+    """An :class:`UnevenDataLoader` over a LitData ``StreamingDataset``; its state names the stream's settings too,
+    which a resume must repeat."""
+
+    @property
+    def stream_sampler(self) -> StreamShareSampler:
+        assert isinstance(self.batch_sampler, StreamShareSampler)
+        return self.batch_sampler
+
+    def _stream_state(self) -> dict[str, Any]:
+        sampler = self.stream_sampler
+        return {
+            "items": sampler.num_samples,
+            "seed": sampler.sampler.seed,
+            "shuffle": sampler.sampler.shuffle,
+            "num_workers": sampler.num_workers,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "stream": self._stream_state()}
+
+    def _resume_position(self) -> int:
+        restore = self._restore
+        if restore is not None and restore.get("epoch") == self.stream_sampler.sampler.epoch:
+            saved = restore.get("stream")
+            if saved != self._stream_state():
+                raise ValueError(
+                    f"The checkpoint's training loader read the stream with {saved}, this run with"
+                    f" {self._stream_state()}. Resume with the same data set, seed, shuffle and `num_workers`, or"
+                    " start the epoch afresh."
+                )
+            plans = {Plan.from_dict(plan) for _, plan in restore["schedule"]}
+            if len(plans) != 1 or next(iter(plans)).world_size != self.stream_sampler.schedule[0].world_size:
+                raise ValueError(
+                    "The checkpoint's epoch of a streaming data set ran on another world size or with a plan changed"
+                    " mid-epoch; its shares cannot be continued here. Resume on the same devices, or from a"
+                    " checkpoint saved at an epoch's end."
+                )
+        return super()._resume_position()
+
+
+def rebuild_streaming(dataloader: DataLoader, plan: Plan, rank: int, kept: dict[str, Any]) -> StreamingUnevenLoader:
+    """The training loader over ``dataloader``'s ``StreamingDataset`` with this ``rank``'s shares under ``plan``
+    (``kept``: the user's loader arguments carried over: workers, collate function, pinning)."""
+    shuffle, seed = check_streaming(dataloader)
+    dataset = dataloader.dataset
+    chunk_sizes = chunk_sizes_of(dataset)
+    num_items = sum(chunk_sizes)
+    if plan.global_batch_size > num_items:
+        raise ValueError(
+            f"The total batch size {plan.global_batch_size} is larger than the streaming data set ({num_items} items)."
+            " Lower the DataLoader `batch_size` or `local_batch_sizes`."
+        )
+    # LitData's own `drop_last` (on by default when distributed) evens out the ranks' lengths, which the shares do
+    # already: every item is kept unless the torch DataLoader itself drops the epoch's last partial batch
+    drop_last = bool(getattr(dataloader, "drop_last", False))
+    workers = int(kept.get("num_workers", 0))
+    sampler = StreamShareSampler(chunk_sizes, rank, plan, workers, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    return StreamingUnevenLoader(_StreamItems(dataset, num_items), batch_sampler=sampler, **kept)

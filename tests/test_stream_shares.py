@@ -1,0 +1,130 @@
+"""The uneven shares of a chunked stream (``core/stream_shares.py``), as properties over many shapes; no processes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lightning_cannikin.core.layout import epoch_layout
+from lightning_cannikin.core.plan import Plan
+from lightning_cannikin.core.stream_shares import global_batches, item_order, share_key, stream_shares
+
+
+def _cases(count: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    for _ in range(count):
+        world = int(rng.integers(1, 6))
+        plan = Plan(tuple(int(b) for b in rng.integers(1, 9, size=world)))
+        num_chunks = int(rng.integers(1, 30))
+        chunk_sizes = [int(c) for c in rng.integers(0, 17, size=num_chunks)]
+        if sum(chunk_sizes) < plan.global_batch_size:
+            chunk_sizes.append(plan.global_batch_size + int(rng.integers(0, 20)))
+        yield plan, chunk_sizes, int(rng.integers(0, 5)), bool(rng.integers(0, 2)), int(rng.integers(0, 1000))
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_shares_cover_every_item_once_in_steps_of_the_plan(drop_last):
+    for plan, chunk_sizes, workers, shuffle, seed in _cases(400, seed=int(drop_last)):
+        total = sum(chunk_sizes)
+        layout = epoch_layout(total, {0: plan}, drop_last)
+        step_sizes = [batch.local_batch_sizes for batch in layout]
+        shares = [
+            stream_shares(chunk_sizes, step_sizes, rank, workers, shuffle, seed, epoch=3)
+            for rank in range(plan.world_size)
+        ]
+        # every rank ends the epoch on the same step
+        assert {len(steps) for steps in shares} == {len(layout)}
+        full_steps = total // plan.global_batch_size
+        for rank, steps in enumerate(shares):
+            sizes = [len(step) for step in steps]
+            assert sizes == [s[rank] for s in step_sizes]
+            assert all(size >= 1 for size in sizes)
+            # the full steps before the epoch's tail carry exactly the plan's size
+            assert sizes[: full_steps - 1] == [plan.local_batch_sizes[rank]] * max(full_steps - 1, 0)
+        taken = np.concatenate([step for steps in shares for step in steps])
+        assert len(np.unique(taken)) == len(taken), "an item is read twice"
+        if drop_last:
+            assert len(taken) == full_steps * plan.global_batch_size
+            assert set(taken.tolist()) <= set(range(total))
+        else:
+            assert sorted(taken.tolist()) == list(range(total))
+
+
+def test_each_rank_and_worker_reads_one_contiguous_run_of_the_chunk_order():
+    for plan, chunk_sizes, workers, shuffle, seed in _cases(200, seed=7):
+        total = sum(chunk_sizes)
+        step_sizes = [batch.local_batch_sizes for batch in epoch_layout(total, {0: plan})]
+        order = item_order(chunk_sizes, shuffle, seed, epoch=1).tolist()
+        position = {item: p for p, item in enumerate(order)}
+        start = 0
+        for rank in range(plan.world_size):
+            steps = stream_shares(chunk_sizes, step_sizes, rank, workers, shuffle, seed, epoch=1)
+            per_worker = max(1, workers)
+            for w in range(per_worker):
+                mine = sorted(position[int(i)] for step in steps[w::per_worker] for i in step)
+                assert mine == list(range(start, start + len(mine))), "a worker's block is not one run"
+                start += len(mine)
+        assert start == total
+
+
+def test_each_worker_reads_its_chunks_one_after_another():
+    # a chunk switch per item costs LitData's reader about 40x a read in order: a worker's reads keep each chunk whole
+    for plan, chunk_sizes, workers, _, seed in _cases(200, seed=5):
+        total = sum(chunk_sizes)
+        ends = np.cumsum(chunk_sizes)
+        step_sizes = [batch.local_batch_sizes for batch in epoch_layout(total, {0: plan})]
+        for rank in range(plan.world_size):
+            steps = stream_shares(chunk_sizes, step_sizes, rank, workers, True, seed, epoch=2)
+            per_worker = max(1, workers)
+            for w in range(per_worker):
+                reads = np.concatenate([np.zeros(0, dtype=np.int64), *steps[w::per_worker]])
+                chunks = np.searchsorted(ends, reads, side="right")
+                switches = int((np.diff(chunks) != 0).sum())
+                assert switches == len(np.unique(chunks)) - 1 if len(reads) else True, "a chunk was read in pieces"
+
+
+def test_the_order_follows_seed_and_epoch_only():
+    chunk_sizes, plan = [8] * 12 + [5], Plan((1, 2, 4))
+    step_sizes = [b.local_batch_sizes for b in epoch_layout(sum(chunk_sizes), {0: plan})]
+
+    def run(seed, epoch, shuffle=True):
+        return [s.tolist() for s in stream_shares(chunk_sizes, step_sizes, 2, 2, shuffle, seed, epoch)]
+
+    assert run(42, 0) == run(42, 0)
+    assert run(42, 0) != run(42, 1)
+    assert run(42, 0) != run(43, 0)
+    assert run(42, 0, shuffle=False) == run(42, 1, shuffle=False)
+    # unshuffled, rank 2 reads the items after ranks 0 and 1, in storage order (worker 0's block, then worker 1's)
+    flat = sorted(i for step in run(0, 0, shuffle=False) for i in step)
+    assert flat == list(range(sum(chunk_sizes) - len(flat), sum(chunk_sizes)))
+
+
+def test_bad_input_is_refused_with_the_parameter_named():
+    with pytest.raises(ValueError, match="chunk_sizes"):
+        stream_shares([4, -1], [(1, 1)], 0, 1)
+    with pytest.raises(ValueError, match="rank"):
+        stream_shares([4], [(1, 1)], 2, 1)
+    with pytest.raises(ValueError, match="more items"):
+        stream_shares([1], [(1, 1)], 0, 1)
+
+
+def test_share_key_changes_with_any_field():
+    base = {"plan": [1, 2, 4], "seed": 42, "epoch": 0, "workers": 2}
+    assert share_key(**base) == share_key(**dict(reversed(list(base.items()))))
+    for name, other in (("plan", [1, 2, 3]), ("seed", 41), ("epoch", 1), ("workers", 1)):
+        assert share_key(**{**base, name: other}) != share_key(**base)
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_stream_of_unknown_length_is_cut_as_epoch_layout_cuts_it(drop_last):
+    for plan, chunk_sizes, _, _, _ in _cases(300, seed=11 + int(drop_last)):
+        total = sum(chunk_sizes)
+        expected = [b.local_batch_sizes for b in epoch_layout(total, {0: plan}, drop_last)]
+        batches = list(global_batches(iter(range(total)), plan.local_batch_sizes, drop_last))
+        assert [sizes for _, sizes in batches] == expected
+        taken = [i for items, _ in batches for i in items]
+        assert taken == list(range(len(taken)))  # in stream order, each item once
+        assert len(taken) == sum(map(sum, expected))
+        assert all(len(items) == sum(sizes) for items, sizes in batches)
+    with pytest.raises(ValueError, match="fewer than the 3 ranks"):
+        list(global_batches(range(2), (1, 1, 1)))
