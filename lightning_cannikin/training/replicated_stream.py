@@ -30,22 +30,14 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lightning_cannikin.core.plan import Plan
 from lightning_cannikin.core.stream_shares import global_batches
-from lightning_cannikin.training.loader import UnevenDataLoader
+from lightning_cannikin.training.loader import _KEPT_ARGUMENTS, UnevenDataLoader
 from lightning_cannikin.training.sampler import UnevenBatchSampler
 from lightning_cannikin.training.stream_checks import check_replicable
 
 __all__ = ["ReplicatedStreamLoader", "StreamSliceSampler", "rebuild_replicated"]
 
-_READ_OPTIONS = (
-    "num_workers",
-    "pin_memory",
-    "timeout",
-    "worker_init_fn",
-    "multiprocessing_context",
-    "generator",
-    "prefetch_factor",
-    "persistent_workers",
-)
+# the user's reading options: the loader's kept arguments but the collation (the stream is read item by item here)
+_READ_OPTIONS = tuple(name for name in _KEPT_ARGUMENTS if name != "collate_fn")
 
 
 class StreamSliceSampler(UnevenBatchSampler):
