@@ -1,19 +1,101 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from numpy.typing import ArrayLike
 
 from lightning_cannikin.core.goodput import (
-    GoodputChoice,
+    ADAPT_MARGIN,
+    _choices,
     adascale_gain,
     adopted_at,
     candidate_batch_sizes,
-    choose_batch_size,
     efficiency,
     goodput,
 )
+
+
+# the point rule of one noise scale, on the library's own comparison (`_choices`, which `adopted_at` and the
+# interval rule share): only these tests call it
+@dataclass(frozen=True)
+class GoodputChoice:
+    """The outcome of :func:`choose_batch_size`.
+
+    Attributes:
+        batch_size: the candidate with the highest predicted goodput (the current batch size when there are no
+            statistics yet).
+        goodput: its predicted goodput.
+        current_goodput: the goodput of the current batch size and step time.
+        adopted: whether to switch to ``batch_size``: it differs from the current one and beats the current goodput
+            by more than the margin.
+        current_batch_size: the batch size in force when the choice was made.
+
+    """
+
+    batch_size: int
+    goodput: float
+    current_goodput: float
+    adopted: bool
+    current_batch_size: int | None = None
+
+    @property
+    def next_batch_size(self) -> int:
+        """The batch size to run next: ``batch_size`` if adopted, else the current one."""
+        if self.adopted or self.current_batch_size is None:
+            return self.batch_size
+        return self.current_batch_size
+
+
+def choose_batch_size(
+    candidates: ArrayLike,
+    step_times: ArrayLike,
+    noise_scale: float | None,
+    base_batch_size: float,
+    current_batch_size: int,
+    current_step_time: float | None,
+    margin: float = ADAPT_MARGIN,
+) -> GoodputChoice:
+    """Pick the goodput-maximising candidate, switching only when it clearly beats the current batch size.
+
+    The margin is hysteresis: predictions are noisy, and flapping between two near-equal batch sizes costs a
+    re-plan (and a data loader rebuild) each time for no gain.
+
+    Args:
+        candidates: total batch sizes to consider.
+        step_times: predicted seconds per step for each candidate (``inf`` marks an infeasible one).
+        noise_scale: ``phi`` in samples; None means no statistics yet, and then nothing is adopted.
+        base_batch_size: B0.
+        current_batch_size: the total batch in force.
+        current_step_time: its step time (measured or predicted); None or ``inf`` if unknown, which makes any
+            feasible candidate with positive goodput win.
+        margin: relative improvement required to switch, >= 0 (AdaptDL uses 0.05).
+
+    Returns:
+        A :class:`GoodputChoice`. Among equal goodputs the smallest batch size wins.
+
+    """
+    sizes = np.asarray(candidates, dtype=np.int64).reshape(-1)
+    times = np.asarray(step_times, dtype=np.float64).reshape(-1)
+    if sizes.size == 0:
+        raise ValueError("`candidates` must not be empty.")
+    if sizes.shape != times.shape:
+        raise ValueError(f"Got {sizes.size} candidates but {times.size} step times.")
+    if not margin >= 0.0:
+        raise ValueError(f"`margin` must be >= 0, got {margin}.")
+    current_time = np.inf if current_step_time is None else current_step_time
+    if noise_scale is None:
+        # Efficiency is unknown, so goodputs of different batch sizes cannot be compared yet.
+        current = float(goodput(current_batch_size, current_time, noise_scale, base_batch_size))
+        return GoodputChoice(int(current_batch_size), current, current, False, int(current_batch_size))
+    phi = np.array([noise_scale], dtype=np.float64)
+    size, best, current, adopted = _choices(
+        sizes, times, phi, base_batch_size, current_batch_size, current_time, margin
+    )
+    return GoodputChoice(int(size[0]), float(best[0]), float(current[0]), bool(adopted[0]), int(current_batch_size))
+
 
 B0 = 128
 # AdaptDL's reference: grad_sqr = 1 and grad_var = 10 per B0-batch, i.e. a per-sample noise scale of 10 * 128.
