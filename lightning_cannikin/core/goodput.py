@@ -33,6 +33,8 @@ __all__ = [
 # chooses a total: 2%, smaller than AdaptDL's 5% on a point estimate, since the bounds already keep the choice from
 # chasing noise (the gpu-mix time-to-accuracy run, CannikinSettings.adapt_margin)
 ADAPT_MARGIN = 0.02
+# geometric candidate totals a decision weighs between the base batch and the cap: about 4% apart from 32 to 256
+CANDIDATES = 50
 
 
 def _scalar_or_array(x: np.ndarray) -> float | np.ndarray:
@@ -138,7 +140,7 @@ def goodput(
     return _scalar_or_array(value)
 
 
-def candidate_batch_sizes(lower: int, upper: int, count: int = 50) -> np.ndarray:
+def candidate_batch_sizes(lower: int, upper: int, count: int = CANDIDATES) -> np.ndarray:
     """About ``count`` geometrically spaced integer batch sizes from ``lower`` to ``upper``, both included.
 
     Rounding merges neighbours at the small end, so fewer than ``count`` values may come back.

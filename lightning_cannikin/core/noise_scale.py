@@ -38,6 +38,8 @@ import numpy as np
 __all__ = ["NoiseScaleEstimator", "pooled_moments", "t_quantile"]
 
 MIN_EFFECTIVE_STEPS = 10.0  # steps the moving average must span before its spread is estimated
+# the share of runs whose bounds may exclude the truth at any point, however long the run and however often it looks
+NOISE_BOUND_LEVEL = 0.05
 # the nearly independent looks per window that run_bounds() splits each window's share of its level over, measured by
 # benchmarks/noise_coverage.py: 16 just held 5% of runs at B0 every step (the first window, where the effective count
 # grows from ten, is the hard part); 32 leaves room. Large totals measured rarely would need far fewer
@@ -340,7 +342,7 @@ class NoiseScaleEstimator:
         self._bounds = key, self._compute_bounds(sigmas)
         return self._bounds[1]
 
-    def run_bounds(self, level: float = 0.05) -> tuple[float, float] | None:
+    def run_bounds(self, level: float = NOISE_BOUND_LEVEL) -> tuple[float, float] | None:
         """``(low, high)`` wide enough that over a whole run, however long and however often it is asked, ``low`` ever
         exceeds the true noise scale in at most about ``level`` of runs, where :meth:`bounds` holds per look only.
 

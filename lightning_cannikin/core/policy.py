@@ -20,7 +20,7 @@ from typing import Protocol
 import numpy as np
 from numpy.typing import ArrayLike
 
-from lightning_cannikin.core.goodput import ADAPT_MARGIN, adascale_gain, adopted_at, candidate_batch_sizes
+from lightning_cannikin.core.goodput import ADAPT_MARGIN, CANDIDATES, adascale_gain, adopted_at, candidate_batch_sizes
 from lightning_cannikin.core.interval_choice import IntervalChoice, TotalOptions
 from lightning_cannikin.core.lr_scaling import lr_factor, validate_rule
 from lightning_cannikin.core.optperf import most_even_split
@@ -40,6 +40,9 @@ __all__ = [
     "learning_rate_scale",
     "noise_bounds",
 ]
+
+# the relative step-time gain a re-split must promise: timing noise on identical devices must not move their split
+SPLIT_MARGIN = 0.02
 
 
 class StepTimeModel(Protocol):
@@ -98,9 +101,9 @@ class PolicySettings:
     balance: bool = True
     margin: float = ADAPT_MARGIN
     lr_scaling: str = "adascale"
-    candidates: int = 50
+    candidates: int = CANDIDATES
     accumulate: bool = False
-    split_margin: float = 0.02
+    split_margin: float = SPLIT_MARGIN
 
     def __post_init__(self) -> None:
         if self.max_batch_size is not None and (isinstance(self.max_batch_size, bool) or self.max_batch_size < 1):

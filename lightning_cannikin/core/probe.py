@@ -13,7 +13,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-__all__ = ["probe_split"]
+__all__ = ["PROBE_LEVER", "probe_split"]
+
+# a probe moves every unmeasured rank by at least this share of its batch: a slope from a real lever, not from a few
+# samples extrapolated far
+PROBE_LEVER = 0.25
 
 
 def probe_split(
@@ -22,7 +26,7 @@ def probe_split(
     unmeasured: Sequence[int],
     lower: Sequence[int],
     upper: Sequence[int] | None,
-    lever: float = 0.25,
+    lever: float = PROBE_LEVER,
 ) -> tuple[int, ...]:
     """A split of ``sum(sizes)`` that moves every rank in ``unmeasured`` by at least ``lever`` of its batch.
 

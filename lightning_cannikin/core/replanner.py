@@ -59,9 +59,9 @@ class Replanner:
 
     warmup_steps: int = 8
     every_n_steps: int | None = None
-    adapt_every_n_steps: int | None = None
+    adapt_every_n_steps: int | None = 1
     check_every_n_steps: int | None = 4
-    noise_every_n_steps: int = 1
+    noise_every_n_steps: int = 8
     balance: bool = True
     adaptive: bool = False
     # the state (all of it in state_dict)

@@ -19,7 +19,7 @@ from lightning_cannikin.core.expected import Scenarios, expected_split, relative
 from lightning_cannikin.core.memory import MemoryFitter
 from lightning_cannikin.core.optperf import optimal_split, optperf, step_time, with_micro_steps
 from lightning_cannikin.core.plan import BatchBounds, Plan
-from lightning_cannikin.core.probe import probe_split
+from lightning_cannikin.core.probe import PROBE_LEVER, probe_split
 from lightning_cannikin.core.step_record import StepRecord
 from lightning_cannikin.core.timing import (
     HALF_LIFE,
@@ -63,7 +63,7 @@ class SpeedModelSettings:
     drift_tolerance: float = DRIFT_TOLERANCE
     max_samples: int = 512
     warmup_samples: int = 4
-    probe_lever: float = 0.25
+    probe_lever: float = PROBE_LEVER
     evidence_reach: float | None = EVIDENCE_REACH
 
     def __post_init__(self) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from lightning_cannikin.core.noise_scale import NOISE_BOUND_LEVEL
 from lightning_cannikin.core.plan import BatchBounds
 from lightning_cannikin.core.policy import PolicySettings
 from lightning_cannikin.core.replanner import Replanner
@@ -108,14 +109,14 @@ class CannikinSettings:
     warmup_steps: int = Replanner.warmup_steps
     half_life: float = HALF_LIFE
     adapt_margin: float = PolicySettings.margin
-    adapt_every_n_steps: int | None = 1
+    adapt_every_n_steps: int | None = Replanner.adapt_every_n_steps
     accumulate: bool = True
     track_noise_scale: bool | None = None
     min_noise_updates: int = 10
-    noise_every_n_steps: int = 8
+    noise_every_n_steps: int = Replanner.noise_every_n_steps
     noise_exchange_every: int = 4
     progress_bar: bool = False
-    noise_bound_level: float = 0.05
+    noise_bound_level: float = NOISE_BOUND_LEVEL
     noise_bound_sigmas: float | None = None
     check_every_n_steps: int | None = Replanner.check_every_n_steps
     evidence_reach: float | None = SpeedModelSettings.evidence_reach
