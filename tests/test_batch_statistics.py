@@ -95,7 +95,7 @@ def test_dead_weight_of_the_issues_cluster_and_its_message():
     split = optimal_split(slopes, offsets, 96, [2, 2, 2]).local_batch_sizes
     assert split[2] == 2
     weight = dead_weight(slopes, offsets, split, [2, 2, 2])
-    assert weight is not None and weight.rank == 2 and weight.local_batch_size == 2
+    assert weight is not None and weight.rank == 2 and weight.local_batch_size == 2 and weight.total_batch_size == 96
     assert weight.step_time == pytest.approx(0.042)
     assert weight.step_time_without == pytest.approx(0.018)
     assert "rank 2" in weight.message() and "42.0 ms" in weight.message() and "18.0 ms" in weight.message()

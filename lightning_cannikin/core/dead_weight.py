@@ -19,11 +19,13 @@ __all__ = ["DeadWeight", "dead_weight"]
 
 @dataclass(frozen=True)
 class DeadWeight:
-    """Rank ``rank`` holds ``local_batch_size`` samples, its lower bound, and is the step's slowest: the step takes
-    ``step_time`` with it and ``step_time_without`` with its samples on the other ranks (their best split)."""
+    """Rank ``rank`` holds ``local_batch_size`` samples, its lower bound, and is the step's slowest at a total of
+    ``total_batch_size``: the step takes ``step_time`` with it and ``step_time_without`` with its samples on the other
+    ranks (their best split)."""
 
     rank: int
     local_batch_size: int
+    total_batch_size: int
     step_time: float
     step_time_without: float
 
@@ -31,9 +33,10 @@ class DeadWeight:
         """What the log says, once per rank."""
         return (
             f"Cannikin: rank {self.rank} is the step's slowest even at its smallest local batch"
-            f" ({self.local_batch_size} samples): a step is predicted at {1e3 * self.step_time:.1f} ms with it and"
-            f" {1e3 * self.step_time_without:.1f} ms with its samples on the other ranks. This device costs the"
-            " cluster time at any share; training without it would be faster."
+            f" ({self.local_batch_size} samples): a step of {self.total_batch_size} samples is predicted at"
+            f" {1e3 * self.step_time:.1f} ms with it and {1e3 * self.step_time_without:.1f} ms with its samples on the"
+            " other ranks. At this total the device costs the cluster time at any share (a larger total may"
+            " still use it)."
         )
 
 
@@ -76,4 +79,4 @@ def dead_weight(
     with_it = float(times[slowest])
     if without >= with_it:
         return None
-    return DeadWeight(slowest, int(sizes[slowest]), with_it, float(without))
+    return DeadWeight(slowest, int(sizes[slowest]), total, with_it, float(without))
