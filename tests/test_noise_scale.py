@@ -433,3 +433,22 @@ def test_the_run_level_state_round_trips_and_an_old_state_loads() -> None:
     assert estimator.run_bounds(0.05)[0] <= estimator.bounds(2.0)[0], "wider than the per-look bound"
     with pytest.raises(ValueError, match="level"):
         estimator.run_bounds(1.5)
+
+
+def test_one_heavy_update_leaves_bounds_as_wide_as_one_degree_of_freedom_allows():
+    # a total jumping 48 -> 512 measured one step in eight: that one update weighs more than the rest of the average,
+    # under two effective steps (the run-level bounds raised `dof must be at least 1` here, in a demo Transformer run)
+    import random
+
+    random.seed(0)
+    estimator = NoiseScaleEstimator(48)
+    for _ in range(16):
+        estimator.update([1.0 + 50 / 16 + random.random() for _ in range(3)], [16, 16, 16], 2.0)
+        estimator.run_bounds()
+    before = estimator.run_bounds()
+    assert before is not None
+    estimator.update([1.0 + 50 / b + random.random() for b in (23, 174, 315)], [23, 174, 315], 1.1, steps=8)
+    share = estimator._weight_sq / estimator._weight**2
+    assert 1.0 / share < 2.0, "the case: under two effective steps"
+    low, high = estimator.run_bounds()
+    assert 0.0 <= low <= high and low < before[0], (low, high, before)

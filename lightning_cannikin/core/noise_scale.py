@@ -380,7 +380,10 @@ class NoiseScaleEstimator:
         if self.standard_errors() is not None:
             share = self._weight_sq / self._weight**2
             k = self.windows_seen
-            width = t_quantile(level / (LOOKS_PER_WINDOW * k * k), 1.0 / share - 1.0)
+            # one update at a large total measured one step in several can weigh more than the rest of the average:
+            # below two effective steps the spread holds less than one degree of freedom, and one (the widest
+            # quantile, continuous with the count) is all it may claim
+            width = t_quantile(level / (LOOKS_PER_WINDOW * k * k), max(1.0 / share - 1.0, 1.0))
             result = self._fieller(width)
         self._run_bounds = key, result
         return result
