@@ -29,14 +29,15 @@ Ratios are taken within a repeat (every configuration beside the DDP run of the 
 repeats is quoted. Prints a table and writes ``benchmarks/results/demo_transformer.json``.
 
     python benchmarks/demo_transformer.py [--repeats 3] [--epochs 3] [--samples 4080] [--vocab 1000]
-        [--window 480] [--configs ddp,cannikin-jump,cannikin] [--out PATH]
+        [--window 480] [--target-loss L] [--configs ddp,cannikin-jump,cannikin] [--out PATH]
 
 Arguments: ``--repeats`` interleaved repeats; ``--epochs`` epochs per fit; ``--samples`` training blocks (35 tokens
 each; the default, 85 x 48, leaves no short last batch); ``--vocab`` the demo model's ``vocab_size`` (its
 constructor's own argument; the demo's default, 33,278, makes a step about 4-5x slower on CPU); ``--window`` the
-samples averaged for a loss; ``--configs`` which configurations, in order; ``--seed`` the seed of weights, data and
-order; ``--out`` the JSON path. A configuration whose fit crashes is recorded with its error, and the others still
-run.
+samples averaged for a loss; ``--target-loss`` stops each fit once its loss over the last ``--window`` samples is at
+or under it (``--epochs`` is then a cap), so that every configuration is timed to the same loss; ``--configs`` which
+configurations, in order; ``--seed`` the seed of weights, data and order; ``--out`` the JSON path. A configuration
+whose fit crashes is recorded with its error, and the others still run.
 """
 
 from __future__ import annotations
@@ -105,10 +106,18 @@ class OfflineTransformer(LightningTransformer):
 
 class StepLog(Callback):
     """Every step's wall time (rank zero), local loss and local batch (each rank); gathered to rank zero at the end,
-    which writes them with the Cannikin history to ``out``."""
+    which writes them with the Cannikin history to ``out``.
 
-    def __init__(self, out: Path) -> None:
+    With ``target_loss`` set, every step all-reduces its sample-weighted loss (two floats, in every configuration
+    alike) and every rank stops the fit at the same step, once the loss over the last ``window`` samples is at or
+    under the target.
+    """
+
+    def __init__(self, out: Path, target_loss: float | None = None, window: int = 480) -> None:
         self.out = out
+        self.target_loss = target_loss
+        self.window = window
+        self.recent: list[tuple[float, int]] = []  # (loss sum, samples) of the last steps, the same on every rank
         self.started = 0.0
         self.times: list[float] = []
         self.losses: list[float] = []
@@ -122,6 +131,16 @@ class StepLog(Callback):
         self.times.append(time.perf_counter() - self.started)
         self.losses.append(float(loss.detach()))
         self.sizes.append(len(batch[0]))
+        if self.target_loss is None:
+            return
+        pair = torch.tensor([float(loss.detach()) * len(batch[0]), float(len(batch[0]))], dtype=torch.float64)
+        dist.all_reduce(pair)
+        self.recent.append((float(pair[0]), int(pair[1])))
+        while sum(n for _, n in self.recent[1:]) >= self.window:
+            self.recent.pop(0)
+        seen = sum(n for _, n in self.recent)
+        if seen >= self.window and sum(v for v, _ in self.recent) / seen <= self.target_loss:
+            trainer.should_stop = True
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         wall = time.perf_counter() - self.started
@@ -170,7 +189,16 @@ def held_out_loss(model: pl.LightningModule, data: Dataset) -> float:
     return total / count
 
 
-def fit(name: str, train: Dataset, test: Dataset, vocab: int, epochs: int, seed: int) -> dict[str, Any]:
+def fit(
+    name: str,
+    train: Dataset,
+    test: Dataset,
+    vocab: int,
+    epochs: int,
+    seed: int,
+    target_loss: float | None = None,
+    window: int = 480,
+) -> dict[str, Any]:
     """One fit of ``name``; rank zero's measurements, plus the held-out loss."""
     torch.set_num_threads(1)
     pl.seed_everything(seed, verbose=False)
@@ -183,7 +211,11 @@ def fit(name: str, train: Dataset, test: Dataset, vocab: int, epochs: int, seed:
             accelerator="cpu",
             devices=len(PER_SAMPLE_MS),
             max_epochs=epochs,
-            callbacks=[EmulatedCluster(PER_SAMPLE_MS, FIXED_MS, seed=seed), StepLog(out), *callbacks],
+            callbacks=[
+                EmulatedCluster(PER_SAMPLE_MS, FIXED_MS, seed=seed),
+                StepLog(out, target_loss, window),
+                *callbacks,
+            ],
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
@@ -252,8 +284,10 @@ def summarize(result: dict[str, Any], window: int) -> dict[str, Any]:
     """The run's own figures (ratios to DDP come in :func:`compare`)."""
     trail = trailing_losses(result, window)
     totals = [sum(s) for s in result["step_sizes"]]
-    sequence = [totals[0]] if totals else []
-    for t in totals[1:]:
+    # the total of every re-plan (the history's), not of every step: an epoch's short last batch is no re-plan
+    planned = [entry["total_batch_size"] for entry in result["history"]] or totals[:1]
+    sequence = planned[:1]
+    for t in planned[1:]:
         if t != sequence[-1]:
             sequence.append(t)
     return {
@@ -281,6 +315,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4080)
     parser.add_argument("--vocab", type=int, default=1000)
     parser.add_argument("--window", type=int, default=480)
+    parser.add_argument("--target-loss", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--out", type=Path, default=RESULTS / "demo_transformer.json")
@@ -299,7 +334,7 @@ def main() -> None:
         raw: dict[str, dict[str, Any]] = {}
         for name in configs[repeat % len(configs) :] + configs[: repeat % len(configs)]:  # each repeat starts later
             try:
-                raw[name] = fit(name, train, test, args.vocab, args.epochs, args.seed)
+                raw[name] = fit(name, train, test, args.vocab, args.epochs, args.seed, args.target_loss, args.window)
             except Exception as error:  # a crash is a result: recorded, and the other configurations still run
                 message = str(error).strip().splitlines()[-1]
                 runs[name] = {"crashed": message}
