@@ -21,7 +21,7 @@ times); and, after the fit and off the clock, the loss on 512 held-out synthetic
 
 - ``final_loss``: the sample-weighted training loss over the fit's last ``--window`` samples;
 - ``time_to_ddp_loss``: the first time the run's trailing ``--window``-sample loss is at or under the same repeat's
-  DDP ``final_loss`` (``None`` if never);
+  DDP ``final_loss`` (with ``--target-loss``, the target) (``None`` if never);
 - ``jumps``: for every step and rank, its local batch over the largest that rank ran before (probes included), the
   largest such factor, and the same for each re-plan of the history.
 
@@ -350,11 +350,13 @@ def main() -> None:
         if "crashed" in ddp:
             repeats.append(runs)
             continue
-        ddp_time_to = time_to(raw["ddp"], ddp["trailing_loss"], ddp["final_loss"])
+        # the loss every run is timed to: DDP's final one, or the target itself (DDP's last step may overshoot it)
+        reference = ddp["final_loss"] if args.target_loss is None else max(ddp["final_loss"], args.target_loss)
+        ddp_time_to = time_to(raw["ddp"], ddp["trailing_loss"], reference)
         for name, run in runs.items():
             if "crashed" in run:
                 continue
-            reached = time_to(raw[name], run["trailing_loss"], ddp["final_loss"])
+            reached = time_to(raw[name], run["trailing_loss"], reference)
             run["time_to_ddp_loss"] = reached
             run["wall_ratio_to_ddp"] = run["wall_time"] / ddp["wall_time"]
             run["time_to_ddp_loss_ratio"] = None if reached is None or not ddp_time_to else reached / ddp_time_to
