@@ -443,10 +443,15 @@ def _reachable(model: StepTimeModel, settings: PolicySettings) -> int | None:
     """The largest micro-step global batch whose split keeps every rank within the model's upper bounds: for a speed
     model its caps and ``evidence_reach`` times the largest batch each rank has run
     (:attr:`~lightning_cannikin.core.speed_model.SpeedModel.upper`); ``None``: no bound."""
-    upper = model.upper
+    return _held(model.upper, model.world_size, settings.balance)
+
+
+def _held(upper: Sequence[int] | None, n: int, balance: bool) -> int | None:
+    """The largest micro-step global batch per-rank ``upper`` bounds hold (``None``: no bound): their sum, or for an
+    even split ``n`` times the tightest (an even split of more would overrun the smallest device)."""
     if upper is None:
         return None
-    return int(sum(upper)) if settings.balance else model.world_size * int(min(upper))
+    return int(sum(upper)) if balance else n * int(min(upper))
 
 
 def _candidates(
@@ -465,11 +470,8 @@ def _candidates(
     lower_bounds = list(model.lower)
     upper = getattr(model, "caps", model.upper)
     upper_bounds = None if upper is None else list(upper)
-    if settings.balance:
-        lowest, highest = sum(lower_bounds), None if upper_bounds is None else sum(upper_bounds)
-    else:
-        lowest, highest = n * max(lower_bounds), None if upper_bounds is None else n * min(upper_bounds)
-    lowest = max(lowest, n)
+    lowest = max(sum(lower_bounds) if settings.balance else n * max(lower_bounds), n)
+    highest = _held(upper_bounds, n, settings.balance)
     cap = settings.max_batch_size
     assert cap is not None
     steps_now = current.accumulation_steps

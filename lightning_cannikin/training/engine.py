@@ -150,7 +150,7 @@ class BalancingEngine:
                 (:func:`~lightning_cannikin.training.loss_weights.check_normalisation`).
             sharded: the gradients are reduce-scattered (FSDP2): the noise statistics read the reduce-scatters.
             smallest: the smallest local batch the model trains on where the user sets no lower bound
-                (:func:`~lightning_cannikin.training.strategy_checks.smallest_local_batch`).
+                (:func:`~lightning_cannikin.training.batch_statistics.smallest_local_batch`).
 
         """
         world_size = collective.world_size
