@@ -71,7 +71,13 @@ def train(rank: int, world_size: int, args: argparse.Namespace, store_port: int 
     if args.record:
         Path(args.record, f"rank{rank}.json").write_text(json.dumps(steps))
     samples = sum(len(s["indices"]) for s in steps)
-    print(f"rank {rank}: {len(steps)} steps, {samples} samples, local batch {args.local_batch_sizes[rank]}", flush=True)
+    summary = f"rank {rank}: {len(steps)} steps, {samples} samples, local batch {args.local_batch_sizes[rank]}"
+    # One process prints every rank's line, in rank order: ranks that print at once share the pipe, and their
+    # lines would run into each other.
+    summaries: list[str | None] = [None] * world_size
+    dist.all_gather_object(summaries, summary)
+    if rank == 0:
+        print("\n".join(str(line) for line in summaries), flush=True)
     # Free the DDP reducer (it holds the process group and its last futures) while the interpreter is fully
     # alive: gloo work still referenced at interpreter shutdown can abort the process after all the work is done.
     del model, optimizer, loss
