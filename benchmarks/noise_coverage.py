@@ -10,8 +10,13 @@ not the fraction of checks. This runs the synthetic problem of ``tests/test_nois
 - ``run_bounds(level)``, the run-level bounds (``level`` 0.05 by default),
 
 reporting the per-run rate of ``low > truth`` (with a 95% Wilson upper bound over the seeds), the per-check rate,
-the worst ``low / truth``, and the median update at which ``low`` first reaches ``truth / 2`` (the speed cost of the
-wider bound; ``null`` when fewer than half the seeds reach it; ``reached`` is the fraction that did).
+the worst ``low / truth``, the median update at which ``low`` first reaches ``truth / 2`` (the speed cost of the
+wider bound; ``null`` when fewer than half the seeds reach it; ``reached`` is the fraction that did), and the share of
+these stationary runs in which the recent window saw a change that is not there (``restarted``).
+
+Then a *fall*: the noise scale drops by 4x and by 32x at B0 every step (``FALLS``), and each run reports the update,
+counted from the fall, from which the run-level ``low`` stays at or below the new truth, with the recent window
+(the default) and without it (``follow_changes=False``).
 
     python benchmarks/noise_coverage.py [--seeds 400] [--level 0.05] [--quick]
 """
@@ -37,6 +42,9 @@ REGIMES = (
     ("1024 one step in 8", 1024, 8, 1000),
     ("B0 every step, long", 64, 1, 6000),
 )
+# (before, after, updates before the fall, updates after it), all at B0 every step
+FALLS = ((1000.0, 250.0, 2000, 3000), (3200.0, 100.0, 2000, 4000))
+FALL_SEEDS = 100
 RESULTS = Path(__file__).parent / "results" / "noise_coverage.json"
 
 
@@ -56,6 +64,7 @@ def one_run(noise_scale: float, seed: int, updates: int, total: int, every: int,
     estimator = NoiseScaleEstimator(BASE)
     widths = {"old_2sigma": lambda: estimator.bounds(2.0), "run_level": lambda: estimator.run_bounds(level)}
     out = {name: {"checks": 0, "above": 0, "worst": 0.0, "half_at": None} for name in widths}
+    out["restarted"] = False
     for step in range(updates):
         estimator.update(z[step], sizes, float(y[step]), steps=every)
         for name, get in widths.items():
@@ -68,6 +77,40 @@ def one_run(noise_scale: float, seed: int, updates: int, total: int, every: int,
             row["worst"] = max(row["worst"], ratio)
             if row["half_at"] is None and ratio >= 0.5:
                 row["half_at"] = step
+    out["restarted"] = estimator.restarts > 0
+    return out
+
+
+def back_under(before: float, after: float, seed: int, ahead: int, behind: int, follow: bool) -> int:
+    """Updates after the fall from which the run-level ``low`` stays at or below the new truth (``behind`` if never)."""
+    rng_seed = 1_000_000 + seed
+    z_before, y_before, sizes = norms(before, rng_seed, ahead, BASE)
+    z_after, y_after, _ = norms(after, rng_seed + 1, behind, BASE)
+    estimator = NoiseScaleEstimator(BASE, follow_changes=follow)
+    for step in range(ahead):
+        estimator.update(z_before[step], sizes, float(y_before[step]))
+    last_above = -1
+    for step in range(behind):
+        estimator.update(z_after[step], sizes, float(y_after[step]))
+        bounds = estimator.run_bounds()
+        if bounds is not None and bounds[0] > after:
+            last_above = step
+    return last_above + 1
+
+
+def falls(seeds: int) -> list[dict]:
+    out = []
+    for before, after, ahead, behind in FALLS:
+        row: dict = {"before": before, "after": after, "updates_before": ahead, "updates_after": behind}
+        for follow in (True, False):
+            back = sorted(back_under(before, after, seed, ahead, behind, follow) for seed in range(seeds))
+            row["followed" if follow else "not_followed"] = {
+                "median_updates_until_low_stays_under": float(np.median(back)),
+                "max_updates_until_low_stays_under": back[-1],
+                "never_back": sum(b >= behind for b in back) / seeds,
+            }
+        print(f"fall {before:.0f} -> {after:.0f}: {row}", flush=True)
+        out.append(row)
     return out
 
 
@@ -82,7 +125,7 @@ def wilson_upper(hits: int, n: int, z: float = 1.96) -> float:
 def cell(noise_scale: float, total: int, every: int, updates: int, seeds: int, level: float) -> dict:
     runs = [one_run(noise_scale, seed, updates, total, every, level) for seed in range(seeds)]
     summary = {}
-    for name in runs[0]:
+    for name in ("old_2sigma", "run_level"):
         rows = [run[name] for run in runs]
         crossed = sum(row["worst"] > 1.0 for row in rows)
         half = sorted(math.inf if row["half_at"] is None else row["half_at"] for row in rows)
@@ -95,6 +138,7 @@ def cell(noise_scale: float, total: int, every: int, updates: int, seeds: int, l
             "median_update_low_reaches_half": None if math.isinf(median_half) else median_half,
             "reached_half": sum(math.isfinite(h) for h in half) / seeds,
         }
+    summary["restarted"] = sum(run["restarted"] for run in runs) / seeds
     return summary
 
 
@@ -122,10 +166,13 @@ def main() -> None:
                 f" {old['checks_above']:.4f} new {new['checks_above']:.5f}; worst low/truth old"
                 f" {old['worst_low_over_truth']:.2f} new {new['worst_low_over_truth']:.2f}; median update low >= phi/2"
                 f" old {old['median_update_low_reaches_half']} new {new['median_update_low_reaches_half']}"
-                f" (reached {old['reached_half']:.2f} / {new['reached_half']:.2f})"
+                f" (reached {old['reached_half']:.2f} / {new['reached_half']:.2f});"
+                f" restarted {summary['restarted']:.3f}"
                 f" [{time.perf_counter() - began:.0f} s]",
                 flush=True,
             )
+    fall_seeds = FALL_SEEDS // 4 if args.quick else FALL_SEEDS
+    fall_rows = falls(fall_seeds)
     report = {
         "base_batch_size": BASE,
         "dim": DIM,
@@ -134,6 +181,8 @@ def main() -> None:
         "level": args.level,
         "seconds": round(time.perf_counter() - start, 1),
         "cells": results,
+        "fall_seeds": fall_seeds,
+        "falls": fall_rows,
     }
     if not args.quick:
         RESULTS.write_text(json.dumps(report, indent=1) + "\n")

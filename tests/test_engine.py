@@ -63,7 +63,6 @@ def test_the_checkpoint_keeps_the_callbacks_key_and_restores_the_replanner_exact
     options = TotalOptions((8, 16, 32), (0.1, 0.15, 0.25), 8, 0.1, 8, 0.02)
     replanner.total_options = options
     replanner.last_adapt_step, replanner.adapted, replanner.routine_gap = 7, True, 16
-    replanner.noise_band = (120.0, float("inf"))
     state = engine.state_dict()
     assert set(state) == STATE_KEYS
     fresh = BalancingEngine()
@@ -81,7 +80,7 @@ def test_a_checkpoint_from_before_the_replanner_still_resumes():
     engine.set_plan(Plan((4,)))
     state = engine.state_dict()
     del state["replanner"]
-    band = [120.0, 480.0]  # saved without the options it was chosen among: reconsidered at the next step
+    band = [120.0, 480.0]  # a band old checkpoints saved, without the options: reconsidered at the next step
     old = {"identified": True, "last_adapt_step": 7, "adapted": True, "last_replan_step": 8, "routine_gap": 16}
     state |= old | {"noise_band": band}
     fresh = BalancingEngine()
@@ -91,7 +90,7 @@ def test_a_checkpoint_from_before_the_replanner_still_resumes():
     replanner = fresh._replanner
     assert (replanner.last_adapt_step, replanner.last_replan_step, replanner.routine_gap) == (7, 8, 16)
     assert replanner.identified and replanner.adapted
-    assert replanner.noise_band is None and replanner.total_options is None and replanner.settle_at is None
+    assert replanner.total_options is None and replanner.settle_at is None
 
 
 def _stepped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

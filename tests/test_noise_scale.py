@@ -328,10 +328,10 @@ def test_a_total_far_above_the_base_is_never_bounded_and_the_limit_says_where(ra
 
 def _ever_above(
     noise_scale: float, seed: int, updates: int, total: int, every: int, shares: tuple[int, ...] = (5, 3)
-) -> tuple[bool, bool]:
+) -> tuple[bool, bool, bool]:
     """Whether the 2-sigma and the run-level lower bounds ever exceed the truth in one run of
     ``NoiseScaleEstimator(64)`` on the synthetic problem (groups of ``total`` in proportion to ``shares``, by default
-    5/8 and 3/8, one update standing for ``every`` steps)."""
+    5/8 and 3/8, one update standing for ``every`` steps), and whether it saw a change of the statistics."""
     rng = np.random.default_rng(seed)
     dim, sizes = 64, np.asarray(shares, dtype=float) * total / sum(shares)
     noise = rng.standard_normal((updates, len(sizes), dim)) * np.sqrt(noise_scale / dim / sizes)[:, None]
@@ -343,7 +343,7 @@ def _ever_above(
         estimator.update(z, sizes, float(y), steps=every)
         old = old or (estimator.bounds() or (0.0,))[0] > noise_scale
         new = new or (estimator.run_bounds(0.05) or (0.0,))[0] > noise_scale
-    return old, new
+    return old, new, estimator.restarts > 0
 
 
 def _binomial_allowance(n: int, rate: float, tail: float = 0.01) -> int:
@@ -373,6 +373,38 @@ def test_the_run_level_lower_bound_is_crossed_in_at_most_its_level_of_runs(noise
     assert new <= allowance, (new, allowance)
     old = sum(run[0] for run in runs)
     assert old > allowance, (old, allowance)
+    # the statistics never change here: a restart from the recent window is a false alarm, and costs evidence
+    restarted = sum(run[2] for run in runs)
+    assert restarted <= allowance, (restarted, allowance)
+
+
+def _updates_until_low_stays_under(before: float, after: float, seed: int, follow: bool) -> int:
+    """Updates after a fall of the true noise scale from ``before`` to ``after`` (at B0, every step, 1,500 updates
+    before it) from which the run-level lower bound stays at or below the new truth (1,500 if never)."""
+    rng = np.random.default_rng(seed)
+    dim, sizes = 64, np.array([40.0, 24.0])
+    scales = np.r_[np.full(1500, before), np.full(1500, after)]
+    noise = rng.standard_normal((3000, 2, dim)) * np.sqrt(scales[:, None, None] / dim / sizes[None, :, None])
+    groups = np.ones(dim) / 8.0 + noise
+    reduced = (sizes[None, :, None] * groups).sum(axis=1) / sizes.sum()
+    local, total_sqr = (groups**2).sum(axis=2), (reduced**2).sum(axis=1)
+    estimator, last_above = NoiseScaleEstimator(64, follow_changes=follow), -1
+    for step, (z, y) in enumerate(zip(local, total_sqr, strict=True)):
+        estimator.update(z, sizes, float(y))
+        bounds = estimator.run_bounds()
+        if step >= 1500 and bounds is not None and bounds[0] > after:
+            last_above = step - 1500
+    return last_above + 1
+
+
+def test_a_4x_fall_of_the_noise_scale_brings_the_lower_bound_back_within_500_base_batches() -> None:
+    # the recent window (1/8 of the run's) sees the fall, and the run's averages restart from it: low is back under
+    # the new truth within 500 updates of B0 samples (about 300-400 measured) in every run; the old statistics alone
+    # hold it above for some 3,000 (benchmarks/results/noise_coverage.json)
+    followed = [_updates_until_low_stays_under(1000.0, 250.0, seed, True) for seed in range(12)]
+    assert max(followed) <= 500, followed
+    kept = [_updates_until_low_stays_under(1000.0, 250.0, seed, False) for seed in range(3)]
+    assert min(kept) > 500, kept
 
 
 @pytest.mark.parametrize(

@@ -44,6 +44,10 @@ NOISE_BOUND_LEVEL = 0.05
 # benchmarks/noise_coverage.py: 16 just held 5% of runs at B0 every step (the first window, where the effective count
 # grows from ten, is the hard part); 32 leaves room. Large totals measured rarely would need far fewer
 LOOKS_PER_WINDOW = 32.0
+# the recent window that tells a change of the statistics from noise spans this share of the run's window: 1/8 caught
+# a 4x fall about 300 base batches after it (1/4: about 540; 1/16: about 210, but at 16x B0 a 1/16 window spans under
+# ten updates and never has bounds); how often it fires without a change: benchmarks/noise_coverage.py
+RECENT_SHARE = 1.0 / 8.0
 _NORMAL = NormalDist()
 
 
@@ -151,14 +155,22 @@ def t_quantile(tail: float, dof: float) -> float:
 class NoiseScaleEstimator:
     """Exponential moving averages of ``|G|^2`` and ``tr(Sigma)``, and the noise scale they imply.
 
+    The statistics of a run change (a new data mix, a learning-rate drop), and a moving average over about a thousand
+    base batches holds the old ones long after: a noise scale that falls 4x kept ``low`` above the new truth for
+    some 3,000 base batches. So a *recent* window, :data:`RECENT_SHARE` as long, runs beside the run's own, and when
+    the two windows' run-level bounds no longer overlap (:meth:`run_bounds` at :data:`NOISE_BOUND_LEVEL`, each from
+    its own spread), the statistics changed: the run's averages restart from the recent window's, weighted as the
+    samples it spans weigh in the run's window (:attr:`restarts` counts these).
+
     Args:
         base_batch_size: B0, the total batch whose update gets decay ``decay``; a B-sample update decays the
             averages by ``decay ** (B / B0)``.
         decay: per-B0-batch decay of the moving averages, in (0, 1).
+        follow_changes: keep the recent window and restart on a change (the recent window itself does not).
 
     """
 
-    def __init__(self, base_batch_size: int, decay: float = 0.999) -> None:
+    def __init__(self, base_batch_size: int, decay: float = 0.999, follow_changes: bool = True) -> None:
         if base_batch_size <= 0:
             raise ValueError(f"`base_batch_size` must be positive, got {base_batch_size}.")
         if not 0.0 < decay < 1.0:
@@ -180,6 +192,8 @@ class NoiseScaleEstimator:
         self._spread_known = False
         self._bounds: tuple[tuple[int, float], tuple[float, float] | None] | None = None  # kept until the next update
         self._run_bounds: tuple[tuple[int, float], tuple[float, float] | None] | None = None
+        self._recent = self._new_recent() if follow_changes else None
+        self.restarts = 0  # the changes of the statistics followed (:meth:`_follow_change`)
 
     def update(
         self,
@@ -222,7 +236,33 @@ class NoiseScaleEstimator:
         self.num_updates += 1
         self._samples += steps * sum(b)
         self._bounds = self._run_bounds = None
+        if self._recent is not None:
+            self._recent.update(z, b, global_sqr_norm, steps)
+            self._follow_change()
         return True
+
+    def _new_recent(self) -> NoiseScaleEstimator:
+        """An empty recent window: the same base batch, :data:`RECENT_SHARE` of this window's samples."""
+        return NoiseScaleEstimator(self.base_batch_size, self.decay ** (1.0 / RECENT_SHARE), follow_changes=False)
+
+    def _follow_change(self) -> None:
+        """Restart the averages from the recent window's where the two windows' run-level bounds are disjoint: the
+        statistics changed. The recent sums are scaled so that they weigh what the samples they span weigh in this
+        window (``1 - decay ** (its window / B0)``): new updates then dilute them as they would the newest part of an
+        undisturbed average, and the spread, the effective count and the bounds carry over at once (no gap in
+        which the total and the gain would wait)."""
+        recent = self._recent
+        ours, theirs = self.run_bounds(), recent.run_bounds() if recent is not None else None
+        if recent is None or ours is None or theirs is None or (theirs[1] >= ours[0] and theirs[0] <= ours[1]):
+            return
+        scale = (1.0 - self.decay ** (recent.window_samples / self.base_batch_size)) / recent._weight
+        self._sqr_biased, self._var_biased = recent._sqr_biased * scale, recent._var_biased * scale
+        self._sqr_sq_biased, self._var_sq_biased = recent._sqr_sq_biased * scale, recent._var_sq_biased * scale
+        self._cross_biased = recent._cross_biased * scale
+        self._weight, self._weight_sq = recent._weight * scale, recent._weight_sq * scale * scale
+        self._spread_known = recent._spread_known
+        self._bounds = self._run_bounds = None
+        self.restarts += 1
 
     @property
     def grad_sqr(self) -> float | None:
@@ -447,6 +487,8 @@ class NoiseScaleEstimator:
             "spread_known": self._spread_known,
             "samples": self._samples,
             "cross_biased": self._cross_biased,
+            "recent": None if self._recent is None else self._recent.state_dict(),
+            "restarts": self.restarts,
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -470,6 +512,11 @@ class NoiseScaleEstimator:
             self._samples = float(state_dict["samples"])
         else:
             self._samples = self._samples_from_weight()
+        self.restarts = int(state_dict.get("restarts", 0))
+        if self._recent is not None:  # a state saved before the recent window starts one afresh
+            recent, self._recent = state_dict.get("recent"), self._new_recent()
+            if recent is not None:
+                self._recent.load_state_dict(recent)
         self._bounds = self._run_bounds = None
 
     def _widest_cross(self) -> float:

@@ -20,7 +20,7 @@ from typing import Protocol
 import numpy as np
 from numpy.typing import ArrayLike
 
-from lightning_cannikin.core.goodput import ADAPT_MARGIN, CANDIDATES, adascale_gain, adopted_at, candidate_batch_sizes
+from lightning_cannikin.core.goodput import ADAPT_MARGIN, CANDIDATES, adascale_gain, candidate_batch_sizes
 from lightning_cannikin.core.interval_choice import IntervalChoice, TotalOptions
 from lightning_cannikin.core.lr_scaling import lr_factor, validate_rule
 from lightning_cannikin.core.optperf import most_even_split
@@ -134,10 +134,6 @@ class Decision:
         lr_factor: the multiplier of the base learning rate for the plan's total batch, at the noise bounds of the
             decision (for the history and the report: each step computes its own from the bounds it starts with).
         identified: whether every device's slope was measured when the decision was made.
-        noise_band: the noise scales ``(low, high)`` at each of which the total batch decided here stays the
-            goodput choice (within the margin), given the speeds just fitted; ``None`` when the total was not
-            considered. Bounds inside it move nothing, whatever they narrow to: the statistics may then be measured
-            less often (:meth:`~lightning_cannikin.core.replanner.Replanner.settled`).
         total_options: the candidate totals and step times the total decided here was chosen among (``None`` when
             the total was not considered). Every rank holds the same noise bounds and these options, so each can tell
             on its own, and at the same step, when the bounds call for a move
@@ -165,7 +161,6 @@ class Decision:
     plan: Plan
     lr_factor: float
     identified: bool
-    noise_band: tuple[float, float] | None = None
     untimed: bool = False
     best_total: int | None = None
     total_gain: float | None = None
@@ -283,12 +278,9 @@ def decide(
         sizes = most_even_split(global_batch, model.world_size, model.lower, _upper(model, global_batch))
         sizes = sizes.local_batch_sizes
     plan = Plan(sizes, accumulation, predicted_step_time=float(model.predict(sizes)))
-    band = None
-    if adapt:
-        if (plan.global_batch_size, accumulation) != (current.global_batch_size, current.accumulation_steps):
-            candidates = _candidates(model, plan, settings, base_batch_size)  # the kept total's time is the new one's
-            options = _options(candidates, plan.total_batch_size, settings, base_batch_size)
-        band = _noise_band(candidates, plan, settings, base_batch_size)
+    if adapt and (plan.global_batch_size, accumulation) != (current.global_batch_size, current.accumulation_steps):
+        candidates = _candidates(model, plan, settings, base_batch_size)  # the kept total's time is the new one's
+        options = _options(candidates, plan.total_batch_size, settings, base_batch_size)
     factor, _ = learning_rate_scale(settings.lr_scaling, plan.total_batch_size, base_batch_size, bounds, adam, estimate)
     timed = getattr(model, "timed", None)  # a model that knows which sizes it timed lately
     untimed = settings.balance and model.identified and timed is not None and not timed(plan.local_batch_sizes)
@@ -298,7 +290,6 @@ def decide(
         plan,
         factor,
         model.identified,
-        band,
         bool(untimed),
         best_total,
         total_gain,
@@ -395,48 +386,6 @@ def _choose_total(
             return current.global_batch_size, current.accumulation_steps, choice
         index = int(on_the_way[np.argmax(totals[on_the_way])])
     return int(micro[index]), int(steps[index]), choice
-
-
-# the noise scales a band is looked for in: from this far below the base batch to this far above the largest total, on
-# a coarse geometric grid whose steps around each edge are then split this many times finer
-_BAND_REACH = 64.0
-_BAND_STEPS_PER_DOUBLING = 8
-_BAND_REFINE = 64
-
-
-def _noise_band(
-    candidates: Candidates | None, plan: Plan, settings: PolicySettings, base_batch_size: int
-) -> tuple[float, float] | None:
-    """The noise scales for which ``plan``'s total stays the goodput choice (no other total gains more than the
-    margin), from B0 / 64 to 64x the largest total, its edges found to within 0.14% (a coarse grid in steps of
-    2**(1/8), each edge's step split 64 times): a coarser edge would have the bounds prove moves that the decision
-    then finds under the margin, one re-plan per step. The step times are the model's (``candidates``, from
-    :func:`_candidates` with ``plan`` in force). The set is an interval: a larger total gains more the larger the
-    noise scale, a smaller one the smaller. Its ends are open at the grid's ends (0 or infinity); ``None`` when no
-    candidate fits."""
-    if candidates is None:
-        return None
-    micro, steps, times, kept = candidates
-    totals = micro * steps
-
-    def stays(grid: np.ndarray) -> np.ndarray:
-        return ~adopted_at(totals, times, grid, base_batch_size, plan.total_batch_size, kept, settings.margin)
-
-    doublings = np.log2(_BAND_REACH**2 * float(totals.max()) / base_batch_size)
-    count = int(np.ceil(doublings * _BAND_STEPS_PER_DOUBLING)) + 1
-    grid = np.geomspace(base_batch_size / _BAND_REACH, _BAND_REACH * float(totals.max()), count)
-    inside = np.flatnonzero(stays(grid))
-    if inside.size == 0:
-        return 0.0, float("inf")  # beaten at every noise scale (a total no candidate keeps): no bound moves it again
-    low, high = inside[0], inside[-1]
-    edges = [0.0, float("inf")]
-    if low > 0:  # the lowest noise scale that keeps it lies in (grid[low - 1], grid[low]]
-        fine = np.geomspace(grid[low - 1], grid[low], _BAND_REFINE + 1)[1:]
-        edges[0] = float(fine[np.flatnonzero(stays(fine))[0]])
-    if high < len(grid) - 1:  # the highest in [grid[high], grid[high + 1])
-        fine = np.geomspace(grid[high], grid[high + 1], _BAND_REFINE + 1)[:-1]
-        edges[1] = float(fine[np.flatnonzero(stays(fine))[-1]])
-    return edges[0], edges[1]
 
 
 def _reachable(model: StepTimeModel, settings: PolicySettings) -> int | None:

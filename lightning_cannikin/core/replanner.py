@@ -71,7 +71,6 @@ class Replanner:
     last_adapt_step: int = 0
     adapted: bool = False  # a total batch was chosen with statistics that allow it
     settle_at: int | None = None  # a re-plan due once a new total batch has been timed at its new sizes
-    noise_band: tuple[float, float] | None = None  # the noise scales at each of which the total in force stays best
     total_options: TotalOptions | None = None  # the candidates it was chosen among, and the rule's margin
     # steps an epoch end waits after the last re-plan when nothing asks for one: doubled by every re-plan that keeps
     # the plan in force (up to ROUTINE_GAP_CAP), none after one that changes it
@@ -119,13 +118,12 @@ class Replanner:
         is kept until a re-plan takes it (an epoch's last step hands it to the epoch's end)."""
         self.changed = changed
 
-    def noise_every(self, bounds: Bounds) -> int:
-        """Optimizer steps per noise measurement now: every step while the bounds may still prove a move of the total,
-        one in ``noise_every_n_steps`` once they lie inside the band of the total in force and only a drift of the
-        noise scale could move it, or where the total is fixed."""
-        if not self.adaptive or self.settled(bounds):
-            return self.noise_every_n_steps
-        return 1
+    def noise_every(self) -> int:
+        """Optimizer steps per noise measurement: every step where the total batch follows the noise scale (a move may
+        be proven, or a drift caught, at any step, and a measurement skipped is evidence lost: one step in ``k``
+        leaves about ``k`` times fewer effective steps in the average, and its bounds that much wider), one in
+        ``noise_every_n_steps`` where the total is fixed (the AdaScale gain alone reads it)."""
+        return 1 if self.adaptive else self.noise_every_n_steps
 
     def check_due(self, step: int) -> bool:
         """Whether every rank asks its local change check after ``step`` steps (the same answer on every rank)."""
@@ -152,35 +150,22 @@ class Replanner:
             return True
         return self.total_options.moves(bounds)
 
-    def settled(self, bounds: tuple[float, float] | None) -> bool:
-        """Whether the bounds lie inside the band of the total in force: no noise scale they allow moves the total, so
-        the statistics need not be measured on every step until they drift out."""
-        band = self.noise_band
-        return bounds is not None and band is not None and band[0] <= bounds[0] and bounds[1] <= band[1]
-
-    def adapted_at(
-        self,
-        step: int,
-        ready: bool,
-        noise_band: tuple[float, float] | None = None,
-        options: TotalOptions | None = None,
-    ) -> None:
-        """The total batch was reconsidered after ``step`` steps (at an epoch end too); ``noise_band`` and
-        ``options``: the decision's (:attr:`~lightning_cannikin.core.policy.Decision.noise_band`, for
-        :meth:`settled`, and :attr:`~lightning_cannikin.core.policy.Decision.total_options`, for :meth:`total_due`)."""
+    def adapted_at(self, step: int, ready: bool, options: TotalOptions | None = None) -> None:
+        """The total batch was reconsidered after ``step`` steps (at an epoch end too); ``options``: the decision's
+        (:attr:`~lightning_cannikin.core.policy.Decision.total_options`, for :meth:`total_due`)."""
         self.last_adapt_step = step
         self.adapted = self.adapted or ready
         if options is not None:
-            self.noise_band, self.total_options = noise_band, options
+            self.total_options = options
 
     def followed(self, step: int, previous: Any, decision: Any, adapted: bool = False, bounds: Bounds = None) -> None:
         """A re-plan after ``step`` steps adopted ``decision`` (a :class:`~lightning_cannikin.core.policy.Decision`)
         in place of the plan ``previous``; ``adapted``: the total was reconsidered, at the noise ``bounds``. Keeps
-        the band the total holds in (:meth:`adapted_at`), what the next re-plans wait for (:meth:`replanned`) and
-        whether the speeds are measured; the change vote it answered is spent."""
+        the options the total was chosen among (:meth:`adapted_at`), what the next re-plans wait for
+        (:meth:`replanned`) and whether the speeds are measured; the change vote it answered is spent."""
         plan = decision.plan
         if adapted:
-            self.adapted_at(step, self.adapt_ready(bounds), decision.noise_band, decision.total_options)
+            self.adapted_at(step, self.adapt_ready(bounds), decision.total_options)
         total_changed = plan.total_batch_size != previous.total_batch_size
         # a new total, a walk to a device's knee, a split moved by a rescale that may be a passing stall, or a change of
         # speed the model followed: re-split once timed (a check fired by what the model does not see settles nothing)
@@ -223,8 +208,8 @@ class Replanner:
         ``total_changed``) puts ranks at sizes their models extrapolated to: re-split once ``warmup_steps`` steps have
         timed the new plan. After a change of speed (``changed``: the re-plan a local check asked for) the model is
         rescaled from a few steps at one size and the split already near the new optimum: re-split after half as
-        many, so that few steps run the rescaled model's guess, and drop the noise band the total was chosen in (it
-        was for the old speeds). An even split has nothing to re-split. ``kept``: the plan in force was kept (the
+        many, so that few steps run the rescaled model's guess, and drop the options the total was chosen among (they
+        were for the old speeds). An even split has nothing to re-split. ``kept``: the plan in force was kept (the
         routine gap doubles; a new plan resets it; after a change, no rank runs a size it was not timed at, so there
         is nothing to settle). ``unconfirmed``: some rank was rescaled lately and may return to its old speed; once a
         re-plan moved the split since, re-plan every ``warmup_steps`` until it is confirmed or undone. While the split
@@ -236,9 +221,9 @@ class Replanner:
         self.routine_gap = min(gap, ROUTINE_GAP_CAP) if kept else 0
         self.last_replan_step = step
         if changed and self.last_adapt_step != step:
-            # the band and options held the step times of the old speeds: reconsider the total at the next step the
+            # the options held the step times of the old speeds: reconsider the total at the next step the
             # floor allows (as after a resume), not when the noise scale happens to move
-            self.noise_band = self.total_options = None
+            self.total_options = None
         settle = max(int(CHANGE_SETTLE_SHARE * self.warmup_steps), 1) if changed else self.warmup_steps
         self.unconfirmed_moved = unconfirmed and (self.unconfirmed_moved or not kept)
         # a change re-plan that kept the split left every rank at sizes it was timed at: nothing to settle
@@ -257,7 +242,6 @@ class Replanner:
             "last_adapt_step": self.last_adapt_step,
             "adapted": self.adapted,
             "settle_at": self.settle_at,
-            "noise_band": None if self.noise_band is None else list(self.noise_band),
             "total_options": None if options is None else options.to_dict(),
             "routine_gap": self.routine_gap,
             "unconfirmed_moved": self.unconfirmed_moved,
@@ -265,7 +249,7 @@ class Replanner:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Put a :meth:`state_dict` back. Older checkpoints lack some keys: a missing ``settle_at`` or vote is none, and
-        a band without the options it was chosen among is dropped (the total is reconsidered at the next step)."""
+        without options the total is reconsidered at the next step (a saved noise band is no longer used)."""
         self.identified = bool(state.get("identified", False))
         self.changed = bool(state.get("changed", False))
         self.last_replan_step = int(state["last_replan_step"])
@@ -273,8 +257,7 @@ class Replanner:
         self.adapted = bool(state["adapted"])
         settle_at = state.get("settle_at")
         self.settle_at = None if settle_at is None else int(settle_at)
-        band, options = state.get("noise_band"), state.get("total_options")
-        self.noise_band = None if band is None or options is None else (float(band[0]), float(band[1]))
+        options = state.get("total_options")
         self.total_options = None if options is None else TotalOptions.from_dict(options)
         self.routine_gap = int(state["routine_gap"])
         self.unconfirmed_moved = bool(state.get("unconfirmed_moved", False))

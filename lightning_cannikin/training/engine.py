@@ -100,6 +100,7 @@ class BalancingEngine:
         self._noise_trail = NoiseTrail()  # the estimate and its bounds over the fit, for the run profile
         self.speed_model: SpeedModel | None = None
         self.estimator: NoiseScaleEstimator | None = None
+        self._restarts_told = 0  # the estimator's restarts (changes of the statistics) the log has told of
         self.collective: Collective | None = None
         self.step = 0  # optimizer steps and micro-steps run this fit (as the replanner counts them)
         self._adam = False
@@ -168,7 +169,7 @@ class BalancingEngine:
         if self._observer is None and world_size > 1 and self.options.track_noise_scale:
             every = (self._settings.noise_exchange_every, self._settings.noise_every_n_steps)
             self._observer = self._observer_type(collective.rank, world_size, None, *every)
-            self._observer.cadence = lambda: self._replanner.noise_every(self.noise_bounds())
+            self._observer.cadence = self._replanner.noise_every
             self._hook.observers.append(self._observer)
         self._vote = None
         checks = self._replanner.check_every_n_steps
@@ -476,6 +477,12 @@ class BalancingEngine:
             # every rank folds the same exchanged numbers: the factor is identical everywhere, no collective
             if observer is not None and estimator is not None and observer.fold_into(estimator, self._window):
                 self._noise_trail.add(self.step, estimator.noise_scale, self.noise_bounds())
+            if estimator is not None and estimator.restarts > self._restarts_told:
+                self._restarts_told = estimator.restarts
+                rank_zero_info(
+                    f"Cannikin: step {self.step}: the noise statistics changed (the recent window's bounds left the"
+                    " run's); the noise-scale averages restart from the recent window"
+                )
         self.step += 1
 
     def _timed_size(self, rank: int) -> int | None:
@@ -685,6 +692,7 @@ class BalancingEngine:
             self.speed_model.restarted()
         if state["estimator"] is not None and self.estimator is not None:
             self.estimator.load_state_dict(state["estimator"])
+            self._restarts_told = self.estimator.restarts  # told by the run that saved it
         self.progress.load_state_dict(state["progress"])
         self.history.entries = list(state["history"])
         self.step = int(state["step"])

@@ -42,7 +42,7 @@ class CannikinSettings:
     | ``accumulate`` | True | reach totals beyond the upper bounds with gradient accumulation (changed at epoch ends) |
     | ``track_noise_scale`` | None | measure the gradient noise scale (``None``: when it can change something) |
     | ``min_noise_updates`` | 10 | measured steps of noise statistics before the total batch may change |
-    | ``noise_every_n_steps`` | 8 | once the noise bounds settle the total, measure one optimizer step in this many |
+    | ``noise_every_n_steps`` | 8 | a fixed total measures one optimizer step in this many (an adaptive one, every) |
     | ``noise_exchange_every`` | 4 | measured steps whose statistics share one all-reduce of a few floats |
     | ``noise_bound_level`` | 0.05 | share of runs whose noise bounds may ever miss the truth, however often looked at |
     | ``noise_bound_sigmas`` | None | a fixed width per look instead, in standard errors (``0``: the point estimate) |
@@ -73,11 +73,12 @@ class CannikinSettings:
             ``max_batch_size`` or with ``lr_scaling="adascale"`` and a ``base_batch_size``.
         min_noise_updates: measured steps of noise statistics required before the total batch may change or the
             AdaScale gain leave 1 (the bounds themselves wait for ten effective steps of spread).
-        noise_every_n_steps: the statistics are measured on every optimizer step while their bounds may still prove
-            a move of the total; once the bounds lie inside the band of noise scales at each of which the total in force
-            is the goodput choice, on one step in this many, until they drift out. Every measurement weighs as the steps
-            it stands for, so the estimate keeps its expectation. A measured step costs a few hundred microseconds of
-            host time (``benchmarks/results/README.md``): a large share of a 3 ms CPU step, under 1% of a 50 ms one.
+        noise_every_n_steps: where the total batch is fixed (no ``max_batch_size``: the AdaScale gain alone reads the
+            noise scale), the statistics are measured on one optimizer step in this many; where it follows the noise
+            scale, on every step (a skipped step is evidence lost, and the bounds that prove a move widen). Every
+            measurement weighs as the steps it stands for, so the estimate keeps its expectation. A measured step costs
+            a few hundred microseconds of host time (``benchmarks/results/README.md``): a large share of a 3 ms CPU
+            step, under 1% of a 50 ms one.
         noise_exchange_every: measured steps whose statistics share one all-reduce of a few floats, never waited for
             (the same numbers, folded up to twice this many measured steps later).
         noise_bound_level: the total batch and the AdaScale gain act on bounds ``(low, high)`` of the noise scale
