@@ -18,7 +18,8 @@ Balancing alone is worth ``optperf(B0) / ddp(B0)``; a larger batch adds the good
 at each point of training. A target below the bound cannot be met by any implementation in this set-up.
 
 It also runs the *fixed-total oracle*: balanced Cannikin with the total batch pinned from the start at each of several
-totals (``--fixed-totals``, default B0 x 1, 2, 4, 8), each with AdaScale from the same B0, so that its learning rate
+totals (``--fixed-totals``, default B0 x 1.5^k up to 8 B0: 96, 144, 216, 324, 486, 729 at B0 = 96), each with AdaScale
+from the same B0 and the noise measured on every step, as the adaptive run's, so that its learning rate
 follows the noise scale as the adaptive run's would at that total. The best of them is the best a total chosen once,
 before training, could do; the issue's gate is Cannikin's median time at most ``GATE`` times that best fixed total's.
 Every repeat runs every configuration once, the sweep's too, in the same order, so machine drift hits all alike.
@@ -63,13 +64,16 @@ from benchmarks.harness import median, run
 from examples.data import fashion_mnist_available, load_dataset
 from lightning_cannikin import Cannikin, CannikinSettings
 from lightning_cannikin.core.goodput import candidate_batch_sizes, goodput
+from lightning_cannikin.core.noise_scale import t_quantile
 from lightning_cannikin.core.optperf import optperf, step_time
 from lightning_cannikin.core.plan import even_split
 from lightning_cannikin.tools.report import plot_or_skip
 
 PER_SAMPLE_MS = [0.5, 1.0, 2.0]
 PER_SAMPLE_ONLY_MS = [1.0, 2.0, 4.0]  # per-sample: 1:2:4 and no fixed cost
-FIXED_TOTAL_MULTIPLES = (1, 2, 4, 8)  # the oracle's default totals, in B0
+# the oracle's default totals: a ladder from B0 in steps of this factor, up to this many B0 (a sweep of doublings
+# missed a best between its rungs: on gpu-mix fixed 768 beat 384 in 2 of 3 repeats)
+FIXED_TOTAL_STEP, FIXED_TOTAL_REACH = 1.5, 8
 GATE = 1.05  # the issue's gate: Cannikin's median time over the best fixed total's
 SCENARIOS = ("fashion-mnist", "gpu-mix", "fixed-cost", "per-sample")
 MLP_SCENARIOS = ("fixed-cost", "per-sample")
@@ -182,14 +186,17 @@ def fixed_total_of(name: str) -> int | None:
 
 
 def fixed_totals(spec: str | None, base_batch: int, world_size: int) -> list[int]:
-    """The oracle's totals from ``--fixed-totals`` (comma-separated; ``None``: B0 x 1, 2, 4, 8; ``"none"``: no sweep).
+    """The oracle's totals from ``--fixed-totals`` (comma-separated; ``None``: B0 x 1.5^k up to 8 B0, each rounded
+    down to a multiple of the ranks; ``"none"``: no sweep).
 
     Raises:
         ValueError: a total that the ranks cannot share evenly (the DataLoader's batch is ``total / world_size``).
 
     """
     if spec is None:
-        return [base_batch * k for k in FIXED_TOTAL_MULTIPLES]
+        rungs = int(np.log(FIXED_TOTAL_REACH) / np.log(FIXED_TOTAL_STEP) + 1e-9) + 1
+        ladder = (int(base_batch * FIXED_TOTAL_STEP**k) // world_size * world_size for k in range(rungs))
+        return sorted(set(ladder))
     if spec.strip().lower() in ("", "none"):
         return []
     totals = [int(part) for part in spec.split(",") if part.strip()]
@@ -226,6 +233,53 @@ def emulated_throughput(per_sample_ms: list, fixed_ms: list, totals: list[int]) 
     return [float(t / s) for t, s in zip(totals, times, strict=True)]
 
 
+def paired_ratio(mine: list[float | None], theirs: list[float | None], level: float = 0.90) -> dict | None:
+    """The geometric mean of the per-repeat ratios ``mine[r] / theirs[r]`` (repeat ``r`` gives both runs the same seed:
+    the same data order and initial weights) with its ``level`` interval, a Student-t interval on the log ratios;
+    ``None`` where some repeat missed the target, or with fewer than two repeats."""
+    pairs = [(a, b) for a, b in zip(mine, theirs, strict=True) if a is not None and b is not None]
+    if len(pairs) < 2 or len(pairs) < len(mine):
+        return None
+    logs = np.log([a / b for a, b in pairs])
+    centre, spread = float(logs.mean()), float(logs.std(ddof=1)) / np.sqrt(len(logs))
+    width = t_quantile((1.0 - level) / 2.0, len(logs) - 1.0) * spread
+    return {
+        "geometric_mean": float(np.exp(centre)),
+        "low": float(np.exp(centre - width)),
+        "high": float(np.exp(centre + width)),
+        "level": level,
+        "repeats": len(pairs),
+        "per_repeat": [a / b for a, b in pairs],
+    }
+
+
+def goodput_share(
+    curve: list[dict], reference: list[tuple[float, float]], totals: np.ndarray, times: np.ndarray, base: int
+) -> float | None:
+    """The mean, over a run's steps, of its total's goodput over the best total's, both at the noise scale of a
+    ``reference`` run (``(samples, noise scale)`` pairs, measured every step) nearest the same progress in samples, on
+    the step times ``times`` of ``totals`` (the emulated devices' balanced steps). Each evaluation interval of
+    ``curve`` counts for the steps it held (its samples over the total recorded at its end). ``None`` without
+    reference points."""
+    if not reference:
+        return None
+    ref_samples = np.array([s for s, _ in reference])
+    ref_phi = np.array([phi for _, phi in reference])
+    weight = share = 0.0
+    done = 0
+    for point in curve:
+        total, samples = int(point["total_batch_size"]), int(point["samples"])
+        steps, middle = (samples - done) / total, (samples + done) / 2.0
+        done = samples
+        if steps <= 0:
+            continue
+        phi = float(ref_phi[int(np.argmin(np.abs(ref_samples - middle)))])  # the reference nearest the interval
+        time = float(np.interp(total, totals, times))
+        share += steps * float(goodput(total, time, phi, base) / np.max(goodput(totals, times, phi, base)))
+        weight += steps
+    return share / weight if weight else None
+
+
 def oracle(
     runs: dict[str, list[dict]], totals: list[int], cannikin_time: float | None, throughput: list[float]
 ) -> dict:
@@ -252,14 +306,29 @@ def oracle(
     timed = [entry for entry in sweep if entry["median_time_to_target_s"] is not None]
     best = min(timed, key=lambda entry: entry["median_time_to_target_s"]) if timed else None
     ratio = cannikin_time / best["median_time_to_target_s"] if best is not None and cannikin_time else None
+    mine = [r["time_to_target"] for r in runs.get("cannikin", [])]
+    paired = None if best is None or not mine else paired_ratio(mine, best["time_to_target_s"])
     return {
         "sweep": sweep,
         "best_fixed_total": None if best is None else best["total"],
         "best_fixed_time_s": None if best is None else best["median_time_to_target_s"],
         "cannikin_vs_best_fixed": ratio,
+        "cannikin_vs_best_fixed_paired": paired,
         "gate": GATE,
         "within_gate": None if ratio is None else ratio <= GATE,
     }
+
+
+def reference_noise(runs: dict[str, list[dict]], base_batch: int) -> tuple[str, list[tuple[float, float]]]:
+    """The noise scale by progress that goodput shares are taken at: the fixed-B0 run's (it measures every step and
+    its total never moves), else Cannikin's own; the median over repeats at each thousand samples."""
+    name = fixed_name(base_batch) if runs.get(fixed_name(base_batch)) else "cannikin"
+    points: dict[int, list[float]] = {}
+    for result in runs.get(name, []):
+        for point in result["curve"]:
+            if point.get("noise_scale") is not None:
+                points.setdefault(point["samples"] // 1000, []).append(point["noise_scale"])
+    return name, [(1000.0 * key, float(np.median(points[key]))) for key in sorted(points)]
 
 
 def plot(runs: dict[str, list[dict]], path: Path, base_batch: int) -> None:
@@ -320,6 +389,14 @@ def oracle_rows(fixed_oracle: dict, base_batch: int) -> list[str]:
         rows.append(f"- best fixed total: {best} ({fixed_oracle['best_fixed_time_s']:.1f} s)")
     verdict = "" if ratio is None else (" (within" if ratio <= GATE else " (over") + f" the {GATE:.2f}x gate)"
     rows.append(f"- cannikin_vs_best_fixed: {'n/a' if ratio is None else f'{ratio:.2f}x the time'}{verdict}")
+    paired = fixed_oracle.get("cannikin_vs_best_fixed_paired")
+    if paired is not None:
+        per = ", ".join(f"{v:.2f}" for v in paired["per_repeat"])
+        rows.append(
+            f"- paired over {paired['repeats']} repeats (same seed per repeat): geometric mean"
+            f" {paired['geometric_mean']:.2f}x, {paired['level']:.0%} interval {paired['low']:.2f}-{paired['high']:.2f}"
+            f" ({per})"
+        )
     return rows
 
 
@@ -472,6 +549,14 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if fixed_oracle is not None:
         ratios["cannikin_vs_best_fixed"] = fixed_oracle["cannikin_vs_best_fixed"]
+    reference_name, reference = reference_noise(runs, base_batch)
+    candidates = candidate_batch_sizes(base_batch, max_batch)
+    balanced = optperf(np.asarray(options["per_sample_ms"]) / 1000, np.asarray(options["fixed_ms"]) / 1000, candidates)
+    shares = {
+        name: [goodput_share(r["curve"], reference, candidates, balanced, base_batch) for r in runs[name]]
+        for name in names
+        if name == "cannikin" or fixed_total_of(name) is not None
+    }
     ddp_samples = med("ddp", "samples_to_target")
     bound = (
         emulated_bound(
@@ -500,6 +585,7 @@ def main(argv: list[str] | None = None) -> dict:
         "median_samples_to_target": {name: med(name, "samples_to_target") for name in names},
         "ratios": ratios,
         "fixed_total_oracle": fixed_oracle,
+        "goodput_share": {"reference_run": reference_name, "per_repeat": shares},
         "bound": bound,
         "measured_speedup_over_bound_speedup": of_bound,
         "runs": runs,
@@ -528,6 +614,11 @@ def main(argv: list[str] | None = None) -> dict:
         rows.extend(f"- {key}: {value:.0%}" for key, value in of_bound.items())
     if fixed_oracle is not None:
         rows.extend(oracle_rows(fixed_oracle, base_batch))
+    rows.extend(["", f"Goodput share (mean over steps, at {reference_name}'s noise scale by progress):"])
+    for name, values in shares.items():
+        known = [v for v in values if v is not None]
+        text = ", ".join("n/a" if v is None else f"{v:.3f}" for v in values)
+        rows.append(f"- {name}: median {np.median(known):.3f} ({text})" if known else f"- {name}: n/a")
     table = "\n".join(rows)
     subset = args.train_samples or "all"
     title = f"# Time to {target:.0%} test accuracy ({args.scenario}: {options['data']}, {subset} training samples)"

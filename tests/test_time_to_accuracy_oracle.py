@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -12,8 +14,10 @@ from benchmarks.time_to_accuracy import (
     configure,
     emulated_throughput,
     fixed_totals,
+    goodput_share,
     oracle,
     oracle_rows,
+    paired_ratio,
 )
 from lightning_cannikin.core.goodput import goodput
 from lightning_cannikin.core.plan import BatchBounds, Plan
@@ -35,8 +39,9 @@ def fitted_model() -> SpeedModel:
     return model
 
 
-def test_the_default_sweep_is_b0_times_1_2_4_8_and_totals_must_split_evenly() -> None:
-    assert fixed_totals(None, 96, 3) == [96, 192, 384, 768]
+def test_the_default_sweep_is_a_ladder_of_1_5x_steps_to_8_b0_and_totals_must_split_evenly() -> None:
+    assert fixed_totals(None, 96, 3) == [96, 144, 216, 324, 486, 729]
+    assert fixed_totals(None, 64, 2) == [64, 96, 144, 216, 324, 486]
     assert fixed_totals("384, 96,96", 96, 3) == [96, 384]
     assert fixed_totals("none", 96, 3) == []
     with pytest.raises(ValueError, match=r"\[100\]"):
@@ -91,3 +96,38 @@ def test_the_oracle_picks_the_fastest_total_that_always_reached_the_target() -> 
     missed = oracle({"fixed-96": [result(None, None)]}, [96], 49.0, [2000.0])
     assert missed["best_fixed_total"] is None and missed["cannikin_vs_best_fixed"] is None
     assert "none reached the target" in "\n".join(oracle_rows(missed, 96))
+
+
+def test_the_paired_ratio_is_the_geometric_mean_with_a_student_t_interval_on_the_logs() -> None:
+    mine, theirs = [55.0, 45.0, 60.0, 50.0, 52.5], [50.0, 50.0, 50.0, 50.0, 50.0]
+    logs = [math.log(a / b) for a, b in zip(mine, theirs, strict=True)]
+    centre = sum(logs) / 5
+    spread = math.sqrt(sum((v - centre) ** 2 for v in logs) / 4 / 5)
+    t90 = 2.131847  # Student's t, 4 degrees of freedom, upper 5% (tables)
+    result = paired_ratio(mine, theirs)
+    assert result["geometric_mean"] == pytest.approx(math.exp(centre))
+    assert (result["low"], result["high"]) == pytest.approx(
+        (math.exp(centre - t90 * spread), math.exp(centre + t90 * spread)), rel=1e-5
+    )
+    assert result["repeats"] == 5 and result["per_repeat"] == pytest.approx([1.1, 0.9, 1.2, 1.0, 1.05])
+    assert paired_ratio([50.0, None], [50.0, 50.0]) is None, "a repeat that missed the target has no ratio"
+    assert paired_ratio([50.0], [50.0]) is None, "one repeat has no interval"
+
+
+def test_the_goodput_share_weighs_each_interval_by_its_steps_at_the_reference_noise_scale() -> None:
+    # two totals at 0.1 s and 0.15 s a step, B0 = 64, a noise scale of 1,000: goodput written out here as samples a
+    # second times (phi + B0) / (phi + B); 128 is the best; 10 steps at 64 then 10 at 128
+    totals, times = np.array([64, 128]), np.array([0.1, 0.15])
+
+    def worth(b: int, t: float) -> float:
+        return b / t * (1000.0 + 64) / (1000.0 + b)
+
+    curve = [{"samples": 640, "total_batch_size": 64}, {"samples": 1920, "total_batch_size": 128}]
+    reference = [(0.0, 1000.0), (5000.0, 1000.0)]
+    expected = (10 * worth(64, 0.1) / worth(128, 0.15) + 10 * 1.0) / 20
+    assert goodput_share(curve, reference, totals, times, 64) == pytest.approx(expected)
+    assert goodput_share(curve, [], totals, times, 64) is None
+    # at a noise scale of 10 the smaller total is the best and the larger one is worth less than it
+    small = [(0.0, 10.0)]
+    low = (10 * 1.0 + 10 * (128 / 0.15 * 74 / 138) / (64 / 0.1 * 74 / 74)) / 20
+    assert goodput_share(curve, small, totals, times, 64) == pytest.approx(low)
