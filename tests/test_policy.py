@@ -11,6 +11,7 @@ from lightning_cannikin.core.optperf import optimal_split
 from lightning_cannikin.core.plan import BatchBounds, Plan
 from lightning_cannikin.core.policy import PolicySettings, decide
 from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings, StepRecord
+from lightning_cannikin.training.explain import missed_prediction
 
 CLEAN = SpeedModelSettings(warmup_samples=0)  # synthetic timings have no warm-up to leave out
 SLOPES = (0.001, 0.003)  # seconds per sample: rank 1 is 3x slower
@@ -364,3 +365,30 @@ def test_no_decision_takes_a_rank_past_twice_the_largest_batch_it_ran(balance):
                 free, current, noise_scale=1e9, base_batch_size=sum(seen[0]), max_batch_size=4096, balance=balance
             )
             assert jump.plan.global_batch_size > 2 * sum(largest), jump.plan
+
+
+def test_a_move_whose_timings_miss_its_prediction_is_told_and_one_that_matches_is_not():
+    # two ranks on lines of 5 ms + 1 and 2 ms a sample, timed at 16-24 samples; the plan (48, 24) is predicted from
+    # those lines. Rank 0 then runs 48 samples at 1.5 ms each (past a knee the lines never saw): refit, the model
+    # puts the plan well above its prediction. Where the steps match the lines, nothing is said.
+    def timed(per_sample_0: float) -> tuple[SpeedModel, Plan]:
+        model = SpeedModel(2, SpeedModelSettings(warmup_samples=0), BatchBounds.parse(None, 2))
+        slopes, step = [0.001, 0.002], 0
+        for sizes in ((16, 16), (24, 12), (20, 14)):
+            for _ in range(6):
+                times = [0.005 + s * b for s, b in zip(slopes, sizes, strict=True)]
+                model.add([StepRecord(step, r, b, times[r], max(times)) for r, b in enumerate(sizes)])
+                step += 1
+        plan = Plan((48, 24), predicted_step_time=float(model.predict((48, 24))))
+        for _ in range(12):  # the steps run at the plan since its adoption
+            times = [0.005 + per_sample_0 * 48, 0.005 + 0.002 * 24]
+            model.add([StepRecord(step, r, b, times[r], max(times)) for r, b in enumerate((48, 24))])
+            step += 1
+        return model, plan
+
+    model, plan = timed(0.0015)
+    line = missed_prediction(40, plan, model, 0.02)
+    assert line is not None and "by step 40 the plan [48, 24] (total 72)" in line and "+" in line, line
+    model, plan = timed(0.001)
+    assert missed_prediction(40, plan, model, 0.02) is None
+    assert missed_prediction(40, Plan((48, 24)), model, 0.02) is None, "no prediction was made: nothing to miss"

@@ -37,7 +37,7 @@ from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings, 
 from lightning_cannikin.training.collective import Collective
 from lightning_cannikin.training.comm_hook import WeightedAllReduceState, weighted_allreduce_hook
 from lightning_cannikin.training.cost_aware_sampler import CostTimeFit, SampleCosts, with_time_models
-from lightning_cannikin.training.explain import explain
+from lightning_cannikin.training.explain import explain, missed_prediction
 from lightning_cannikin.training.grad_stats import GradientNormObserver
 from lightning_cannikin.training.loader import UnevenDataLoader, kept_arguments, loader_batch_size, rebuild_uneven
 from lightning_cannikin.training.loss_weights import LossScaleCheck, WindowWeights
@@ -583,6 +583,11 @@ class BalancingEngine:
         # the accumulation changes at epoch ends only (as Lightning's GradientAccumulationScheduler does it): a
         # mid-epoch window must not straddle two values
         policy = replace(self._policy, accumulate=False) if mid_epoch else self._policy
+        settle_at = self._replanner.settle_at
+        if settle_at is not None and self.step >= settle_at:  # after a move, its sizes timed: was it as predicted?
+            miss = missed_prediction(self.step, current, self.speed_model, policy.split_margin)
+            if miss is not None:
+                rank_zero_info(miss)
         adapt_total = not mid_epoch if adapt_total is None else adapt_total
         noise, base = self.noise_bounds(), self.estimator.base_batch_size
         decision = decide(

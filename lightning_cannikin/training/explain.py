@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 
 from lightning_cannikin.core.plan import Plan
-from lightning_cannikin.core.policy import Decision, PolicySettings
+from lightning_cannikin.core.policy import Decision, PolicySettings, StepTimeModel
 
-__all__ = ["decision_values", "explain"]
+__all__ = ["decision_values", "explain", "missed_prediction"]
 
 
 def explain(step: int, decision: Decision, current: Plan, policy: PolicySettings) -> str:
@@ -53,6 +53,25 @@ def explain(step: int, decision: Decision, current: Plan, policy: PolicySettings
     if predicted is not None:
         line += f"; predicted step {1000 * predicted:.1f} ms"
     return line + f", lr factor {decision.lr_factor:.3g}"
+
+
+def missed_prediction(step: int, plan: Plan, model: StepTimeModel, margin: float) -> str | None:
+    """One line where the step time predicted for ``plan`` when it was adopted and the speed ``model``'s prediction for
+    it now, refit on the steps run there, differ by more than ``margin`` (relative, or the model's own jitter where
+    that is larger), else ``None``: a move rested on an extrapolation the timings since have not borne out."""
+    predicted = plan.predicted_step_time
+    refit = float(model.predict(plan.local_batch_sizes, plan.accumulation_steps))
+    if predicted is None or predicted <= 0 or not math.isfinite(refit):
+        return None
+    miss, margin = refit / predicted - 1.0, max(margin, float(getattr(model, "jitter", 0.0)))
+    if abs(miss) <= margin:
+        return None
+    return (
+        f"Cannikin: by step {step} the plan {list(plan.local_batch_sizes)} (total {plan.total_batch_size}), predicted at"
+        f" {1000 * predicted:.1f} ms a step, is timed at {1000 * refit:.1f} ms by the speed model refit on its steps"
+        f" ({'+' if miss > 0 else ''}{_percent(miss)}, beyond the {_percent(margin)} margin); the next decision rests"
+        " on these timings."
+    )
 
 
 def decision_values(decision: Decision, policy: PolicySettings) -> dict[str, float]:
