@@ -39,6 +39,10 @@ Scenarios (``--scenario``):
   on two shared cores, the loop, the all-reduce, the real compute), since it acts as a fixed cost that larger totals
   amortise: it makes 2 x B0 about 9% faster a sample, which pays only at a noise scale near 1,000 (the MLP's was
   20-120 along the first 46,000 samples here, and ``gpu_mix.survey`` found it below 2 x B0 for most of a run).
+- ``transformer``: the devices above with a 10 ms fixed cost (Lightning's demo Transformer's emulation), a small
+  causal LM on synthetic text (``benchmarks/causal_lm.py``: 6,000 blocks of 32 tokens; Adam at 0.003; the gain is
+  AdaScale's square root), to 70% next-token accuracy on held-out text: each step is mostly per-sample work, so a
+  larger total pays little.
 
 The fixed-total oracle's runs at large totals pay balanced Cannikin's warm-up at that total: the first ~16 steps at
 an even split, while the speeds are measured (1 s a step at 768 on the per-sample devices).
@@ -75,8 +79,9 @@ PER_SAMPLE_ONLY_MS = [1.0, 2.0, 4.0]  # per-sample: 1:2:4 and no fixed cost
 # missed a best between its rungs: on gpu-mix fixed 768 beat 384 in 2 of 3 repeats)
 FIXED_TOTAL_STEP, FIXED_TOTAL_REACH = 1.5, 8
 GATE = 1.05  # the gate: Cannikin's median time over the best fixed total's
-SCENARIOS = ("fashion-mnist", "gpu-mix", "fixed-cost", "per-sample")
-MLP_SCENARIOS = ("fixed-cost", "per-sample")
+SCENARIOS = ("fashion-mnist", "gpu-mix", "fixed-cost", "per-sample", "transformer")
+# the small models: 10 epochs at most, and no balance-only run by default
+SMALL_MODEL_SCENARIOS = ("fixed-cost", "per-sample", "transformer")
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -172,7 +177,7 @@ def emulated_bound(
 
 NAMES = ("ddp", "adaptive-even", "balance-only", "cannikin")
 # where the oracle's B0 run is balance-only with AdaScale (a gain of 1 at B0), balance-only is left out by default
-MLP_NAMES = ("ddp", "adaptive-even", "cannikin")
+SMALL_MODEL_NAMES = ("ddp", "adaptive-even", "cannikin")
 
 
 def fixed_name(total: int) -> str:
@@ -421,6 +426,23 @@ def scenario_options(args: argparse.Namespace) -> dict:
             "out": args.out or RESULTS / "time_to_accuracy_gpu_mix",
             "cosine_horizon_b0_steps": horizon,
         }
+    if args.scenario == "transformer":
+        from benchmarks.causal_lm import VOCAB, CausalLM, second_order_text
+
+        per_sample = [float(ms) for ms in args.per_sample_ms.split(",")] if args.per_sample_ms else PER_SAMPLE_MS
+        lr = args.lr or 0.003
+        train = second_order_text(args.train_samples or 6000, seed=0)
+        return {
+            "per_sample_ms": per_sample,
+            "fixed_ms": [args.fixed_ms if args.fixed_ms is not None else 10.0] * len(per_sample),
+            "devices": " : ".join(f"{ms / min(per_sample):g}x" for ms in per_sample),
+            "task": (train, second_order_text(500, seed=1), lambda: CausalLM(lr=lr), VOCAB),
+            "model": "causal LM, 2 layers of width 64, 32 positions, Adam",
+            "lr": lr,
+            "data": "second-order chain",
+            "target": args.target or 0.70,
+            "out": args.out or RESULTS / "time_to_accuracy_transformer",
+        }
     per_sample_only = args.scenario == "per-sample"
     per_sample = (
         [float(ms) for ms in args.per_sample_ms.split(",")]
@@ -438,7 +460,7 @@ def scenario_options(args: argparse.Namespace) -> dict:
         "target": args.target or (0.89 if args.data == "fashion-mnist" else 0.95),
         "out": args.out or RESULTS / "time_to_accuracy",
     }
-    if args.scenario in MLP_SCENARIOS:
+    if args.scenario in ("fixed-cost", "per-sample"):
         train, test, shape = load_dataset(args.data)
         lr = options["lr"]
         options |= {
@@ -456,16 +478,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--data", default="fashion-mnist" if fashion_mnist_available() else "digits")
     parser.add_argument("--train-samples", type=int, default=None, help="a subset of the training set (default: all)")
     parser.add_argument(
-        "--target", type=float, default=None, help="default: 0.89 Fashion-MNIST, 0.52 gpu-mix, 0.85 the MLP scenarios"
+        "--target",
+        type=float,
+        default=None,
+        help="default: 0.89 Fashion-MNIST, 0.52 gpu-mix, 0.85 the MLPs, 0.70 transformer",
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=32, help="initial per-device batch (B0 = 3x)")
     parser.add_argument("--max-batch-size", type=int, default=None, help="default: 1024 Fashion-MNIST, 4096 gpu-mix")
     parser.add_argument(
-        "--max-epochs", type=int, default=None, help="default: 30 Fashion-MNIST, 3 gpu-mix, 10 the MLP scenarios"
+        "--max-epochs", type=int, default=None, help="default: 30 Fashion-MNIST, 3 gpu-mix, 10 the MLPs and transformer"
     )
     parser.add_argument("--eval-every", type=int, default=5000, help="evaluate every this many training samples")
-    parser.add_argument("--lr", type=float, default=None, help="default: 0.05, 1.5 gpu-mix")
+    parser.add_argument("--lr", type=float, default=None, help="default: 0.05, 1.5 gpu-mix, 0.003 transformer")
     parser.add_argument(
         "--fixed-ms", type=float, default=None, help="fixed cost per step (default: 20, per-sample 0; not gpu-mix)"
     )
@@ -479,7 +504,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--runs",
         default=None,
-        help=f"which runs, comma-separated (default: {','.join(NAMES)}; MLP scenarios no balance-only)",
+        help=f"which runs, comma-separated (default: {','.join(NAMES)}; the small models no balance-only)",
     )
     parser.add_argument(
         "--fixed-totals",
@@ -488,15 +513,15 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    gpu_mix, mlp = args.scenario == "gpu-mix", args.scenario in MLP_SCENARIOS
+    gpu_mix, small = args.scenario == "gpu-mix", args.scenario in SMALL_MODEL_SCENARIOS
     max_batch = args.max_batch_size or (4096 if gpu_mix else 1024)
-    max_epochs = args.max_epochs or (3 if gpu_mix else 10 if mlp else 30)
+    max_epochs = args.max_epochs or (3 if gpu_mix else 10 if small else 30)
     options = scenario_options(args)
     target, out = options["target"], options["out"]
     world_size = len(options["per_sample_ms"])
     base_batch = args.batch_size * world_size
     totals = fixed_totals(args.fixed_totals, base_batch, world_size)
-    chosen = (args.runs or ",".join(MLP_NAMES if mlp else NAMES)).split(",")
+    chosen = (args.runs or ",".join(SMALL_MODEL_NAMES if small else NAMES)).split(",")
     names = (*(n for n in NAMES if n in chosen), *(fixed_name(t) for t in totals))
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for repeat in range(args.repeats):

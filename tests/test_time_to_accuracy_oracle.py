@@ -6,7 +6,9 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
+from benchmarks.causal_lm import BLOCK, NOISE, RULE_SEED, VOCAB, CausalLM, second_order_text
 from benchmarks.time_to_accuracy import (
     GATE,
     PER_SAMPLE_MS,
@@ -131,3 +133,25 @@ def test_the_goodput_share_weighs_each_interval_by_its_steps_at_the_reference_no
     small = [(0.0, 10.0)]
     low = (10 * 1.0 + 10 * (128 / 0.15 * 74 / 138) / (64 / 0.1 * 74 / 74)) / 20
     assert goodput_share(curve, small, totals, times, 64) == pytest.approx(low)
+
+
+def test_the_transformer_scenarios_text_follows_its_rule_and_its_model_is_causal() -> None:
+    text = second_order_text(200, seed=0)
+    tokens, following = text.tensors
+    assert tokens.shape == following.shape == (200, BLOCK)
+    assert torch.equal(tokens[:, 1:], following[:, :-1]), "the targets are the next tokens"
+    stream = torch.cat([tokens.reshape(-1), following[-1, -1:]])
+    rule = torch.randint(0, VOCAB, (VOCAB, VOCAB), generator=torch.Generator().manual_seed(RULE_SEED))
+    kept = (stream[2:] == rule[stream[:-2], stream[1:-1]]).float().mean().item()
+    # a random draw matches the rule one time in VOCAB: 1 - NOISE + NOISE / VOCAB = 0.806 expected
+    assert abs(kept - (1 - NOISE + NOISE / VOCAB)) < 0.02, kept
+    assert not torch.equal(second_order_text(20, seed=1).tensors[0], text.tensors[0][:20]), "another seed, other text"
+    torch.manual_seed(0)
+    model = CausalLM().eval()
+    changed = tokens[:2].clone()
+    changed[:, 20:] = (changed[:, 20:] + 1) % VOCAB
+    with torch.no_grad():
+        before, after = model(tokens[:2]), model(changed)
+    assert before.shape == (2, VOCAB, BLOCK)
+    assert torch.allclose(before[..., :20], after[..., :20], atol=1e-6), "no position sees a later token"
+    assert not torch.allclose(before[..., 20:], after[..., 20:]), "and the later ones do change"
