@@ -23,15 +23,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import islice
 from typing import Any
 
 import numpy as np
 
-from lightning_cannikin.core.plan import proportional_sizes
+from lightning_cannikin.core.layout import epoch_layout
+from lightning_cannikin.core.plan import Plan, proportional_sizes
 
-__all__ = ["global_batches", "item_order", "rank_span", "share_key", "stream_shares"]
+__all__ = ["global_batches", "item_order", "rank_span", "replanned_shares", "share_key", "stream_shares"]
 
 
 def item_order(chunk_sizes: Sequence[int], shuffle: bool, seed: int, epoch: int) -> np.ndarray:
@@ -66,7 +67,7 @@ def stream_shares(
     seed: int = 0,
     epoch: int = 0,
 ) -> list[np.ndarray]:
-    """``rank``'s item ids for every step of the epoch (see the module's docstring).
+    """``rank``'s item ids for every step of an epoch run under one plan (see the module's docstring).
 
     Args:
         chunk_sizes: items in each chunk, in storage order (``N`` = their sum).
@@ -80,24 +81,135 @@ def stream_shares(
 
     """
     items = item_order(chunk_sizes, shuffle, seed, epoch)
+    ends = np.cumsum(np.asarray(chunk_sizes, dtype=np.int64))
+    return _deal(items, ends, step_sizes, rank, num_workers, [int(seed), int(epoch)] if shuffle else None)
+
+
+def replanned_shares(
+    chunk_sizes: Sequence[int],
+    schedule: Mapping[int, Plan],
+    rank: int,
+    num_workers: int,
+    shuffle: bool = False,
+    seed: int = 0,
+    epoch: int = 0,
+    drop_last: bool = False,
+    cache: dict[tuple, _Segment] | None = None,
+) -> list[np.ndarray]:
+    """``rank``'s item ids for every step of an epoch whose plan changes at the steps ``schedule`` names.
+
+    The epoch is cut into segments where the plan changes. The first is dealt as :func:`stream_shares` deals a whole
+    epoch under its plan. At a change at step ``k``, every rank knows which items the steps before ``k`` took (each
+    rank's ids are a function of the same rank-independent inputs), so the items left, in the epoch's item order, are
+    dealt afresh under the new plan for the rest of the epoch (runs per rank, blocks per worker, as for a whole epoch;
+    the within-chunk shuffle seeded by ``(seed, epoch, k)`` too). A segment is dealt from the schedule up to its own
+    start only, so the steps a rank drew before a change was known keep their items when it is: every item is used
+    once, and the same seed, data and plan history give the same ids. A change to the plan already in force deals
+    nothing anew.
+
+    Args:
+        chunk_sizes: items in each chunk, in storage order.
+        schedule: the plan in force from each step on (key 0 present), as :func:`~lightning_cannikin.core.layout.
+            epoch_layout` takes it.
+        rank: the rank whose steps are returned.
+        num_workers: the rank's DataLoader workers (0: one).
+        shuffle: a seeded chunk order per epoch, and a shuffle within each worker's chunks.
+        seed: the shared seed.
+        epoch: the epoch.
+        drop_last: drop the epoch's last, partial global batch.
+        cache: a dict kept between calls for the same data, epoch and settings: segments already dealt are reused
+            (a change mid-epoch then deals the items left once, not the epoch again).
+
+    """
+    if 0 not in schedule:
+        raise ValueError("The plan schedule needs an entry for step 0.")
+    total = sum(int(c) for c in chunk_sizes)
+    layout = epoch_layout(total, dict(schedule), drop_last)
+    starts = _deal_starts(schedule, len(layout))
+    cache = {} if cache is None else cache
+    ends = np.cumsum(np.asarray(chunk_sizes, dtype=np.int64))
+    steps: list[np.ndarray] = []
+    pool: np.ndarray | None = None
+    used: set[tuple] = set()
+    for j, start in enumerate(starts):
+        # the segment is dealt from what was known when it began: the schedule up to its start
+        known = {k: plan for k, plan in schedule.items() if k <= start}
+        key = tuple((k, plan.local_batch_sizes) for k, plan in sorted(known.items()))
+        used.add(key)
+        if key not in cache:
+            if pool is None:  # the epoch's first segment: the whole item order
+                pool = item_order(chunk_sizes, shuffle, seed, epoch)
+            sizes = [batch.local_batch_sizes for batch in epoch_layout(total, known, drop_last)[start:]]
+            prefix = ([int(seed), int(epoch)] + ([start] if start else [])) if shuffle else None
+            cache[key] = _Segment(start, pool, sizes, prefix)
+        segment = cache[key]
+        pool = segment.pool
+        stop = starts[j + 1] if j + 1 < len(starts) else len(layout)
+        steps.extend(segment.deal(rank, ends, num_workers)[: stop - start])
+        if j + 1 < len(starts):  # the items the segment's steps took, on every rank, leave the pool
+            taken = np.zeros(total, dtype=bool)
+            for r in range(len(segment.sizes[0])):
+                for ids in segment.deal(r, ends, num_workers)[: stop - start]:
+                    taken[ids] = True
+            pool = pool[~taken[pool]]
+    for key in [key for key in cache if key not in used]:  # segments of a schedule since replaced
+        del cache[key]
+    return steps
+
+
+class _Segment:
+    """Steps from ``start`` on dealt from ``pool`` under the split known at ``start``; each rank's ids dealt once, when
+    asked (another rank's only when a later segment needs to know what it took)."""
+
+    def __init__(self, start: int, pool: np.ndarray, sizes: list[tuple[int, ...]], prefix: list[int] | None) -> None:
+        self.start, self.pool, self.sizes, self.prefix = start, pool, sizes, prefix
+        self.deals: dict[int, list[np.ndarray]] = {}
+
+    def deal(self, rank: int, chunk_ends: np.ndarray, num_workers: int) -> list[np.ndarray]:
+        if rank not in self.deals:
+            self.deals[rank] = _deal(self.pool, chunk_ends, self.sizes, rank, num_workers, self.prefix, self.start)
+        return self.deals[rank]
+
+
+def _deal_starts(schedule: Mapping[int, Plan], num_steps: int) -> list[int]:
+    """The steps where the items left are dealt afresh: 0, and every step of the epoch where the split changes."""
+    starts, current = [0], schedule[0].local_batch_sizes
+    for k in sorted(schedule):
+        sizes = schedule[k].local_batch_sizes
+        if 0 < k < num_steps and sizes != current:
+            starts.append(k)
+        current = sizes
+    return starts
+
+
+def _deal(
+    items: np.ndarray,
+    chunk_ends: np.ndarray,
+    step_sizes: Sequence[Sequence[int]],
+    rank: int,
+    num_workers: int,
+    shuffle_seed: list[int] | None,
+    first_step: int = 0,
+) -> list[np.ndarray]:
+    """``rank``'s ids of ``step_sizes``' steps, dealt from ``items`` (in order): the ranks' runs in rank order, the
+    workers' blocks in worker order within a run (step ``first_step + i`` is worker ``(first_step + i) % workers``'),
+    each block shuffled within its chunks where ``shuffle_seed`` is given."""
     if int(np.asarray(step_sizes, dtype=np.int64).sum()) > len(items):
         raise ValueError(f"The steps hold more items than the {len(items)} the chunks have.")
     offset, count = rank_span(step_sizes, rank)
     mine = items[offset : offset + count]
     workers = max(1, int(num_workers))
     sizes = [int(step[rank]) for step in step_sizes]
-    # worker w serves steps w, w + workers, ...: its block holds exactly their items, blocks in worker order
-    counts = [sum(sizes[w::workers]) for w in range(workers)]
+    owner = [(first_step + i) % workers for i in range(len(sizes))]
+    # worker w serves its steps in order: its block holds exactly their items, blocks in worker order
+    counts = [sum(size for size, w in zip(sizes, owner, strict=True) if w == worker) for worker in range(workers)]
     bounds = np.concatenate(([0], np.cumsum(counts)))
     blocks = [mine[bounds[w] : bounds[w + 1]] for w in range(workers)]
-    if shuffle:
-        chunk_ends = np.cumsum(np.asarray(chunk_sizes, dtype=np.int64))
-        seeds = [[int(seed), int(epoch), rank, w] for w in range(workers)]
-        blocks = [_shuffle_within_chunks(block, chunk_ends, seeds[w]) for w, block in enumerate(blocks)]
+    if shuffle_seed is not None:
+        blocks = [_shuffle_within_chunks(block, chunk_ends, [*shuffle_seed, rank, w]) for w, block in enumerate(blocks)]
     cursors = [0] * workers
     steps = []
-    for k, size in enumerate(sizes):
-        w = k % workers
+    for size, w in zip(sizes, owner, strict=True):
         steps.append(blocks[w][cursors[w] : cursors[w] + size])
         cursors[w] += size
     return steps
