@@ -35,7 +35,7 @@ def test_shares_cover_every_item_once_in_steps_of_the_plan(drop_last):
         layout = epoch_layout(total, {0: plan}, drop_last)
         step_sizes = [batch.local_batch_sizes for batch in layout]
         shares = [
-            stream_shares(chunk_sizes, step_sizes, rank, workers, shuffle, seed, epoch=3)
+            stream_shares(chunk_sizes, step_sizes, rank, workers, shuffle, seed, epoch=3, window=seed % 5)
             for rank in range(plan.world_size)
         ]
         # every rank ends the epoch on the same step
@@ -87,6 +87,29 @@ def test_each_worker_reads_its_chunks_one_after_another():
                 chunks = np.searchsorted(ends, reads, side="right")
                 switches = int((np.diff(chunks) != 0).sum())
                 assert switches == len(np.unique(chunks)) - 1 if len(reads) else True, "a chunk was read in pieces"
+
+
+@pytest.mark.parametrize("window", [2, 3, 32])
+def test_each_decode_window_is_read_in_one_visit(window):
+    # LitData deserializes the aligned items [kW, (k+1)W) of a chunk together and keeps the last window only: a worker
+    # that came back to a window would decode it again (a within-chunk shuffle across windows read ~10x slower here)
+    for plan, chunk_sizes, workers, _, seed in _cases(200, seed=9):
+        total = sum(chunk_sizes)
+        ends = np.cumsum(chunk_sizes)
+        starts = ends - np.asarray(chunk_sizes)
+        step_sizes = [batch.local_batch_sizes for batch in epoch_layout(total, {0: plan})]
+        for rank in range(plan.world_size):
+            steps = stream_shares(chunk_sizes, step_sizes, rank, workers, True, seed, epoch=2, window=window)
+            for w in range(max(1, workers)):
+                reads = np.concatenate([np.zeros(0, dtype=np.int64), *steps[w :: max(1, workers)]])
+                chunks = np.searchsorted(ends, reads, side="right")
+                windows = chunks * 10_000 + (reads - starts[chunks]) // window
+                visits = 1 + int((np.diff(windows) != 0).sum()) if len(reads) else 0
+                assert visits == len(np.unique(windows)), "a decode window was read in two visits"
+    # and the items are still shuffled within each window and across a chunk's windows
+    one = stream_shares([64], [(64,)], 0, 0, True, 1, 0, window=8)[0]
+    assert sorted(one.tolist()) == list(range(64)) and one.tolist() != list(range(64))
+    assert sorted(one[:8].tolist()) != list(range(8))
 
 
 def test_the_order_follows_seed_and_epoch_only():
@@ -158,7 +181,9 @@ def test_a_plan_changed_mid_epoch_still_covers_every_item_once(drop_last):
         layout = epoch_layout(total, schedule, drop_last)
         world = schedule[0].world_size
         shares = [
-            replanned_shares(chunk_sizes, schedule, r, workers, shuffle, seed, epoch=4, drop_last=drop_last)
+            replanned_shares(
+                chunk_sizes, schedule, r, workers, shuffle, seed, epoch=4, drop_last=drop_last, window=seed % 5
+            )
             for r in range(world)
         ]
         # every rank runs the layout's steps, with its sizes under the plan of each step

@@ -66,6 +66,7 @@ def stream_shares(
     shuffle: bool = False,
     seed: int = 0,
     epoch: int = 0,
+    window: int = 0,
 ) -> list[np.ndarray]:
     """``rank``'s item ids for every step of an epoch run under one plan (see the module's docstring).
 
@@ -78,11 +79,14 @@ def stream_shares(
         shuffle: permute the chunk order and each worker's block, seeded by ``(seed, epoch)``.
         seed: the shared seed.
         epoch: the epoch (a fresh order each).
+        window: the reader's decode window (items of a chunk deserialized together; 0: per item or whole chunks):
+            the shuffle within a chunk keeps each window's items together.
 
     """
     items = item_order(chunk_sizes, shuffle, seed, epoch)
-    ends = np.cumsum(np.asarray(chunk_sizes, dtype=np.int64))
-    return _deal(items, ends, step_sizes, rank, num_workers, [int(seed), int(epoch)] if shuffle else None)
+    sizes = np.asarray(chunk_sizes, dtype=np.int64)
+    prefix = [int(seed), int(epoch)] if shuffle else None
+    return _deal(items, sizes, step_sizes, rank, num_workers, prefix, window=window)
 
 
 def replanned_shares(
@@ -94,6 +98,7 @@ def replanned_shares(
     seed: int = 0,
     epoch: int = 0,
     drop_last: bool = False,
+    window: int = 0,
     cache: dict[tuple, _Segment] | None = None,
 ) -> list[np.ndarray]:
     """``rank``'s item ids for every step of an epoch whose plan changes at the steps ``schedule`` names.
@@ -117,6 +122,7 @@ def replanned_shares(
         seed: the shared seed.
         epoch: the epoch.
         drop_last: drop the epoch's last, partial global batch.
+        window: the reader's decode window (:func:`stream_shares`').
         cache: a dict kept between calls for the same data, epoch and settings: segments already dealt are reused
             (a change mid-epoch then deals the items left once, not the epoch again).
 
@@ -127,7 +133,7 @@ def replanned_shares(
     layout = epoch_layout(total, dict(schedule), drop_last)
     starts = _deal_starts(schedule, len(layout))
     cache = {} if cache is None else cache
-    ends = np.cumsum(np.asarray(chunk_sizes, dtype=np.int64))
+    sizes_of_chunks = np.asarray(chunk_sizes, dtype=np.int64)
     steps: list[np.ndarray] = []
     pool: np.ndarray | None = None
     used: set[tuple] = set()
@@ -145,11 +151,11 @@ def replanned_shares(
         segment = cache[key]
         pool = segment.pool
         stop = starts[j + 1] if j + 1 < len(starts) else len(layout)
-        steps.extend(segment.deal(rank, ends, num_workers)[: stop - start])
+        steps.extend(segment.deal(rank, sizes_of_chunks, num_workers, window)[: stop - start])
         if j + 1 < len(starts):  # the items the segment's steps took, on every rank, leave the pool
             taken = np.zeros(total, dtype=bool)
             for r in range(len(segment.sizes[0])):
-                for ids in segment.deal(r, ends, num_workers)[: stop - start]:
+                for ids in segment.deal(r, sizes_of_chunks, num_workers, window)[: stop - start]:
                     taken[ids] = True
             pool = pool[~taken[pool]]
     for key in [key for key in cache if key not in used]:  # segments of a schedule since replaced
@@ -165,9 +171,11 @@ class _Segment:
         self.start, self.pool, self.sizes, self.prefix = start, pool, sizes, prefix
         self.deals: dict[int, list[np.ndarray]] = {}
 
-    def deal(self, rank: int, chunk_ends: np.ndarray, num_workers: int) -> list[np.ndarray]:
+    def deal(self, rank: int, chunk_sizes: np.ndarray, num_workers: int, window: int) -> list[np.ndarray]:
         if rank not in self.deals:
-            self.deals[rank] = _deal(self.pool, chunk_ends, self.sizes, rank, num_workers, self.prefix, self.start)
+            self.deals[rank] = _deal(
+                self.pool, chunk_sizes, self.sizes, rank, num_workers, self.prefix, self.start, window
+            )
         return self.deals[rank]
 
 
@@ -184,16 +192,17 @@ def _deal_starts(schedule: Mapping[int, Plan], num_steps: int) -> list[int]:
 
 def _deal(
     items: np.ndarray,
-    chunk_ends: np.ndarray,
+    chunk_sizes: np.ndarray,
     step_sizes: Sequence[Sequence[int]],
     rank: int,
     num_workers: int,
     shuffle_seed: list[int] | None,
     first_step: int = 0,
+    window: int = 0,
 ) -> list[np.ndarray]:
     """``rank``'s ids of ``step_sizes``' steps, dealt from ``items`` (in order): the ranks' runs in rank order, the
     workers' blocks in worker order within a run (step ``first_step + i`` is worker ``(first_step + i) % workers``'),
-    each block shuffled within its chunks where ``shuffle_seed`` is given."""
+    each block shuffled within its chunks (and decode windows of ``window`` items) where ``shuffle_seed`` is given."""
     if int(np.asarray(step_sizes, dtype=np.int64).sum()) > len(items):
         raise ValueError(f"The steps hold more items than the {len(items)} the chunks have.")
     offset, count = rank_span(step_sizes, rank)
@@ -206,7 +215,9 @@ def _deal(
     bounds = np.concatenate(([0], np.cumsum(counts)))
     blocks = [mine[bounds[w] : bounds[w + 1]] for w in range(workers)]
     if shuffle_seed is not None:
-        blocks = [_shuffle_within_chunks(block, chunk_ends, [*shuffle_seed, rank, w]) for w, block in enumerate(blocks)]
+        ends = np.cumsum(chunk_sizes)
+        seeds = [[*shuffle_seed, rank, w] for w in range(workers)]
+        blocks = [_shuffle_within_chunks(block, chunk_sizes, ends, seeds[w], window) for w, block in enumerate(blocks)]
     cursors = [0] * workers
     steps = []
     for size, w in zip(sizes, owner, strict=True):
@@ -215,15 +226,27 @@ def _deal(
     return steps
 
 
-def _shuffle_within_chunks(block: np.ndarray, chunk_ends: np.ndarray, seed: list[int]) -> np.ndarray:
+def _shuffle_within_chunks(
+    block: np.ndarray, chunk_sizes: np.ndarray, chunk_ends: np.ndarray, seed: list[int], window: int = 0
+) -> np.ndarray:
     """``block``'s items permuted within each chunk, the chunks kept in their order: a worker reads one chunk after
     another (a chunk switch per item costs LitData's reader about 40x a read in order), as LitData's own shuffle
-    does."""
+    does. With a ``window`` of at least 2 (LitData's decode window: it deserializes the aligned items ``[kW, (k+1)W)``
+    of a chunk together and keeps the last such window), the items are permuted within each aligned window and the
+    windows of a chunk are permuted, so every window is decoded once, not again at every return to it."""
     if len(block) < 2:
         return block
     chunks = np.searchsorted(chunk_ends, block, side="right")
-    keys = np.random.RandomState(seed).random_sample(len(block))
-    return block[np.lexsort((keys, np.cumsum(np.r_[0, np.diff(chunks) != 0])))]
+    random = np.random.RandomState(seed)
+    keys = random.random_sample(len(block))
+    runs = np.cumsum(np.r_[0, np.diff(chunks) != 0])
+    if window < 2:
+        return block[np.lexsort((keys, runs))]
+    windows = (block - (chunk_ends[chunks] - chunk_sizes[chunks])) // window
+    # one random key per (run, window): the order of a run's windows
+    _, pair = np.unique(np.stack([runs, windows]), axis=1, return_inverse=True)
+    window_keys = random.random_sample(int(pair.max()) + 1)[pair.ravel()]
+    return block[np.lexsort((keys, window_keys, runs))]
 
 
 def share_key(**fields: object) -> str:
