@@ -149,15 +149,10 @@ def replanned_shares(
             prefix = ([int(seed), int(epoch)] + ([start] if start else [])) if shuffle else None
             cache[key] = _Segment(start, pool, sizes, prefix)
         segment = cache[key]
-        pool = segment.pool
         stop = starts[j + 1] if j + 1 < len(starts) else len(layout)
         steps.extend(segment.deal(rank, sizes_of_chunks, num_workers, window)[: stop - start])
         if j + 1 < len(starts):  # the items the segment's steps took, on every rank, leave the pool
-            taken = np.zeros(total, dtype=bool)
-            for r in range(len(segment.sizes[0])):
-                for ids in segment.deal(r, sizes_of_chunks, num_workers, window)[: stop - start]:
-                    taken[ids] = True
-            pool = pool[~taken[pool]]
+            pool = segment.left_at(stop, total, sizes_of_chunks, num_workers, window)
     for key in [key for key in cache if key not in used]:  # segments of a schedule since replaced
         del cache[key]
     return steps
@@ -170,6 +165,17 @@ class _Segment:
     def __init__(self, start: int, pool: np.ndarray, sizes: list[tuple[int, ...]], prefix: list[int] | None) -> None:
         self.start, self.pool, self.sizes, self.prefix = start, pool, sizes, prefix
         self.deals: dict[int, list[np.ndarray]] = {}
+        self.left: dict[int, np.ndarray] = {}
+
+    def left_at(self, stop: int, total: int, chunk_sizes: np.ndarray, num_workers: int, window: int) -> np.ndarray:
+        """The pool's items that no rank took in the segment's steps before ``stop``, in the pool's order."""
+        if stop not in self.left:
+            taken = np.zeros(total, dtype=bool)
+            for rank in range(len(self.sizes[0])):
+                for ids in self.deal(rank, chunk_sizes, num_workers, window)[: stop - self.start]:
+                    taken[ids] = True
+            self.left[stop] = self.pool[~taken[self.pool]]
+        return self.left[stop]
 
     def deal(self, rank: int, chunk_sizes: np.ndarray, num_workers: int, window: int) -> list[np.ndarray]:
         if rank not in self.deals:
@@ -243,9 +249,10 @@ def _shuffle_within_chunks(
     if window < 2:
         return block[np.lexsort((keys, runs))]
     windows = (block - (chunk_ends[chunks] - chunk_sizes[chunks])) // window
-    # one random key per (run, window): the order of a run's windows
-    _, pair = np.unique(np.stack([runs, windows]), axis=1, return_inverse=True)
-    window_keys = random.random_sample(int(pair.max()) + 1)[pair.ravel()]
+    # a run holds one chunk's items in ascending order, so each window's items are adjacent: one random key per
+    # window, the order of a run's windows
+    group = np.cumsum(np.r_[0, (np.diff(runs) != 0) | (np.diff(windows) != 0)])
+    window_keys = random.random_sample(int(group[-1]) + 1)[group]
     return block[np.lexsort((keys, window_keys, runs))]
 
 
