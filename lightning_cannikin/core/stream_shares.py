@@ -13,8 +13,12 @@ meet, as LitData cuts them), and within a rank each DataLoader worker reads one 
 ``k`` of a rank is produced by worker ``k % num_workers`` (the order a DataLoader asks its workers in), so a worker's
 block holds exactly the items of its steps. With ``shuffle`` the chunk order is a seeded permutation per epoch and
 the items of each chunk are permuted within the worker's block, which reads its chunks one after another, as
-LitData's own shuffle does. Everything is a function of ``(chunk sizes, every rank's step sizes, rank, workers,
-shuffle, seed, epoch)``, so a rank can rebuild any step of the epoch (a resume) without asking anyone.
+LitData's own shuffle does (keeping together the items its reader decodes as one window, where it has windows).
+Everything is a function of ``(chunk sizes, every rank's step sizes, rank, workers, shuffle, seed, epoch)``, so a rank
+can rebuild any step of the epoch (a resume) without asking anyone.
+
+A plan changed mid-epoch (:func:`replanned_shares`) deals the items the steps before it left afresh, under the new
+plan, the same way; the plan history of the epoch is then part of what the ids are a function of.
 
 Pure: numpy only.
 """

@@ -124,8 +124,9 @@ class StreamShareSampler(UnevenBatchSampler):
         schedule = tuple((k, plan.local_batch_sizes) for k, plan in sorted(self.schedule.items()))
         key = (self.sampler.epoch, schedule, self.drop_last)
         if self._shares is None or key != self._shares_key:
-            if self._shares_key is None or key[0::2] != self._shares_key[0::2]:
-                self._segments = {}  # another epoch: nothing dealt before applies
+            previous = self._shares_key
+            if previous is None or (previous[0], previous[2]) != (key[0], key[2]):
+                self._segments = {}  # another epoch (or `drop_last`): nothing dealt before applies
             self._shares = replanned_shares(
                 self.chunk_sizes,
                 self.schedule,
