@@ -172,7 +172,7 @@ def test_plans_the_balancing_engine_picks_keep_every_item_once(tmp_path, stream_
     # the engine's own re-plans (mid-epoch too, its probes included) on an emulated 1x:2x:4x cluster, whatever they pick
     torch.manual_seed(0)
     model = StreamingRegressor(
-        IndexedRegression(NUM_ITEMS), batch_size=4, record_dir=str(tmp_path), stream_dir=str(stream_dir)
+        IndexedRegression(NUM_ITEMS), batch_size=2, record_dir=str(tmp_path), stream_dir=str(stream_dir)
     )
     trainer = pl.Trainer(
         strategy=CannikinStrategy(start_method="fork"),
@@ -192,6 +192,9 @@ def test_plans_the_balancing_engine_picks_keep_every_item_once(tmp_path, stream_
         assert len({len(steps) for steps in per_rank}) == 1, f"epoch {epoch}: {[len(s) for s in per_rank]}"
         seen = sorted(i for steps in per_rank for step in steps for i in step)
         assert seen == list(range(NUM_ITEMS)), f"epoch {epoch}: lost or repeated items"
+        if epoch == 0:  # the engine's probe after its warm-up steps alternates two splits within the first epoch
+            splits = {tuple(len(steps[k]) for steps in per_rank) for k in range(len(per_rank[0]) - 1)}
+            assert len(splits) > 1, f"no mid-epoch plan in epoch 1 to check (splits {splits})"
 
 
 @pytest.mark.timeout(300)
