@@ -18,6 +18,7 @@ import argparse
 import sys
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -78,14 +79,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run(name: str, args: argparse.Namespace) -> dict:
-    """One fit on the emulated cluster; returns rank zero's training time and the test accuracy."""
+def run(name: str, args: argparse.Namespace, extra_callbacks: Sequence[Callback] = ()) -> dict:
+    """One fit on the emulated cluster; returns rank zero's training time and the test accuracy (``extra_callbacks``:
+    a benchmark's own probes, e.g. ``benchmarks/streaming_ratio.py``'s epoch clock)."""
     pl.seed_everything(args.seed, verbose=False)  # the same initial weights for every run
     train, test, shape = load_dataset(args.data, seed=args.seed)
     if args.smoke:
         train, test = smoke_subset(train), smoke_subset(test)
     devices = len(args.per_sample_ms)
-    callbacks = [EmulatedCluster(args.per_sample_ms, args.fixed_ms), SplitReporter(), TrainClock()]
+    callbacks = [EmulatedCluster(args.per_sample_ms, args.fixed_ms), SplitReporter(), TrainClock(), *extra_callbacks]
     trainer = pl.Trainer(
         strategy=STRATEGIES[name],
         accelerator="cpu",

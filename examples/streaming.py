@@ -23,10 +23,12 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import Callback
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -85,14 +87,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run(name: str, args: argparse.Namespace, data_dir: Path) -> dict:
-    """One fit on the emulated cluster; returns rank zero's training time and the test accuracy."""
+def run(name: str, args: argparse.Namespace, data_dir: Path, extra_callbacks: Sequence[Callback] = ()) -> dict:
+    """One fit on the emulated cluster; returns rank zero's training time and the test accuracy (``extra_callbacks``:
+    a benchmark's own probes, e.g. ``benchmarks/streaming_ratio.py``'s epoch clock)."""
     pl.seed_everything(args.seed, verbose=False)  # the same initial weights for every run
     _, test, shape = load_dataset("digits", seed=args.seed)
     if args.smoke:
         test = smoke_subset(test)
     devices = len(args.per_sample_ms)
-    callbacks = [EmulatedCluster(args.per_sample_ms, args.fixed_ms), SplitReporter(), TrainClock()]
+    callbacks = [EmulatedCluster(args.per_sample_ms, args.fixed_ms), SplitReporter(), TrainClock(), *extra_callbacks]
     trainer = pl.Trainer(
         strategy=STRATEGIES[name],
         accelerator="cpu",

@@ -125,6 +125,15 @@ def test_mid_epoch_plan_change_keeps_every_sample_once():
         sampler.set_plan(Plan((1, 1, 1)))
 
 
+def test_a_plan_from_a_batch_on_never_changes_a_batch_before_it():
+    # a rank draws batches ahead of training: a plan from batch k (even k = the old epoch's length, where the tail of
+    # fewer items than ranks is folded back) must leave batches 0..k-1 as they were drawn
+    plan, other = Plan((5, 2, 6, 6)), Plan((2, 1, 6, 4))
+    before = epoch_layout(31, {0: plan, 1: Plan((3, 2, 1, 3))})  # 19, then 9 + 3 folded: (4, 3, 1, 4)
+    after = epoch_layout(31, {0: plan, 1: Plan((3, 2, 1, 3)), 2: other})
+    assert [b.local_batch_sizes for b in after] == [b.local_batch_sizes for b in before] == [(5, 2, 6, 6), (4, 3, 1, 4)]
+
+
 def test_the_history_keeps_one_entry_per_replan_step():
     from lightning_cannikin.core.history import PlanHistory
     from lightning_cannikin.core.speed_model import StepRecord

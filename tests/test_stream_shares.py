@@ -7,7 +7,13 @@ import pytest
 
 from lightning_cannikin.core.layout import epoch_layout
 from lightning_cannikin.core.plan import Plan
-from lightning_cannikin.core.stream_shares import global_batches, item_order, share_key, stream_shares
+from lightning_cannikin.core.stream_shares import (
+    global_batches,
+    item_order,
+    replanned_shares,
+    share_key,
+    stream_shares,
+)
 
 
 def _cases(count: int, seed: int = 0):
@@ -29,7 +35,7 @@ def test_shares_cover_every_item_once_in_steps_of_the_plan(drop_last):
         layout = epoch_layout(total, {0: plan}, drop_last)
         step_sizes = [batch.local_batch_sizes for batch in layout]
         shares = [
-            stream_shares(chunk_sizes, step_sizes, rank, workers, shuffle, seed, epoch=3)
+            stream_shares(chunk_sizes, step_sizes, rank, workers, shuffle, seed, epoch=3, window=seed % 5)
             for rank in range(plan.world_size)
         ]
         # every rank ends the epoch on the same step
@@ -83,6 +89,29 @@ def test_each_worker_reads_its_chunks_one_after_another():
                 assert switches == len(np.unique(chunks)) - 1 if len(reads) else True, "a chunk was read in pieces"
 
 
+@pytest.mark.parametrize("window", [2, 3, 32])
+def test_each_decode_window_is_read_in_one_visit(window):
+    # LitData deserializes the aligned items [kW, (k+1)W) of a chunk together and keeps the last window only: a worker
+    # that came back to a window would decode it again (a within-chunk shuffle across windows read ~10x slower here)
+    for plan, chunk_sizes, workers, _, seed in _cases(200, seed=9):
+        total = sum(chunk_sizes)
+        ends = np.cumsum(chunk_sizes)
+        starts = ends - np.asarray(chunk_sizes)
+        step_sizes = [batch.local_batch_sizes for batch in epoch_layout(total, {0: plan})]
+        for rank in range(plan.world_size):
+            steps = stream_shares(chunk_sizes, step_sizes, rank, workers, True, seed, epoch=2, window=window)
+            for w in range(max(1, workers)):
+                reads = np.concatenate([np.zeros(0, dtype=np.int64), *steps[w :: max(1, workers)]])
+                chunks = np.searchsorted(ends, reads, side="right")
+                windows = chunks * 10_000 + (reads - starts[chunks]) // window
+                visits = 1 + int((np.diff(windows) != 0).sum()) if len(reads) else 0
+                assert visits == len(np.unique(windows)), "a decode window was read in two visits"
+    # and the items are still shuffled within each window and across a chunk's windows
+    one = stream_shares([64], [(64,)], 0, 0, True, 1, 0, window=8)[0]
+    assert sorted(one.tolist()) == list(range(64)) and one.tolist() != list(range(64))
+    assert sorted(one[:8].tolist()) != list(range(8))
+
+
 def test_the_order_follows_seed_and_epoch_only():
     chunk_sizes, plan = [8] * 12 + [5], Plan((1, 2, 4))
     step_sizes = [b.local_batch_sizes for b in epoch_layout(sum(chunk_sizes), {0: plan})]
@@ -128,3 +157,74 @@ def test_a_stream_of_unknown_length_is_cut_as_epoch_layout_cuts_it(drop_last):
         assert all(len(items) == sum(sizes) for items, sizes in batches)
     with pytest.raises(ValueError, match="fewer than the 3 ranks"):
         list(global_batches(range(2), (1, 1, 1)))
+
+
+def _replanned_cases(count: int, seed: int):
+    """Random epochs whose plan changes at 1-4 steps (the total batch too), probes' alternations included."""
+    rng = np.random.default_rng(seed)
+    for plan, chunk_sizes, workers, shuffle, case_seed in _cases(count, seed):
+        total = sum(chunk_sizes)
+        steps = len(epoch_layout(total, {0: plan}))
+        schedule = {0: plan}
+        for k in sorted(set(rng.integers(1, max(2, steps + 1), size=int(rng.integers(1, 5))).tolist())):
+            sizes = tuple(int(b) for b in rng.integers(1, 9, size=plan.world_size))
+            if rng.random() < 0.3:  # a probe alternates two splits of one total
+                sizes = tuple(sorted(schedule[max(schedule)].local_batch_sizes, reverse=bool(rng.integers(0, 2))))
+            schedule[int(k)] = Plan(sizes)
+        yield schedule, chunk_sizes, workers, shuffle, case_seed
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_plan_changed_mid_epoch_still_covers_every_item_once(drop_last):
+    for schedule, chunk_sizes, workers, shuffle, seed in _replanned_cases(300, seed=21 + int(drop_last)):
+        total = sum(chunk_sizes)
+        layout = epoch_layout(total, schedule, drop_last)
+        world = schedule[0].world_size
+        shares = [
+            replanned_shares(
+                chunk_sizes, schedule, r, workers, shuffle, seed, epoch=4, drop_last=drop_last, window=seed % 5
+            )
+            for r in range(world)
+        ]
+        # every rank runs the layout's steps, with its sizes under the plan of each step
+        for rank, steps in enumerate(shares):
+            assert [len(ids) for ids in steps] == [batch.local_batch_sizes[rank] for batch in layout]
+        taken = np.concatenate([ids for steps in shares for ids in steps])
+        assert len(np.unique(taken)) == len(taken), "an item is read twice"
+        assert len(taken) == sum(sum(batch.local_batch_sizes) for batch in layout)
+        if not drop_last:
+            assert sorted(taken.tolist()) == list(range(total))
+
+
+def test_the_steps_drawn_before_a_change_keep_their_items():
+    # a rank draws batches ahead of training (workers, prefetching): a plan decided later must not move their items
+    for schedule, chunk_sizes, workers, shuffle, seed in _replanned_cases(300, seed=31):
+        changes = sorted(k for k in schedule if k > 0)
+        for rank in range(schedule[0].world_size):
+            cache: dict = {}  # kept across the schedule's growth, as the sampler keeps it through an epoch
+            final = replanned_shares(chunk_sizes, schedule, rank, workers, shuffle, seed, epoch=2)
+            for k in changes:
+                before = {key: plan for key, plan in schedule.items() if key < k}
+                known = replanned_shares(chunk_sizes, before, rank, workers, shuffle, seed, epoch=2, cache=cache)
+                assert [ids.tolist() for ids in known[:k]] == [ids.tolist() for ids in final[:k]]
+            grown = replanned_shares(chunk_sizes, schedule, rank, workers, shuffle, seed, epoch=2, cache=cache)
+            assert [ids.tolist() for ids in grown] == [ids.tolist() for ids in final], "the cache changed the ids"
+
+
+def test_one_plan_deals_as_a_whole_epoch_and_the_order_follows_seed_and_history():
+    chunk_sizes, plan, other = [8] * 12 + [5], Plan((1, 2, 4)), Plan((4, 2, 1))
+    layout = epoch_layout(sum(chunk_sizes), {0: plan})
+    whole = stream_shares(chunk_sizes, [b.local_batch_sizes for b in layout], 2, 2, True, 42, 0)
+    assert [s.tolist() for s in replanned_shares(chunk_sizes, {0: plan}, 2, 2, True, 42, 0)] == [
+        s.tolist() for s in whole
+    ]
+
+    def run(schedule, seed=42):
+        return [s.tolist() for s in replanned_shares(chunk_sizes, schedule, 2, 2, True, seed, 0)]
+
+    assert run({0: plan, 5: other}) == run({0: plan, 5: other})
+    assert run({0: plan, 5: other}) != run({0: plan, 6: other})
+    assert run({0: plan, 5: other}) != run({0: plan, 5: other}, seed=43)
+    assert run({0: plan, 5: plan}) == run({0: plan})  # the same split again: nothing is dealt anew
+    with pytest.raises(ValueError, match="entry for step 0"):
+        replanned_shares(chunk_sizes, {3: plan}, 0, 1)

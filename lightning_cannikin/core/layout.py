@@ -6,7 +6,8 @@ every other rank's batch sizes without talking to it.
 
 The epoch's tail: when fewer than a full global batch of samples remain, the remainder is split across the ranks in
 proportion to the plan (nothing is dropped unless ``drop_last``); a remainder smaller than the number of ranks is
-folded into the previous global batch so that no rank ever runs a step with zero samples.
+folded into the previous global batch, in proportion to that batch's plan, so that no rank ever runs a step with
+zero samples and a plan put in force from some batch on never changes a batch before it.
 
 Pure Python: imports neither torch nor Lightning.
 """
@@ -51,7 +52,7 @@ def epoch_layout(
     starts = sorted(schedule)
     first_index, cursor = resume
     batches: list[GlobalBatch] = [GlobalBatch(0, ())] * first_index
-    plan = schedule[0]
+    plan = previous = schedule[0]
     next_change = 1
     while cursor < num_samples:
         index = len(batches)
@@ -66,9 +67,10 @@ def epoch_layout(
         elif remaining >= plan.world_size:
             sizes = proportional_sizes(remaining, plan.local_batch_sizes)
         elif len(batches) > first_index:
-            # too few left to give every rank one: fold them into the previous global batch
+            # too few left to give every rank one: fold them into the previous global batch, split by that batch's
+            # plan (a plan from this index on must not change a batch before it, which a rank may have drawn)
             last = batches.pop()
-            sizes = proportional_sizes(sum(last.local_batch_sizes) + remaining, plan.local_batch_sizes)
+            sizes = proportional_sizes(sum(last.local_batch_sizes) + remaining, previous.local_batch_sizes)
             cursor = last.start
         else:
             raise ValueError(
@@ -76,5 +78,6 @@ def epoch_layout(
                 " least one sample per step. Use a larger dataset or fewer devices."
             )
         batches.append(GlobalBatch(cursor, sizes))
+        previous = plan  # (after a fold the epoch is over)
         cursor += sum(sizes)
     return batches

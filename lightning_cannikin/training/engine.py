@@ -267,7 +267,7 @@ class BalancingEngine:
         else:
             bounds = self.bounds or BatchBounds((1,) * world_size)
             plan = bounds.first_plan(loader_batch_size(dataloader) * world_size, accumulation)
-        if is_litdata(dataloader.dataset):  # a stream: its own shares, re-planned at epoch ends only
+        if is_litdata(dataloader.dataset):  # a stream: its own shares (the items left re-dealt at a mid-epoch plan)
             if sample_costs is not None:
                 raise ValueError(
                     "`sample_costs` splits map-style data by each sample's cost; a streaming data set is split by"

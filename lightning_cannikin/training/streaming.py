@@ -10,9 +10,11 @@ resume re-stripes the stream evenly whenever the ranks' batch sizes differ (Ligh
 only), which would read items twice and miss others. The position this loader saves is rank-independent (the epoch,
 the global batches consumed, the plan), so every rank rebuilds its own place from rank zero's state exactly.
 
-The plan changes at epoch boundaries only (a mid-epoch re-plan would move every rank's run of the chunk order);
-before each epoch the ranks compare a digest of everything their shares depend on and stop together with a clear
-error when any differs.
+The plan may change mid-epoch, at any global batch no rank has drawn yet (the engine re-plans as for map-style data):
+the items the batches before it took are known to every rank, and the items left are dealt afresh under the new plan
+(:func:`~lightning_cannikin.core.stream_shares.replanned_shares`), so every item is still used once; the epoch's plan
+history (the sampler's schedule) is in the saved state, so a resume deals the same. Before each epoch the ranks
+compare a digest of everything their shares depend on and stop together with a clear error when any differs.
 
 LitData is optional (``pip install "lightning-cannikin[litdata]"``): it is imported here only when a data set from it
 is given, and this module is what the rest of the package reaches it through.
@@ -28,7 +30,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_cannikin.core.plan import Plan
-from lightning_cannikin.core.stream_shares import share_key, stream_shares
+from lightning_cannikin.core.stream_shares import replanned_shares, share_key
 from lightning_cannikin.training.loader import UnevenDataLoader
 from lightning_cannikin.training.sampler import UnevenBatchSampler
 from lightning_cannikin.training.stream_checks import check_streaming
@@ -36,20 +38,29 @@ from lightning_cannikin.training.stream_checks import check_streaming
 __all__ = ["StreamShareSampler", "StreamingUnevenLoader", "rebuild_streaming"]
 
 
-def chunk_sizes_of(dataset: Any) -> list[int]:
-    """Items in each chunk of a LitData ``StreamingDataset``, in storage order (what ``dataset[i]`` indexes)."""
+def read_layout(dataset: Any) -> tuple[list[int], int]:
+    """``(items in each chunk in storage order, the reader's decode window)`` of a LitData ``StreamingDataset``.
+
+    The decode window is how many aligned items of a chunk LitData's reader deserializes together (it keeps the last
+    such window; 0: item by item or whole chunks), which the shuffle within a chunk keeps together. Both are read off
+    LitData's private cache and item loader (the `litdata` extra pins the versions tested); a reader without the
+    attribute counts as item by item.
+    """
     from litdata.utilities.env import _WorkerEnv
 
     cache = dataset._create_cache(worker_env=_WorkerEnv.detect())
     # each interval is (chunk start, region start, region end, chunk end); `dataset[i]` counts region items
-    return [int(interval[2]) - int(interval[1]) for interval in cache.get_chunk_intervals()]
+    sizes = [int(interval[2]) - int(interval[1]) for interval in cache.get_chunk_intervals()]
+    loader = getattr(getattr(cache, "_reader", None), "_item_loader", None)
+    window = getattr(loader, "_batch_rows", None)
+    return sizes, int(window) if isinstance(window, int) and window > 1 else 0
 
 
 class StreamShareSampler(UnevenBatchSampler):
     """This rank's item ids of a chunked stream, one list per global batch of the epoch.
 
-    The epoch's layout (every rank's size in each step) is :class:`UnevenBatchSampler`'s; the ids are
-    :func:`~lightning_cannikin.core.stream_shares.stream_shares`'. Lightning selects the epoch through
+    The epoch's layout (every rank's size in each step, plans set mid-epoch included) is :class:`UnevenBatchSampler`'s;
+    the ids are :func:`~lightning_cannikin.core.stream_shares.replanned_shares`'. Lightning selects the epoch through
     ``sampler.set_epoch``, as for map-style data.
 
     Args:
@@ -60,10 +71,9 @@ class StreamShareSampler(UnevenBatchSampler):
         shuffle: a seeded chunk order and item order per epoch.
         seed: the shared seed.
         drop_last: drop the epoch's last, partial global batch.
+        window: the reader's decode window (:func:`read_layout`): the shuffle within a chunk keeps its items together.
 
     """
-
-    mid_epoch_plans = False  # the engine re-plans at epoch ends only
 
     def __init__(
         self,
@@ -74,62 +84,74 @@ class StreamShareSampler(UnevenBatchSampler):
         shuffle: bool = False,
         seed: int = 0,
         drop_last: bool = False,
+        window: int = 0,
     ) -> None:
         super().__init__(sum(chunk_sizes), rank, plan, shuffle=shuffle, seed=seed, drop_last=drop_last)
         self.chunk_sizes = list(chunk_sizes)
         self.num_workers = int(num_workers)
+        self.window = int(window)
         self._shares: list[np.ndarray] | None = None
         self._shares_key: tuple | None = None
+        self._segments: dict[tuple, Any] = {}  # the epoch's dealt segments, reused when a plan change adds one
 
     def set_plan(self, plan: Plan, from_batch: int = 0, interleave: tuple[Plan, int] | None = None) -> None:
-        if 0 < from_batch < len(self.layout()):
+        if 0 < from_batch < self.yielded:
             raise RuntimeError(
-                "A streaming data set's shares change at epoch boundaries only: a plan from global batch"
-                f" {from_batch} of {len(self.layout())} would move every rank's run of the stream."
+                f"A plan for the stream from global batch {from_batch} comes too late: this rank has drawn"
+                f" {self.yielded} batches of the epoch already, and their items cannot move. Put it in force from"
+                " the next batch no rank has drawn (the engine does)."
             )
         super().set_plan(plan, from_batch, interleave)
 
     def key(self) -> dict[str, Any]:
         """Everything this rank's shares depend on, which every rank must agree on."""
-        plan = self.schedule[0]
         return {
             "epoch": self.sampler.epoch,
-            "plan": list(plan.local_batch_sizes),
+            "plan": [[k, list(plan.local_batch_sizes)] for k, plan in sorted(self.schedule.items())],
             "items": self.num_samples,
             "chunks": share_key(sizes=self.chunk_sizes),
             "shuffle": self.sampler.shuffle,
             "seed": self.sampler.seed,
             "drop_last": self.drop_last,
             "num_workers": self.num_workers,
+            "window": self.window,
             "start": self.start_batch,
         }
 
     def shares(self) -> list[np.ndarray]:
-        """This rank's ids in every global batch of the current epoch (cached until the epoch or plan changes)."""
-        key = (self.sampler.epoch, self.schedule[0], self.drop_last)
+        """This rank's ids in every global batch of the current epoch under the plans in force (cached until the
+        epoch or the schedule changes; a plan set mid-epoch deals only the items left)."""
+        schedule = tuple((k, plan.local_batch_sizes) for k, plan in sorted(self.schedule.items()))
+        key = (self.sampler.epoch, schedule, self.drop_last)
         if self._shares is None or key != self._shares_key:
-            if len(self.schedule) > 1:
-                raise RuntimeError("A streaming data set's shares follow one plan per epoch.")
-            step_sizes = [batch.local_batch_sizes for batch in self.layout()]
-            self._shares = stream_shares(
+            previous = self._shares_key
+            if previous is None or (previous[0], previous[2]) != (key[0], key[2]):
+                self._segments = {}  # another epoch (or `drop_last`): nothing dealt before applies
+            self._shares = replanned_shares(
                 self.chunk_sizes,
-                step_sizes,
+                self.schedule,
                 self.rank,
                 self.num_workers,
                 self.sampler.shuffle,
                 self.sampler.seed,
                 self.sampler.epoch,
+                self.drop_last,
+                self.window,
+                cache=self._segments,
             )
             self._shares_key = key
         return self._shares
 
     def __iter__(self) -> Iterator[list[int]]:
         check_agreement(self.key())
-        shares = self.shares()
-        self.yielded = self.start_batch
-        for index in range(self.start_batch, len(shares)):
-            self.yielded = index + 1
-            yield shares[index].tolist()
+        index = self.start_batch
+        self.yielded = index
+        # the shares are re-read per batch: a plan set mid-epoch from a batch not yet drawn deals the items left
+        while index < len(self.layout()):
+            ids = self.shares()[index]
+            index += 1
+            self.yielded = index
+            yield ids.tolist()
 
 
 def check_agreement(key: dict[str, Any]) -> None:
@@ -181,6 +203,7 @@ class StreamingUnevenLoader(UnevenDataLoader):
             "seed": sampler.sampler.seed,
             "shuffle": sampler.sampler.shuffle,
             "num_workers": sampler.num_workers,
+            "window": sampler.window,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -193,15 +216,15 @@ class StreamingUnevenLoader(UnevenDataLoader):
             if saved != self._stream_state():
                 raise ValueError(
                     f"The checkpoint's training loader read the stream with {saved}, this run with"
-                    f" {self._stream_state()}. Resume with the same data set, seed, shuffle and `num_workers`, or"
-                    " start the epoch afresh."
+                    f" {self._stream_state()}. Resume with the same data set, seed, shuffle, `num_workers` and LitData"
+                    " version (its decode window), or start the epoch afresh."
                 )
-            plans = {Plan.from_dict(plan) for _, plan in restore["schedule"]}
-            if len(plans) != 1 or next(iter(plans)).world_size != self.stream_sampler.schedule[0].world_size:
+            sizes = {Plan.from_dict(plan).world_size for _, plan in restore["schedule"]}
+            if sizes != {self.stream_sampler.schedule[0].world_size}:
                 raise ValueError(
-                    "The checkpoint's epoch of a streaming data set ran on another world size or with a plan changed"
-                    " mid-epoch; its shares cannot be continued here. Resume on the same devices, or from a"
-                    " checkpoint saved at an epoch's end."
+                    f"The checkpoint's epoch of a streaming data set ran on {sorted(sizes)} ranks, this run has"
+                    f" {self.stream_sampler.schedule[0].world_size}; its shares cannot be continued here. Resume on"
+                    " the same number of devices, or from a checkpoint saved at an epoch's end."
                 )
         return super()._resume_position()
 
@@ -211,7 +234,7 @@ def rebuild_streaming(dataloader: DataLoader, plan: Plan, rank: int, kept: dict[
     (``kept``: the user's loader arguments carried over: workers, collate function, pinning)."""
     shuffle, seed = check_streaming(dataloader)
     dataset = dataloader.dataset
-    chunk_sizes = chunk_sizes_of(dataset)
+    chunk_sizes, window = read_layout(dataset)
     num_items = sum(chunk_sizes)
     if plan.global_batch_size > num_items:
         raise ValueError(
@@ -222,5 +245,7 @@ def rebuild_streaming(dataloader: DataLoader, plan: Plan, rank: int, kept: dict[
     # already: every item is kept unless the torch DataLoader itself drops the epoch's last partial batch
     drop_last = bool(getattr(dataloader, "drop_last", False))
     workers = int(kept.get("num_workers", 0))
-    sampler = StreamShareSampler(chunk_sizes, rank, plan, workers, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    sampler = StreamShareSampler(
+        chunk_sizes, rank, plan, workers, shuffle=shuffle, seed=seed, drop_last=drop_last, window=window
+    )
     return StreamingUnevenLoader(_StreamItems(dataset, num_items), batch_sampler=sampler, **kept)
