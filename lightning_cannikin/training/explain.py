@@ -67,8 +67,9 @@ def missed_prediction(step: int, plan: Plan, model: StepTimeModel, margin: float
     if abs(miss) <= margin:
         return None
     return (
-        f"Cannikin: by step {step} the plan {list(plan.local_batch_sizes)} (total {plan.total_batch_size}), predicted at"
-        f" {1000 * predicted:.1f} ms a step, is timed at {1000 * refit:.1f} ms by the speed model refit on its steps"
+        f"Cannikin: by step {step} the plan {list(plan.local_batch_sizes)} (total {plan.total_batch_size}),"
+        f" predicted at {1000 * predicted:.1f} ms a step, is timed at {1000 * refit:.1f} ms by the speed model refit"
+        " on its steps"
         f" ({'+' if miss > 0 else ''}{_percent(miss)}, beyond the {_percent(margin)} margin); the next decision rests"
         " on these timings."
     )
