@@ -374,3 +374,37 @@ def test_statistics_that_can_never_bound_the_noise_scale_are_said_once_with_the_
         assert len(messages) == int(warned), messages
         if warned:
             assert "`base_batch_size`" in messages[0] and "at least 3" in messages[0], messages[0]
+
+
+@pytest.mark.parametrize("with_callback", [True, False])
+def test_a_fit_builds_one_engine_from_its_callbacks_options_and_keeps_a_plan_set_before_it(monkeypatch, with_callback):
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_cannikin import CannikinStrategy
+    from lightning_cannikin.training import uneven_strategy
+
+    built = []
+
+    class Counted(BalancingEngine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(uneven_strategy, "BalancingEngine", Counted)
+    strategy = CannikinStrategy()
+    strategy.set_plan(Plan((4,)))  # before the fit: the engine starts from it
+    assert strategy.plan == Plan((4,)) and strategy.lr_factor == 1.0 and strategy.step_sizes is None
+    callback = Cannikin(settings=CannikinSettings(warmup_steps=4))
+    callbacks = [callback] if with_callback else []
+    quiet = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=3, callbacks=callbacks, **quiet)
+    trainer.fit(BoringModel())
+    assert len(built) == 1, "one engine per fit"
+    (engine,) = built
+    assert strategy.engine is engine and engine.plan is not None and engine.plan.local_batch_sizes == (4,)
+    if with_callback:
+        assert callback.engine is engine and engine.options is callback.options
+    trainer.fit_loop.epoch_loop.max_steps = 6
+    trainer.fit(BoringModel())
+    assert built == [engine], "a later fit with the same options keeps the engine"
