@@ -651,7 +651,8 @@ class BalancingEngine:
     # -- checkpoints ---------------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything a resume needs."""
+        """Everything a resume needs; every rank calls it, as Lightning's checkpoint does (each rank's own part is
+        gathered)."""
         return {
             "balancer": self.speed_model.state_dict() if self.speed_model is not None else None,
             "estimator": self.estimator.state_dict() if self.estimator is not None else None,
