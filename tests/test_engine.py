@@ -379,10 +379,6 @@ def test_statistics_that_can_never_bound_the_noise_scale_are_said_once_with_the_
 
 @pytest.mark.parametrize("with_callback", [True, False])
 def test_a_fit_builds_one_engine_from_its_callbacks_options_and_keeps_a_plan_set_before_it(monkeypatch, with_callback):
-    import lightning.pytorch as pl
-    from lightning.pytorch.demos.boring_classes import BoringModel
-
-    from lightning_cannikin import CannikinStrategy
     from lightning_cannikin.training import uneven_strategy
 
     built = []
@@ -393,6 +389,21 @@ def test_a_fit_builds_one_engine_from_its_callbacks_options_and_keeps_a_plan_set
             built.append(self)
 
     monkeypatch.setattr(uneven_strategy, "BalancingEngine", Counted)
+    for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "RANK"):
+        monkeypatch.delenv(name, raising=False)  # what Lightning sets in this process, undone after the test
+    try:
+        _fit_twice(built, with_callback)
+    finally:  # an in-process fit keeps its process group: later tests fork ranks from this process
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _fit_twice(built: list, with_callback: bool) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_cannikin import CannikinStrategy
+
     strategy = CannikinStrategy()
     strategy.set_plan(Plan((4,)))  # before the fit: the engine starts from it
     assert strategy.plan == Plan((4,)) and strategy.lr_factor == 1.0 and strategy.step_sizes is None
