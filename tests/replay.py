@@ -40,6 +40,8 @@ class Replay:
     votes: int = 0  # the ranks' comparisons of their checks (collectives of one number)
     model: SpeedModel | None = None
     states: list[dict] = field(default_factory=list)  # the replanner's state after every step
+    urgent: list[bool] = field(default_factory=list)  # after every step: whether the ranks vote at every step
+    held: list[bool] = field(default_factory=list)  # after every step: whether the model holds a suspected change
 
     def clean_step_time(self, plan: Plan, step: int = 0) -> float:
         """The plan's step time on the devices without jitter or warm-up (seconds)."""
@@ -105,13 +107,33 @@ class _Ballot:
         return lambda: max(cast)
 
 
+def _checkpointed(state: object) -> object:
+    """``state`` as a checkpoint gives it back: plain values only (JSON is stricter than ``torch.save``)."""
+    return json.loads(json.dumps(state))
+
+
 def _resumed(replanner: Replanner) -> Replanner:
     """A new replanner with the run's settings, loaded from ``replanner``'s state as a checkpoint carries it."""
-    state = json.loads(json.dumps(replanner.state_dict()))
+    state = _checkpointed(replanner.state_dict())
     settings = ("warmup_steps", "every_n_steps", "adapt_every_n_steps", "check_every_n_steps", "noise_every_n_steps")
     fresh = Replanner(**{name: getattr(replanner, name) for name in settings})
     fresh.balance, fresh.adaptive = replanner.balance, replanner.adaptive
     fresh.load_state_dict(state)
+    return fresh
+
+
+def _resumed_model(model: SpeedModel, bounds: BatchBounds | None) -> SpeedModel:
+    """A new speed model with the run's settings, loaded from ``model``'s state as a checkpoint carries it."""
+    fresh = SpeedModel(model.world_size, model.settings, bounds)
+    fresh.load_state_dict(_checkpointed(model.state_dict()))  # type: ignore[arg-type]
+    return fresh
+
+
+def _resumed_votes(votes: list[ChangeVote], build: Callable[[], ChangeVote]) -> list[ChangeVote]:
+    """Every rank's new vote and check, loaded from the old ones' states as the engine's checkpoint carries them."""
+    fresh = [build() for _ in votes]
+    for new, old in zip(fresh, votes, strict=True):
+        new.load_state_dict(_checkpointed(old.state_dict()))  # type: ignore[arg-type]
     return fresh
 
 
@@ -155,8 +177,10 @@ def replay(
         change_check: each rank's local change check, from the speed model's drift tolerance.
         read_next_step: the ranks' vote (:class:`ChangeVote`) is read the step after it is cast (CPU), else at the
             next check (CUDA).
-        resume_at: after each of these steps, the replanner is replaced by a new one that loads the old one's state
-            through JSON, as a resumed run's would be (the speed model and the votes run on).
+        resume_at: after each of these steps, the replanner, the speed model, every rank's vote and change check and
+            the records not yet fed to the model are replaced by new ones that load the old ones' states through
+            JSON, as a resumed run's are (the ballot is the transport). The emulated devices do not restart, so
+            nothing calls ``restarted``: a resumed run's one deliberate difference, its devices' warm-up left out.
 
     """
     out = Replay(devices, world_size)
@@ -167,7 +191,11 @@ def replay(
     replanner = Replanner(*every, balance=policy.balance, adaptive=policy.max_batch_size is not None)
     ballot = _Ballot(world_size)
     tolerance = model.settings.drift_tolerance
-    votes = [ChangeVote(change_check(tolerance), ballot, read_next_step, True) for _ in range(world_size)]
+
+    def new_vote() -> ChangeVote:
+        return ChangeVote(change_check(tolerance), ballot, read_next_step, True)
+
+    votes = [new_vote() for _ in range(world_size)]
     checks = [vote.check for vote in votes]
     plan = Plan(even_split(total, world_size))
     pending: list[StepRecord] = []
@@ -205,7 +233,13 @@ def replay(
             replanner.followed(done, plan, decision, adapt, noise_bounds(phi))
             plan = decision.plan
         out.states.append(replanner.state_dict())
+        out.urgent.append(any(vote.urgent for vote in votes))
+        out.held.append(model.watch.suspected)
         if done in resume_at:
             replanner = _resumed(replanner)
+            model = out.model = _resumed_model(model, bounds)
+            votes = _resumed_votes(votes, new_vote)
+            checks = [vote.check for vote in votes]
+            pending = [StepRecord(**record) for record in _checkpointed([r.to_dict() for r in pending])]  # type: ignore[union-attr]
     out.votes = ballot.rounds
     return out

@@ -3,6 +3,7 @@ weights and learning-rate factor (multi-process behaviour is in test_balancing, 
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
 
@@ -17,7 +18,7 @@ from lightning_cannikin.training.lightning_hooks import BalancingCallback
 from lightning_cannikin.training.sampler import UnevenBatchSampler
 
 # what a checkpoint keeps of the engine
-STATE_KEYS = {"balancer", "estimator", "progress", "plan", "history", "step", "replanner", "noise_in_flight"}
+STATE_KEYS = {"balancer", "estimator", "progress", "plan", "history", "step", "replanner", "noise_in_flight", "ranks"}
 
 
 class OneRank:
@@ -373,3 +374,96 @@ def test_statistics_that_can_never_bound_the_noise_scale_are_said_once_with_the_
         assert len(messages) == int(warned), messages
         if warned:
             assert "`base_batch_size`" in messages[0] and "at least 3" in messages[0], messages[0]
+
+
+@pytest.mark.parametrize("with_callback", [True, False])
+def test_a_fit_builds_one_engine_from_its_callbacks_options_and_keeps_a_plan_set_before_it(monkeypatch, with_callback):
+    from lightning_cannikin.training import uneven_strategy
+
+    built = []
+
+    class Counted(BalancingEngine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(uneven_strategy, "BalancingEngine", Counted)
+    for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "RANK"):
+        monkeypatch.delenv(name, raising=False)  # what Lightning sets in this process, undone after the test
+    try:
+        _fit_twice(built, with_callback)
+    finally:  # an in-process fit keeps its process group: later tests fork ranks from this process
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _fit_twice(built: list, with_callback: bool) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_cannikin import CannikinStrategy
+
+    strategy = CannikinStrategy()
+    strategy.set_plan(Plan((4,)))  # before the fit: the engine starts from it
+    assert strategy.plan == Plan((4,)) and strategy.lr_factor == 1.0 and strategy.step_sizes is None
+    callback = Cannikin(settings=CannikinSettings(warmup_steps=4))
+    callbacks = [callback] if with_callback else []
+    quiet = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=3, callbacks=callbacks, **quiet)
+    trainer.fit(BoringModel())
+    assert len(built) == 1, "one engine per fit"
+    (engine,) = built
+    assert strategy.engine is engine and engine.plan is not None and engine.plan.local_batch_sizes == (4,)
+    if with_callback:
+        assert callback.engine is engine and engine.options is callback.options
+    trainer.fit_loop.epoch_loop.max_steps = 6
+    trainer.fit(BoringModel())
+    assert built == [engine], "a later fit with the same options keeps the engine"
+
+
+def test_every_ranks_check_vote_cost_fit_and_unfed_records_round_trip_through_rank_zeros_checkpoint():
+    from lightning_cannikin.core.change import SUSPECTED
+    from lightning_cannikin.core.speed_model import StepRecord
+
+    class Gathered(TwoRanksSecond):  # rank 1 of two: rank zero's part of a gather is another's
+        def all_gather(self, obj):
+            return [{"vote": None, "cost_fit": {"pairs": [], "loads": []}, "records": []}, obj]
+
+    engine = BalancingEngine()
+    engine.bind(Gathered())
+    engine.set_plan(Plan((8, 8)))
+    engine.step = 40
+    vote, cost_fit = engine._vote, engine._cost_fit
+    for step in range(40):  # this rank's times: a reference, then a slowdown far beyond the band, too short to count
+        vote.check.observe(8, 0.020 if step < 37 else 0.080)
+        cost_fit.load(step, 8.0 + step % 3)
+    cost_fit.add([StepRecord(step, 1, 8, 0.01 * (1 + step % 3), 0.05) for step in range(30)])
+    assert vote.check.verdict() == SUSPECTED
+    assert not vote.poll(check_due=True)  # a check step: the answer waits for the next backward
+    vote.cast()  # it starts: the answer is in flight, read at the next step
+    engine._held = [StepRecord(39, 1, 8, 0.08, 0.1)]  # read for a checkpoint, not yet fed to a re-plan
+    state = json.loads(json.dumps(engine.state_dict()))  # plain values
+    saved = state["ranks"][1]
+    assert len(state["ranks"]) == 2 and saved["vote"]["in_flight"] == SUSPECTED and not saved["vote"]["urgent"]
+    fresh = BalancingEngine()
+    fresh.bind(Gathered())
+    fresh.load_state_dict(state)
+    fresh.start()
+    assert json.loads(json.dumps(fresh.state_dict()))["ranks"] == state["ranks"], "each rank's own state, exactly"
+    assert fresh._cost_fit.fit() == cost_fit.fit() and fresh._held == engine._held
+    # the vote in flight is read at the next step, as the uninterrupted run reads it: suspected, every rank votes on
+    assert fresh._vote.poll(check_due=False) == vote.poll(check_due=False) is False
+    assert fresh._vote.urgent and vote.urgent
+    # the device restarted: its next `skip` times are its warm-up, left out; the reference and the window stay
+    reference = fresh._vote.check.state_dict()
+    for _ in range(fresh._vote.check.skip):
+        fresh._vote.check.observe(8, 1.0)
+    assert fresh._vote.check.state_dict() == reference
+    fresh._vote.check.observe(8, 0.080)
+    assert fresh._vote.check.state_dict()["recent"][-1] == 0.080
+    # on other devices (another world size) each rank's own state is no evidence: it starts over
+    other = BalancingEngine()
+    other.bind(OneRank())
+    other.load_state_dict(state)
+    other.start()
+    assert other._cost_fit.fit() is None and other._held == []

@@ -260,3 +260,26 @@ def test_slope_stays_measured_however_long_one_plan_runs():
         fitter.add(40, seconds(40))
     assert fitter.distinct_batch_sizes == (32, 40)
     assert fitter.fit().slope == pytest.approx(0.002, rel=1e-9)
+
+
+def test_a_resumed_speed_model_keeps_what_it_saw_and_leaves_out_only_the_restarted_devices_warm_up():
+    from lightning_cannikin.core.speed_model import SpeedModel, StepRecord
+
+    def records(steps, slow=1.0):
+        return [StepRecord(s, r, 8, (0.01 + 0.002 * r) * (slow if r else 1.0), 0.05) for s in steps for r in (0, 1)]
+
+    model = SpeedModel(2)
+    model.add(records(range(0, 30)))
+    model.add(records(range(30, 40), slow=3.0))  # rank 1 three times slower from step 30: a rescale to confirm
+    assert model.watch.unconfirmed and model.jitter >= 0
+    state = json.loads(json.dumps(model.state_dict()))
+    restored = SpeedModel(2)
+    restored.load_state_dict(state)
+    assert restored.state_dict() == model.state_dict() and restored.watch.unconfirmed
+    assert restored.jitter == model.jitter, "the latest steps, and the split's margin from their jitter"
+    # a resume at step 40 with two records read before the checkpoint (steps 38, 39) and fed at the next re-plan
+    samples = [f.num_samples for f in restored.fitters]
+    restored.restarted(first_step=40)
+    restored.add(records(range(38, 46), slow=3.0))
+    warmup = restored.settings.warmup_samples
+    assert [f.num_samples for f in restored.fitters] == [n + 8 - warmup for n in samples], "steps 40-43 warm up"

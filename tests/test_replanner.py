@@ -150,10 +150,12 @@ def _decisions(run) -> list[tuple]:
 
 def test_a_run_resumed_in_a_backoff_a_suspicion_or_a_settling_decides_as_the_uninterrupted_run():
     # three ranks, jitter, a device that slows at step 150 and comes back at 260 (a long stall: a rescale that is
-    # undone), epoch ends every 40 steps (the routine back-off) and a noise scale that moves the total (settlings)
-    devices = EmulatedDevices(
-        [0.5, 1.0, 2.0], 10.0, jitter_ms=0.5, seed=3, speed_changes={150: [0.5, 3.0, 2.0], 260: [0.5, 1.0, 2.0]}
-    )
+    # undone), another twice as slow for 8 steps from 353 (a glitch: suspected by its rank's check, held apart by the
+    # model, never a change), epoch ends every 40 steps (the routine back-off) and a noise scale that moves the total
+    # (settlings)
+    fast, glitch = [0.5, 1.0, 2.0], [0.5, 1.0, 4.0]
+    changes = {150: [0.5, 3.0, 2.0], 260: fast, 353: glitch, 361: fast}
+    devices = EmulatedDevices(fast, 10.0, jitter_ms=0.5, seed=3, speed_changes=changes)
     options = {"epoch_steps": 40, "policy": PolicySettings(max_batch_size=768), "noise": _noise}
     steps = 420
     whole = replay(devices, 3, 96, steps, **options)
@@ -166,18 +168,34 @@ def test_a_run_resumed_in_a_backoff_a_suspicion_or_a_settling_decides_as_the_uni
 
     # (a vote kept for the epoch's end never outlasts its step here: the epoch end follows at once; the engine's
     # checkpoint test carries it)
+    def during(flags: list[bool], after: int = 0) -> int:
+        step = next((i + 1 for i, flag in enumerate(flags) if i + 1 > after and flag), None)
+        assert step is not None, "the run must pass through every kind of interruption point"
+        return step
+
+    unconfirmed = first(lambda s: s["unconfirmed_moved"])
     points = {
         "settling in the warm-up": first(lambda s: s["settle_at"] is not None),
         "settling a new total": first(lambda s: s["settle_at"] is not None, after=200),
         "back-off": first(lambda s: s["routine_gap"] > 0, after=100),
-        "unconfirmed rescale moved the split": first(lambda s: s["unconfirmed_moved"]),
+        "unconfirmed rescale moved the split": unconfirmed,
+        # its undoing needs the speed model's change watch (the old model, the ratio) across the checkpoint
+        "unconfirmed rescale, a re-plan later": first(lambda s: s["unconfirmed_moved"], after=unconfirmed),
         "total options held": first(lambda s: s["total_options"] is not None),
+        # every rank's check and vote: a suspected change votes at every step; the model holds a suspicion apart
+        "a change suspected: every rank votes each step": during(whole.urgent),
+        "a glitch suspected": during(whole.urgent, after=300),
+        "a suspected change held apart by the model": during(whole.held),
+        # a check step's vote is in flight (read at the next step) and each check holds its reference and window
+        "a vote in flight after a check": Replanner.check_every_n_steps * 17,
     }
     assert len(set(points.values())) == len(points), points
     for name, step in points.items():
         resumed = replay(devices, 3, 96, steps, resume_at={step}, **options)
         assert _decisions(resumed) == _decisions(whole), f"resumed after step {step} ({name})"
         assert resumed.states == states, f"resumed after step {step} ({name})"
+        assert (resumed.changes, resumed.drifts) == (whole.changes, whole.drifts), f"votes, after step {step} ({name})"
+        assert resumed.plans == whole.plans and resumed.urgent == whole.urgent, f"after step {step} ({name})"
 
 
 def test_the_noise_is_measured_on_every_step_where_the_total_follows_it():

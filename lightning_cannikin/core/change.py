@@ -194,7 +194,8 @@ class LocalChangeCheck:
         self._seen = 0
         self._carried = 0  # SUSPECTED: the size last left suspected a change (while this one has no reference)
         self._reference: list[float] = []
-        self._recent: deque[float] = deque(maxlen=max(self.window, self.small_window))
+        self._recent: deque[float] = self._window()
+        self._restart_skip = 0  # times still left out after a restart (a device's warm-up)
         # the watch at the latest other batch sizes, resumed when a size returns: an epoch's shorter last batch
         # would otherwise start the reference over every epoch, and epochs shorter than the reference and the
         # window together would never show a change
@@ -207,9 +208,46 @@ class LocalChangeCheck:
         self._recent.clear()
         self._parked.clear()
 
+    def restarted(self) -> None:
+        """The device restarted (a resumed run): its next ``skip`` times are its warm-up, left out; the reference and
+        the window are kept (a resume calls it after every load, so it is not saved)."""
+        self._restart_skip = self.skip
+
+    def state_dict(self) -> dict[str, Any]:
+        """What decides this check's next verdicts (plain values: a checkpoint, JSON)."""
+        parked = [
+            [size, seen, list(reference), list(recent)] for size, (seen, reference, recent) in self._parked.items()
+        ]
+        return {
+            "batch_size": self._batch_size,
+            "seen": self._seen,
+            "carried": self._carried,
+            "reference": list(self._reference),
+            "recent": list(self._recent),
+            "parked": parked,  # oldest first, as they are dropped
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s values (the settings are the constructor's)."""
+        size = state["batch_size"]
+        self._batch_size = None if size is None else int(size)
+        self._seen, self._carried = int(state["seen"]), int(state["carried"])
+        self._reference = [float(t) for t in state["reference"]]
+        self._recent = self._window([float(t) for t in state["recent"]])
+        self._parked = {
+            int(size): (int(seen), [float(t) for t in reference], self._window([float(t) for t in recent]))
+            for size, seen, reference, recent in state["parked"]
+        }
+
+    def _window(self, times: Sequence[float] = ()) -> deque[float]:
+        return deque(times, maxlen=max(self.window, self.small_window))
+
     def observe(self, batch_size: int, seconds: float) -> None:
         """One step's compute time at ``batch_size`` (non-finite or non-positive times are ignored)."""
         if not (math.isfinite(seconds) and seconds > 0):
+            return
+        if self._restart_skip > 0:
+            self._restart_skip -= 1
             return
         if batch_size != self._batch_size:
             if self._batch_size is not None:
@@ -219,7 +257,7 @@ class LocalChangeCheck:
                 self._parked[self._batch_size] = (self._seen, self._reference, self._recent)
                 while len(self._parked) > _PARKED:
                     del self._parked[next(iter(self._parked))]  # the size left longest ago
-            fresh = (0, [], deque(maxlen=max(self.window, self.small_window)))
+            fresh = (0, [], self._window())
             self._seen, self._reference, self._recent = self._parked.pop(int(batch_size), fresh)
             self._batch_size = int(batch_size)
         self._seen += 1
@@ -278,10 +316,37 @@ class ChangeWatch:
         return bool(self._before)
 
     def clear(self) -> None:
-        """Forget what was seen (a restart, a restored state)."""
+        """Forget what was seen (a restored state from another world)."""
         self._held, self._before = {}, {}
         for recent in self._recent:
             recent.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What decides the next judgements, as plain values: the records (``to_dict``) held apart and in each rank's
+        window, and each lately rescaled rank's old model (``to_dict``), ratio and records judged since."""
+        return {
+            "held": [[rank, [r.to_dict() for r in records]] for rank, records in self._held.items()],
+            "recent": [[r.to_dict() for r in recent] for recent in self._recent],
+            "before": [[rank, model.to_dict(), ratio, seen] for rank, (model, ratio, seen) in self._before.items()],
+        }
+
+    def load_state_dict(
+        self,
+        state: dict[str, Any],
+        record_of: Callable[[dict], Any],
+        model_of: Callable[[dict], Callable[[int], float]],
+    ) -> None:
+        """Restore :meth:`state_dict`'s values; ``record_of`` and ``model_of`` rebuild a record and a model from their
+        ``to_dict`` (this module stays free of the classes)."""
+        if len(state["recent"]) != len(self._recent):
+            raise ValueError(f"A change watch of {len(state['recent'])} ranks cannot load into {len(self._recent)}.")
+        self._held = {int(rank): [record_of(r) for r in records] for rank, records in state["held"]}
+        for recent, saved in zip(self._recent, state["recent"], strict=True):
+            recent.clear()
+            recent.extend(record_of(r) for r in saved)
+        self._before = {
+            int(rank): (model_of(model), float(ratio), int(seen)) for rank, model, ratio, seen in state["before"]
+        }
 
     def judge(self, rank: int, records: list[Any], model: Callable[[int], float], sizes: Sequence[int]) -> float | None:
         """The measured ratio of a clear change of ``rank``'s speed (rescale its old samples by it), or ``None``;

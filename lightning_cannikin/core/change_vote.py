@@ -93,6 +93,30 @@ class ChangeVote:
         self._in_flight, self._stale = None, False
         return verdict >= CHANGED
 
+    def state_dict(self) -> dict[str, object]:
+        """What decides this rank's next votes and reads: its check's state, the answer waiting for a backward, the
+        vote in flight (read now: every rank cast it, so its maximum is there, and it is read later from the value,
+        the same answer at the same step: saving changes nothing), whether it is stale, and whether a change is
+        suspected."""
+        if self._in_flight is not None:
+            answer = self._in_flight()
+            self._in_flight = lambda: answer
+        return {
+            "check": self.check.state_dict(),
+            "ballot": self._ballot,
+            "in_flight": None if self._in_flight is None else self._in_flight(),
+            "stale": self._stale,
+            "urgent": self.urgent,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s values (a vote saved in flight is read from its saved answer)."""
+        self.check.load_state_dict(state["check"])
+        ballot, answer = state["ballot"], state["in_flight"]
+        self._ballot = None if ballot is None else int(ballot)
+        self._in_flight = None if answer is None else (lambda: int(answer))
+        self._stale, self.urgent = bool(state["stale"]), bool(state["urgent"])
+
     def reset(self) -> None:
         """A re-plan followed the change: start the check over, and drop the vote cast before it."""
         self.check.reset()

@@ -139,6 +139,7 @@ class SpeedModel:
         self._pieces: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._warm = [0] * self.world_size  # samples each rank has had since its start; the first ones are left out
         self._hosted = [False] * self.world_size  # ranks whose records measure their input wait
+        self._restart_step = 0  # records from this step on count towards the warm-up (restarted)
         self.watch = ChangeWatch(self.world_size, self.settings.drift_tolerance)  # each rank's changes of speed
 
     def _new_fitter(self) -> ComputeTimeFitter:
@@ -162,7 +163,7 @@ class SpeedModel:
         warming_steps = set()
         for step in sorted(by_step):
             for record in by_step[step]:
-                if self._warm[record.rank] < self.settings.warmup_samples:
+                if self._warm[record.rank] < self.settings.warmup_samples and step >= self._restart_step:
                     self._warm[record.rank] += 1
                     warming_steps.add(step)
                 else:
@@ -546,24 +547,43 @@ class SpeedModel:
             "memory_caps": list(self.memory_caps),
             "warm": list(self._warm),
             "largest_run": list(self.largest_run),
+            # what the next decisions read beyond the fits: the change watch (a rescale still to confirm, a suspected
+            # change held apart) and the latest complete steps (the recurring stalls, the jitter that is the split's
+            # margin)
+            "watch": self.watch.state_dict(),
+            "joint": [[step, list(sizes), list(times)] for step, sizes, times in self._joint],
+            "hosted": list(self._hosted),
         }
 
-    def restarted(self) -> None:
-        """The devices restarted (a resumed run): they warm up again, so their first samples are left out anew."""
+    def restarted(self, first_step: int = 0) -> None:
+        """The devices restarted (a resumed run) before step ``first_step``: they warm up again, so their first
+        samples from it on are left out anew (records of earlier steps, saved with the checkpoint, are not warm-up),
+        and no time from before the restart runs on into one after it (the optimizer step's span to the next input).
+        What was measured before (the fits, the change watch, the latest steps) stays. Every resume calls it after
+        loading, so none of it is saved."""
         self._warm = [0] * self.world_size
+        self._restart_step = int(first_step)
         self._window_after = [(None, 0)] * self.world_size
         self._last_after = [None] * self.world_size
-        self.watch.clear()
-        self._joint.clear()
 
     def load_state_dict(self, state: dict) -> None:
         """Restore fitted state; from a run with another world size only the tail is kept (devices changed)."""
-        self._models, self._pieces, self._after_offsets = None, {}, None
-        self.restarted()  # the watch and the joint records cleared (the warm-up counts come from the state)
+        self._models, self._pieces, self._after_offsets, self._scenarios = None, {}, None, None
+        self.watch.clear()
+        self._joint.clear()
+        self._window_after = [(None, 0)] * self.world_size  # not saved: a resume restarts the devices (restarted)
+        self._last_after = [None] * self.world_size
         warm = state.get("warm")
         same = state["world_size"] == self.world_size
         self._warm = list(warm) if same and warm is not None else [self.settings.warmup_samples] * self.world_size
         if same:
+            # checkpoints older than these: an empty watch and no latest steps (they refill at the next re-plans)
+            if "watch" in state:
+                self.watch.load_state_dict(state["watch"], lambda r: StepRecord(**r), LinearTimeModel.from_dict)
+            self._joint.extend(
+                (int(j), tuple(int(b) for b in sizes), tuple(times)) for j, sizes, times in state.get("joint", [])
+            )
+            self._hosted = [bool(h) for h in state.get("hosted", self._hosted)]
             for fitter, fitter_state in zip(self.fitters, state["fitters"], strict=True):
                 fitter.load_state_dict(fitter_state)
             # checkpoints older than the reach: the largest size each rank's fit still holds

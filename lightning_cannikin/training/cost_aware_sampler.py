@@ -182,6 +182,15 @@ class CostTimeFit:
             self._loads = {step: cost for step, cost in self._loads.items() if step > newest}
         return self.fit()
 
+    def state_dict(self) -> dict[str, Any]:
+        """The pairs kept and the costs of the steps whose times are not read yet (plain values)."""
+        return {"pairs": [list(pair) for pair in self._pairs], "loads": [[step, c] for step, c in self._loads.items()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._pairs.clear()
+        self._pairs.extend((float(cost), float(seconds)) for cost, seconds in state["pairs"])
+        self._loads = {int(step): float(cost) for step, cost in state["loads"]}
+
     def fit(self) -> tuple[float, float] | None:
         """``(fixed seconds, seconds per unit of cost)``, or ``None`` before four steps of different costs."""
         if len(self._pairs) < 4:

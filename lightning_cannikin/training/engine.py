@@ -131,6 +131,7 @@ class BalancingEngine:
         self._family: str | None = None
         self._restored: dict[str, Any] | None = None
         self._dead_weights: set[int] = set()  # the ranks the log said are slowest at their smallest batch
+        self._held: list[StepRecord] = []  # this rank's records read for a checkpoint: the next re-plan's
 
     # -- the frontend's facts ------------------------------------------------------------------------------------------
 
@@ -602,8 +603,9 @@ class BalancingEngine:
         has no timing yet)."""
         collective = self.collective
         assert collective is not None
-        # the step records are read now: on CUDA the last ones wait for the device (the gather synchronises anyway)
-        mine = self._timer.records(wait=True)  # with a cost-aware sampler, this rank's time over its exact cost too
+        # the step records are read now (after those a checkpoint read): on CUDA the last ones wait for the device (the
+        # gather synchronises anyway); with a cost-aware sampler, this rank's time over its exact cost too
+        mine, self._held = self._held + self._timer.records(wait=True), []
         mine_all = (mine, self._batches_yielded, self._losses.take(), self._cost_fit.add(mine))
         gathered = collective.all_gather(mine_all)
         from_batch = max(entry[1] for entry in gathered) if mid_epoch else 0
@@ -661,7 +663,8 @@ class BalancingEngine:
     # -- checkpoints ---------------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything a resume needs."""
+        """Everything a resume needs; every rank calls it, as Lightning's checkpoint does (each rank's own part is
+        gathered)."""
         return {
             "balancer": self.speed_model.state_dict() if self.speed_model is not None else None,
             "estimator": self.estimator.state_dict() if self.estimator is not None else None,
@@ -671,7 +674,20 @@ class BalancingEngine:
             "step": self.step,
             "replanner": self._replanner.state_dict(),
             "noise_in_flight": self._observer.state_dict() if self._observer is not None else None,
+            "ranks": self._ranks_state(),
         }
+
+    def _ranks_state(self) -> list[dict[str, Any]]:
+        """Every rank's own state, gathered (Lightning writes rank zero's callback state; every rank calls
+        :meth:`state_dict`, as Lightning's ``save_checkpoint`` does): its change check and vote, its cost fit, and
+        the records its timer holds for the next re-plan (read now, and still handed to it)."""
+        self._held += self._timer.records(wait=True)
+        mine = {
+            "vote": self._vote.state_dict() if self._vote is not None else None,
+            "cost_fit": self._cost_fit.state_dict(),
+            "records": [record.to_dict() for record in self._held],
+        }
+        return self.collective.all_gather(mine) if self.collective is not None else [mine]
 
     def load_state_dict(self, state: dict[str, Any]) -> Plan | None:
         """Put the saved plan in force now (the loader is built with it); the rest waits for :meth:`start` (the
@@ -694,7 +710,7 @@ class BalancingEngine:
         """A checkpoint's ``state`` back in place (at training start: the estimator needs B0)."""
         if state["balancer"] is not None and self.speed_model is not None:
             self.speed_model.load_state_dict(state["balancer"])
-            self.speed_model.restarted()
+            self.speed_model.restarted(int(state["step"]))
         if state["estimator"] is not None and self.estimator is not None:
             self.estimator.load_state_dict(state["estimator"])
             self._restarts_told = self.estimator.restarts  # told by the run that saved it
@@ -708,3 +724,12 @@ class BalancingEngine:
         world_size = self.collective.world_size if self.collective is not None else 1
         same_devices = state["balancer"] is not None and state["balancer"]["world_size"] == world_size
         self._replanner.identified = self._replanner.identified and same_devices
+        ranks = state.get("ranks")  # checkpoints older than it: every rank's check and cost fit start over
+        if ranks is not None and len(ranks) == world_size:  # on other devices, each rank's own state is no evidence
+            mine = ranks[self._rank]
+            if self._vote is not None and mine["vote"] is not None:
+                self._vote.load_state_dict(mine["vote"])
+            self._cost_fit.load_state_dict(mine["cost_fit"])
+            self._held = [StepRecord(**record) for record in mine["records"]]
+        if self._vote is not None:
+            self._vote.check.restarted()  # the device warms up again: its first times are left out

@@ -27,6 +27,7 @@ from lightning_cannikin.training.engine import BalancingEngine
 from lightning_cannikin.training.lightning_hooks import BalancingCallback
 from lightning_cannikin.training.loader import UnevenDataLoader, loader_batch_size
 from lightning_cannikin.training.loss_weights import check_normalisation, every_ranks_units
+from lightning_cannikin.training.settings import EngineOptions
 from lightning_cannikin.training.strategy_checks import (
     MULTIPLE_LOADERS_ERROR,
     NO_DISTRIBUTED_SAMPLER_ERROR,
@@ -72,30 +73,45 @@ class UnevenBatchesMixin:
             )
         self._sample_costs, self._batch_units = sample_costs, batch_units
         self._normalisation = loss_normalisation
-        # this strategy's engine: built again from a Cannikin callback's options at setup, if the fit has one
-        self._engine = BalancingEngine()
+        # this strategy's engine: built once, at setup, from the fit's Cannikin callback's options (or the defaults)
+        self._built: BalancingEngine | None = None
+        self._plan_before_fit: Plan | None = None  # a plan set before the engine exists: the engine starts from it
         self._train_loader: UnevenDataLoader | None = None
 
     @property
     def engine(self) -> BalancingEngine:
-        """The balancing engine this strategy owns and drives (built from the Cannikin callback's options, once the fit
-        is set up)."""
+        """The balancing engine this strategy owns and drives (built from the Cannikin callback's options when the fit
+        is set up; read earlier, from the defaults)."""
         return self._engine
+
+    @property
+    def _engine(self) -> BalancingEngine:
+        if self._built is None:
+            self._build_engine(EngineOptions())
+        assert self._built is not None
+        return self._built
+
+    def _build_engine(self, options: EngineOptions) -> None:
+        """This strategy's engine, from ``options``, starting from the plan in force (one set before the fit)."""
+        plan = self._built.plan if self._built is not None else self._plan_before_fit
+        self._built, self._plan_before_fit = BalancingEngine(options), None
+        if plan is not None:
+            self._built.set_plan(plan)
 
     @property
     def plan(self) -> Plan | None:
         """The split in force (``None`` before the training DataLoader is set up)."""
-        return self._engine.plan
+        return self._built.plan if self._built is not None else self._plan_before_fit
 
     @property
     def step_sizes(self) -> tuple[int, ...] | None:
         """Every rank's sample count in the training step in progress (``None`` outside training steps)."""
-        return self._engine.step_sizes
+        return self._built.step_sizes if self._built is not None else None
 
     @property
     def lr_factor(self) -> float:
         """The multiplier applied to the learning rate in the optimizer step in progress."""
-        return self._engine.lr_factor
+        return self._built.lr_factor if self._built is not None else 1.0
 
     @property
     def fixed_split(self) -> bool:
@@ -109,7 +125,10 @@ class UnevenBatchesMixin:
             raise ValueError(
                 f"The plan splits across {plan.world_size} ranks, but the world size is {self.world_size}."
             )
-        self._engine.set_plan(plan, from_batch)
+        if self._built is None:
+            self._plan_before_fit = plan  # the engine, built at setup, starts from it
+        else:
+            self._built.set_plan(plan, from_batch)
 
     def _launch_world_size(self) -> int:
         """The world size before the process group exists: nodes x devices, or Ray Train's world under its cluster
@@ -131,9 +150,10 @@ class UnevenBatchesMixin:
             )
 
     def _take_engine(self) -> None:
-        """This fit's engine: built from the user's Cannikin callback's options, else this strategy's own, which a
-        balancing callback drives unless the split is fixed (``strategy="cannikin..."`` alone still balances). The
-        strategy owns it; the callback reads it. Raised on every rank alike, before the process group exists."""
+        """This fit's engine, built once: from the user's Cannikin callback's options, else from the defaults, which a
+        balancing callback drives unless the split is fixed (``strategy="cannikin..."`` alone still balances). A later
+        fit keeps it unless its callback brings other options. The strategy owns it; the callback reads it. Raised on
+        every rank alike, before the process group exists."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         if fitting and not uses_distributed_sampler(trainer):
@@ -142,16 +162,16 @@ class UnevenBatchesMixin:
             return
         callback = next((cb for cb in trainer.callbacks if isinstance(cb, BalancingCallback)), None)
         if callback is None:
-            if self.fixed_split:
-                return
-            callback = BalancingCallback(self._engine.options)
-            trainer.callbacks.append(callback)
-        if callback.options is not self._engine.options:  # the user's options: an engine built from them
-            engine = BalancingEngine(callback.options)
-            if self._engine.plan is not None:
-                engine.set_plan(self._engine.plan)  # a plan set on this strategy before the fit
-            self._engine = engine
-        callback.use_engine(self._engine)
+            options = self._built.options if self._built is not None else EngineOptions()
+            if not self.fixed_split:
+                callback = BalancingCallback(options)
+                trainer.callbacks.append(callback)
+        else:
+            options = callback.options  # the user's
+        if self._built is None or self._built.options is not options:
+            self._build_engine(options)
+        if callback is not None:
+            callback.use_engine(self._engine)
 
     def _bind_engine(self, sharded: bool = False) -> None:
         """The engine learns this strategy's facts (after the process group exists, before the callbacks' setup)."""
