@@ -61,6 +61,7 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.harness import quiet_cpu_trainer
 from lightning_cannikin import Cannikin, CannikinSettings, EmulatedCluster
 from lightning_cannikin.training.lightning_hooks import BalancingCallback
 
@@ -206,20 +207,9 @@ def fit(
     strategy, callbacks = configure(name)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        trainer = pl.Trainer(
-            strategy=strategy,
-            accelerator="cpu",
-            devices=len(PER_SAMPLE_MS),
-            max_epochs=epochs,
-            callbacks=[
-                EmulatedCluster(PER_SAMPLE_MS, FIXED_MS, seed=seed),
-                StepLog(out, target_loss, window),
-                *callbacks,
-            ],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
+        cluster = EmulatedCluster(PER_SAMPLE_MS, FIXED_MS, seed=seed)
+        trainer = quiet_cpu_trainer(
+            strategy, len(PER_SAMPLE_MS), epochs, [cluster, StepLog(out, target_loss, window), *callbacks]
         )
         loader = DataLoader(train, batch_size=LOADER_BATCH, shuffle=True, generator=torch.Generator().manual_seed(seed))
         trainer.fit(model, loader)

@@ -123,6 +123,22 @@ class EpochClock(Callback):
         self.out.write_text(json.dumps(result))
 
 
+def quiet_cpu_trainer(strategy: str, devices: int, max_epochs: int, callbacks: list[Callback]) -> pl.Trainer:
+    """A benchmark's Trainer: CPU ranks, no logger, checkpoints, progress bar or model summary (nothing but the
+    training on the clock)."""
+    return pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_epochs=max_epochs,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
 def run(
     strategy: str,
     per_sample_ms: list[float],
@@ -157,23 +173,8 @@ def run(
         # the hosts' emulated cost, where a scenario has one, is slept in the loader's collate_fn
         hosted = any(k.startswith("host_") for k in emulated or {})
         collate = cluster.collate_fn() if hosted else None
-        trainer = pl.Trainer(
-            strategy=strategy,
-            accelerator="cpu",
-            devices=len(per_sample_ms),
-            max_epochs=epochs,
-            callbacks=[
-                cluster,
-                EpochClock(
-                    out, test, target_accuracy, batch_size * len(per_sample_ms), eval_every_samples, num_classes
-                ),
-                *(callbacks or []),
-            ],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
+        clock = EpochClock(out, test, target_accuracy, batch_size * len(per_sample_ms), eval_every_samples, num_classes)
+        trainer = quiet_cpu_trainer(strategy, len(per_sample_ms), epochs, [cluster, clock, *(callbacks or [])])
         trainer.fit(make_module(), DataLoader(train, batch_size=batch_size, shuffle=True, collate_fn=collate))
         return json.loads(out.read_text())
 

@@ -153,13 +153,7 @@ def emulated_bound(
     def best(times: np.ndarray, phi: float | None) -> float:
         return float(np.max(goodput(candidates, times, phi, base_batch)))
 
-    # the noise scale at each evaluation, by samples seen, pooled over Cannikin's repeats (median per grid point)
-    points: dict[int, list[float]] = {}
-    for result in runs:
-        for point in result["curve"]:
-            if point.get("noise_scale") is not None:
-                points.setdefault(point["samples"] // 1000, []).append(point["noise_scale"])
-    measured = [(1000.0 * key, float(np.median(points[key]))) for key in sorted(points)]
+    measured = noise_by_progress(runs)
     seconds = dict.fromkeys(("adaptive_even", "balance_only", "cannikin"), 0.0)
     phi, done = None, 0.0
     for end, next_phi in [*[m for m in measured if m[0] < ddp_samples], (ddp_samples, None)]:
@@ -324,16 +318,22 @@ def oracle(
     }
 
 
-def reference_noise(runs: dict[str, list[dict]], base_batch: int) -> tuple[str, list[tuple[float, float]]]:
-    """The noise scale by progress that goodput shares are taken at: the fixed-B0 run's (it measures every step and
-    its total never moves), else Cannikin's own; the median over repeats at each thousand samples."""
-    name = fixed_name(base_batch) if runs.get(fixed_name(base_batch)) else "cannikin"
+def noise_by_progress(results: list[dict]) -> list[tuple[float, float]]:
+    """``(samples, noise scale)``: the noise scale each evaluation of ``results`` recorded, by samples seen, pooled
+    over the repeats (the median at each thousand samples)."""
     points: dict[int, list[float]] = {}
-    for result in runs.get(name, []):
+    for result in results:
         for point in result["curve"]:
             if point.get("noise_scale") is not None:
                 points.setdefault(point["samples"] // 1000, []).append(point["noise_scale"])
-    return name, [(1000.0 * key, float(np.median(points[key]))) for key in sorted(points)]
+    return [(1000.0 * key, float(np.median(points[key]))) for key in sorted(points)]
+
+
+def reference_noise(runs: dict[str, list[dict]], base_batch: int) -> tuple[str, list[tuple[float, float]]]:
+    """The noise scale by progress that goodput shares are taken at: the fixed-B0 run's (it measures every step and
+    its total never moves), else Cannikin's own."""
+    name = fixed_name(base_batch) if runs.get(fixed_name(base_batch)) else "cannikin"
+    return name, noise_by_progress(runs.get(name, []))
 
 
 def plot(runs: dict[str, list[dict]], path: Path, base_batch: int) -> None:

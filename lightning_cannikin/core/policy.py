@@ -38,6 +38,7 @@ __all__ = [
     "decide",
     "gain_noise_scale",
     "learning_rate_scale",
+    "margin_over_jitter",
     "noise_bounds",
 ]
 
@@ -272,7 +273,7 @@ def decide(
     elif settings.balance:
         # a gain within the devices' own jitter is not evidence: on tiny steps of a shared host the fitted slopes are
         # scheduler noise, and acting on them moves identical devices to splits such as [1, 10, 85]
-        split_margin = max(settings.split_margin, float(getattr(model, "jitter", 0.0)))
+        split_margin = margin_over_jitter(model, settings.split_margin)
         sizes, split_gain = _split(model, current, global_batch, split_margin)
     else:
         sizes = most_even_split(global_batch, model.world_size, model.lower, _upper(model, global_batch))
@@ -297,6 +298,12 @@ def decide(
         split_margin=None if split_gain is None else split_margin,
         total_options=options,
     )
+
+
+def margin_over_jitter(model: StepTimeModel, margin: float) -> float:
+    """``margin``, or the model's own step-time jitter where that is larger (a model without one has none): a
+    difference of predicted step times within the devices' jitter is not evidence."""
+    return max(margin, float(getattr(model, "jitter", 0.0)))
 
 
 def _upper(model: StepTimeModel, total_batch_size: int) -> Sequence[int] | None:

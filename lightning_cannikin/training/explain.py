@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from lightning_cannikin.core.plan import Plan
-from lightning_cannikin.core.policy import Decision, PolicySettings, StepTimeModel
+from lightning_cannikin.core.policy import Decision, PolicySettings, StepTimeModel, margin_over_jitter
 
 __all__ = ["decision_values", "explain", "missed_prediction"]
 
@@ -63,7 +63,7 @@ def missed_prediction(step: int, plan: Plan, model: StepTimeModel, margin: float
     refit = float(model.predict(plan.local_batch_sizes, plan.accumulation_steps))
     if predicted is None or predicted <= 0 or not math.isfinite(refit):
         return None
-    miss, margin = refit / predicted - 1.0, max(margin, float(getattr(model, "jitter", 0.0)))
+    miss, margin = refit / predicted - 1.0, margin_over_jitter(model, margin)
     if abs(miss) <= margin:
         return None
     return (
