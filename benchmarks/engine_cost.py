@@ -79,7 +79,7 @@ def run_block(steps: int, fixed: bool, total: int = 96) -> float:
     ranks = EmulatedRanks()
     engine = BalancingEngine(save_profile=False)
     engine.bind(ranks, fixed_split=fixed)
-    plan = engine.bounds.first_plan(total)
+    plan = engine.controller.bounds.first_plan(total)
     sampler = UnevenBatchSampler(total * (steps + 1), rank=0, plan=plan, shuffle=False)
     engine.use_loader(plan, sampler)
     parameter = torch.nn.Parameter(torch.zeros(4))
@@ -92,7 +92,7 @@ def run_block(steps: int, fixed: bool, total: int = 96) -> float:
         next(batches)  # the loader draws the batch (the fixed split's loop does too)
         position = sampler.yielded - 1
         sizes = sampler.sizes_at(position)
-        ranks.sizes[engine.step] = sizes
+        ranks.sizes[engine.controller.step] = sizes
         engine.begin_step(position, sizes, optimizer_step=step)
         engine.forward_started()
         with engine.backward(loss, reduces=True, parameters=tuple):

@@ -97,7 +97,7 @@ class EpochClock(Callback):
                     "scheduled_lr": trainer.optimizers[0].param_groups[0]["lr"],
                     "samples": sum(self.epoch_samples),
                     "noise_scale": cannikin.noise_scale if cannikin is not None else None,
-                    "noise_bounds": cannikin.engine.noise_bounds() if cannikin is not None else None,
+                    "noise_bounds": cannikin.engine.controller.noise.bounds if cannikin is not None else None,
                 }
             )
             reached = value >= self.target_accuracy

@@ -189,7 +189,8 @@ class Clock(Callback):
         (self.out / f"cpu{trainer.global_rank}.json").write_text(json.dumps({"process": cpu, "thread": thread}))
         if trainer.is_global_zero:
             engine = getattr(trainer.strategy, "engine", None)  # a Cannikin strategy's (DDP has none)
-            replans = len(engine.history.entries) if engine is not None else 0  # plans adopted (one per step)
+            # plans adopted (one per step)
+            replans = len(engine.controller.history.entries) if engine is not None else 0
             result = {"starts": self.starts, "end": end, "samples": self.samples, "splits": self.splits}
             result["steps"] = self.steps
             result["replans"] = replans

@@ -134,7 +134,7 @@ def record_estimator_inputs(trainer: pl.Trainer, into: list) -> None:
     update, to ``into`` (call it at train start, once the callback has built its estimator)."""
     from lightning_cannikin import Cannikin
 
-    estimator = next(cb for cb in trainer.callbacks if isinstance(cb, Cannikin)).engine.estimator
+    estimator = next(cb for cb in trainer.callbacks if isinstance(cb, Cannikin)).engine.controller.estimator
     update = estimator.update
 
     def recording(local, sizes, global_sqr, steps=1):

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from lightning_cannikin import CannikinSettings
-from lightning_cannikin.training.engine import BalancingEngine
+from lightning_cannikin.training.engine import BalancingEngine, log_messages
 from lightning_cannikin.training.sampler import UnevenBatchSampler
 from tests.test_engine import OneRank
 
@@ -65,7 +65,7 @@ def run_engine(
         settings=CannikinSettings(**settings),
     )
     engine.bind(OneRank())
-    plan = engine.bounds.first_plan(total or base)
+    plan = engine.controller.bounds.first_plan(total or base)
     sampler = UnevenBatchSampler((cap or plan.total_batch_size) * (steps + 2), rank=0, plan=plan, shuffle=False)
     engine.use_loader(plan, sampler)
     engine.start()
@@ -86,12 +86,13 @@ def run_engine(
         mean = direction * np.sqrt(sqr if np.isfinite(phi) else 0.0)
         groups = mean + rng.standard_normal((len(shares), dim)) * np.sqrt(trace / dim / groups_b)[:, None]
         reduced = (groups_b[:, None] * groups).sum(axis=0) / total
-        engine.estimator.update((groups**2).sum(axis=1), groups_b, float(reduced @ reduced))
+        engine.controller.estimator.update((groups**2).sum(axis=1), groups_b, float(reduced @ reduced))
+        log_messages(engine.controller.noise_folded())  # as the engine tells of the observer's fold
         run.totals.append(total)
         run.factors.append(engine.lr_factor)
         engine.end_step()
-        run.bounds.append(engine.noise_bounds())
-        run.estimates.append(engine.noise_scale)
+        run.bounds.append(engine.controller.noise.bounds)
+        run.estimates.append(engine.controller.noise.estimate)
         run.precise.append(_precise(engine))
     return run
 
@@ -99,7 +100,7 @@ def run_engine(
 def _precise(engine: BalancingEngine, share: float = 0.25) -> bool:
     """Whether both averaged parts of the noise scale are known to within ``share`` of themselves (one standard error):
     the confidence a rule that waited for precision needed before it acted, or kept a gain."""
-    estimator = engine.estimator
+    estimator = engine.controller.estimator
     errors = estimator.standard_errors()
     if errors is None:
         return False

@@ -58,7 +58,7 @@ class Totals(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         engine = self._cannikin(trainer)[0].engine
         self.totals.append(engine.plan.total_batch_size)
-        bounds = engine.noise_bounds()
+        bounds = engine.controller.noise.bounds
         self.lows.append(None if bounds is None else bounds[0])
         latest = engine.latest_record  # this step's record: the reductions' own time, every bucket seen
         if latest is not None:
@@ -71,7 +71,7 @@ class Totals(Callback):
     def on_train_end(self, trainer, pl_module):
         if trainer.is_global_zero:
             engine = self._cannikin(trainer)[0].engine
-            bounds = engine.noise_bounds()
+            bounds = engine.controller.noise.bounds
             record = {
                 "totals": self.totals,
                 "bounds": bounds,

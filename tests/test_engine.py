@@ -58,8 +58,8 @@ def test_the_checkpoint_keeps_the_callbacks_key_and_restores_the_replanner_exact
     engine = BalancingEngine()
     engine.bind(OneRank())
     engine.set_plan(Plan((5, 3)))
-    engine.step = 9
-    replanner = engine._replanner
+    engine.controller.step = 9
+    replanner = engine.controller.replanner
     replanner.identified, replanner.changed, replanner.settle_at, replanner.unconfirmed_moved = True, True, 12, True
     options = TotalOptions((8, 16, 32), (0.1, 0.15, 0.25), 8, 0.1, 8, 0.02)
     replanner.total_options = options
@@ -70,9 +70,9 @@ def test_the_checkpoint_keeps_the_callbacks_key_and_restores_the_replanner_exact
     fresh.bind(OneRank())
     assert fresh.load_state_dict(state) == Plan((5, 3)).resized(1)  # resumed on one rank: the global batch kept
     fresh.start()
-    assert fresh.step == 9 and fresh._replanner.total_options == options
-    assert fresh._replanner.state_dict() == replanner.state_dict()
-    assert fresh._replanner.identified, "the same devices: their speeds were measured"
+    assert fresh.controller.step == 9 and fresh.controller.replanner.total_options == options
+    assert fresh.controller.replanner.state_dict() == replanner.state_dict()
+    assert fresh.controller.replanner.identified, "the same devices: their speeds were measured"
 
 
 def test_a_checkpoint_from_before_the_replanner_still_resumes():
@@ -88,7 +88,7 @@ def test_a_checkpoint_from_before_the_replanner_still_resumes():
     fresh.bind(OneRank())
     fresh.load_state_dict(state)
     fresh.start()
-    replanner = fresh._replanner
+    replanner = fresh.controller.replanner
     assert (replanner.last_adapt_step, replanner.last_replan_step, replanner.routine_gap) == (7, 8, 16)
     assert replanner.identified and replanner.adapted
     assert replanner.total_options is None and replanner.settle_at is None
@@ -107,7 +107,7 @@ def test_the_optimizer_family_comes_from_what_it_holds():
     def family(optimizer, **engine_kwargs):
         engine = BalancingEngine(**engine_kwargs)
         engine.start(optimizer)
-        return engine._adam, engine._family
+        return engine.controller.adam, engine._family
 
     assert family(torch.optim.SGD([parameter], lr=0.1)) == (False, None), "nothing held before the first step"
     assert family(_stepped(torch.optim.SGD([parameter], lr=0.1, momentum=0.9))) == (False, "sgd")
@@ -140,7 +140,7 @@ def test_the_zero_redundancy_optimizer_is_unwrapped(tmp_path):
         zero = _stepped(ZeroRedundancyOptimizer([parameter], optimizer_class=torch.optim.Adam, lr=0.1))
         engine = BalancingEngine()
         engine.start(zero)
-        assert engine._adam
+        assert engine.controller.adam
     finally:
         dist.destroy_process_group()
 
@@ -152,7 +152,7 @@ def _sampler(plan: Plan) -> UnevenBatchSampler:
 def test_each_step_runs_at_the_lr_factor_of_the_plan_it_runs_not_the_newest_one():
     # a plan decided now starts at a later batch (the loader prefetched the ones before): its factor starts with it
     engine = BalancingEngine()
-    engine._scale = lambda total: (total / 8, 2.0 * total)  # the learning-rate rule, known
+    engine.controller.scale = lambda total: (total / 8, 2.0 * total)  # the learning-rate rule, known
     first, second = Plan((6, 2)), Plan((18, 6))
     sampler = _sampler(first)
     engine.use_loader(first, sampler)
@@ -189,10 +189,10 @@ def test_the_step_weight_covers_the_accumulation_window_and_its_partial_end():
 def test_the_first_plan_respects_the_bounds_for_every_frontend():
     engine = BalancingEngine(local_batch_bounds=(None, [4, 40]))
     engine.bind(TwoRanksSecond())
-    assert engine.bounds == BatchBounds.parse((None, [4, 40]), 2)
-    assert engine.bounds.first_plan(24).local_batch_sizes == (4, 20)
+    assert engine.controller.bounds == BatchBounds.parse((None, [4, 40]), 2)
+    assert engine.controller.bounds.first_plan(24).local_batch_sizes == (4, 20)
     with pytest.raises(ValueError, match="local_batch_bounds"):
-        engine.bounds.first_plan(50)
+        engine.controller.bounds.first_plan(50)
 
 
 def test_a_suspected_change_makes_every_rank_vote_at_every_step_until_it_counts_or_ends():
@@ -318,17 +318,19 @@ def test_the_engine_never_acts_on_an_infinite_estimate():
     from tests.test_real_devices import _synthetic_estimator
 
     bounded, counted = (
-        BalancingEngine(max_batch_size=4096),
-        BalancingEngine(max_batch_size=4096, settings=CannikinSettings(noise_bound_sigmas=0)),
+        BalancingEngine(max_batch_size=4096).controller,
+        BalancingEngine(max_batch_size=4096, settings=CannikinSettings(noise_bound_sigmas=0)).controller,
     )
     infinite = 0
     for estimator in _synthetic_estimator(20_000, 0):
-        bounded.estimator = counted.estimator = estimator
-        bounds = bounded.noise_bounds()
+        for controller in (bounded, counted):
+            controller.estimator = estimator
+            controller.noise_folded()  # the statistics read once, as after a fold
+        bounds = bounded.noise.bounds
         if bounds is None:  # before min_noise_updates, and until the average spans ten effective steps
-            assert estimator.num_updates <= 12 and bounded._scale(960) == (1.0, 1.0), estimator.num_updates
+            assert estimator.num_updates <= 12 and bounded.scale(960) == (1.0, 1.0), estimator.num_updates
             continue
-        infinite += counted.noise_bounds()[0] == float("inf")
+        infinite += counted.noise.bounds[0] == float("inf")
         assert bounds[0] <= 1.5 * 20_000, (estimator.num_updates, bounds)
         held, estimate = gain_noise_scale(bounds, estimator.noise_scale), estimator.noise_scale
         if math.isfinite(estimate):
@@ -336,7 +338,7 @@ def test_the_engine_never_acts_on_an_infinite_estimate():
         else:
             assert held == bounds[0], (bounds, held)
         gain = adascale_gain(held, 960, 96)
-        assert bounded._scale(960) == (pytest.approx(gain), pytest.approx(gain)) and gain < 10.0
+        assert bounded.scale(960) == (pytest.approx(gain), pytest.approx(gain)) and gain < 10.0
     assert infinite > 0, "the check must be able to fail: the point estimate lets an infinite one through"
 
 
@@ -349,13 +351,15 @@ def test_an_epochs_last_batch_leaves_its_replan_to_the_epoch_end():
     engine._timer = SimpleNamespace(reduced=True)  # a step whose gradients were reduced
     engine._finish_step = lambda: None  # the step is counted by hand here
     replans = []
-    engine._replan = lambda mid_epoch, adapt_total, epoch=0: replans.append((engine.step, mid_epoch, adapt_total))
-    engine.step = engine._replanner.warmup_steps
+    engine._replan = lambda mid_epoch, adapt_total, epoch=0: replans.append(
+        (engine.controller.step, mid_epoch, adapt_total)
+    )
+    engine.controller.step = engine.controller.replanner.warmup_steps
     engine.end_step(epoch_ends=True)
     assert replans == [], "the epoch end decides"
     engine.end_step()
-    assert replans == [(engine.step, True, False)], "mid-epoch the warm-up re-plan is due"
-    engine.step += 1
+    assert replans == [(engine.controller.step, True, False)], "mid-epoch the warm-up re-plan is due"
+    engine.controller.step += 1
     engine.end_step()
     assert len(replans) == 1
 
@@ -432,7 +436,7 @@ def test_every_ranks_check_vote_cost_fit_and_unfed_records_round_trip_through_ra
     engine = BalancingEngine()
     engine.bind(Gathered())
     engine.set_plan(Plan((8, 8)))
-    engine.step = 40
+    engine.controller.step = 40
     vote, cost_fit = engine._vote, engine._cost_fit
     for step in range(40):  # this rank's times: a reference, then a slowdown far beyond the band, too short to count
         vote.check.observe(8, 0.020 if step < 37 else 0.080)

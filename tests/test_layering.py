@@ -182,7 +182,6 @@ def test_no_frontend_gathers_broadcasts_or_decides_on_its_own():
 BEHIND_THE_ENGINE = {
     "runtime",
     "timer",
-    "noise",
     "observers",
     "hook_state",
     "weight_in_loss",

@@ -7,11 +7,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from lightning_cannikin.core.explain import missed_prediction
 from lightning_cannikin.core.optperf import optimal_split
 from lightning_cannikin.core.plan import BatchBounds, Plan
 from lightning_cannikin.core.policy import PolicySettings, decide
 from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings, StepRecord
-from lightning_cannikin.training.explain import missed_prediction
 
 CLEAN = SpeedModelSettings(warmup_samples=0)  # synthetic timings have no warm-up to leave out
 SLOPES = (0.001, 0.003)  # seconds per sample: rank 1 is 3x slower
@@ -174,12 +174,12 @@ def test_an_even_split_never_grows_past_the_smallest_cap():
 def test_the_simulator_and_the_callback_decide_alike(phi: float, max_batch: int) -> None:
     import math
 
-    from lightning_cannikin import CannikinSettings
+    from lightning_cannikin.core.controller import Controller, NoiseRule
     from lightning_cannikin.core.noise_scale import NoiseScaleEstimator
     from lightning_cannikin.simulation import ClusterModel, load_job, parse_cluster
     from lightning_cannikin.simulation.engine import replan
     from lightning_cannikin.simulation.gpu_profiles import ProfileStore
-    from lightning_cannikin.training.engine import BalancingEngine
+    from lightning_cannikin.training.settings import EngineOptions
 
     cluster = parse_cluster("2xV100,2xT4")
     job = load_job("imagenet", cluster.gpu_types, ProfileStore(use_sia=False))
@@ -189,11 +189,11 @@ def test_the_simulator_and_the_callback_decide_alike(phi: float, max_batch: int)
     seen = [current.local_batch_sizes, simulated.plan("cannikin", base + 40).local_batch_sizes]
 
     def live_decision(settings: SpeedModelSettings):
-        # the callback's engine: the same devices measured at two splits, the same noise scale, rank zero's decision
+        # the callback's controller: the same devices measured at two splits, the same noise scale, rank zero's decision
         # the noise scale is given, as the simulator is given it (no spread to bound it with: sigmas 0)
-        engine = BalancingEngine(max_batch_size=max_batch, settings=CannikinSettings(noise_bound_sigmas=0))
+        controller = Controller(EngineOptions(max_batch_size=max_batch).policy, noise_rule=NoiseRule(sigmas=0))
         bounds = BatchBounds(tuple(int(b) for b in simulated.lower), tuple(int(b) for b in simulated.upper))
-        engine.speed_model = _fitted_on(simulated.slopes, simulated.offsets, bounds, [], settings)
+        controller.speed_model = _fitted_on(simulated.slopes, simulated.offsets, bounds, [], settings)
         records = []
         for step, sizes in enumerate(seen * 3):
             compute = [a * b + a0 for a, a0, b in zip(simulated.slopes, simulated.offsets, sizes, strict=True)]
@@ -213,8 +213,9 @@ def test_the_simulator_and_the_callback_decide_alike(phi: float, max_batch: int)
                 "spread_known": True,
             }
         )
-        engine.estimator = estimator
-        return engine._decide(records, current, mid_epoch=False)
+        controller.estimator = estimator
+        controller.noise_folded()  # the statistics read once, as after a fold
+        return controller.decide(records, current, mid_epoch=False, adapt_total=True)[0]
 
     # the simulator knows its devices at every batch size (its model is the truth), so the callback's model is compared
     # with the evidence's reach off; with it on, the callback aims at the same total and moves as far as it reaches

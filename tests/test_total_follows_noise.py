@@ -170,7 +170,7 @@ def test_the_total_follows_a_doubling_noise_scale_up_and_down(cheap_batches, see
         at_high = true_choice(step_time, min(high, 1e9), BASE, 4096, offered)[0]
         # up to the choice at the upper end, and at least the choice at the lower one or as far as the evidence reaches
         assert min(at_low, reachable(step)) <= total <= at_high, (step, total, bounds)
-    assert run.engine.estimator.restarts >= 1, "the fall was seen as a change of the statistics"
+    assert run.engine.controller.estimator.restarts >= 1, "the fall was seen as a change of the statistics"
     assert "the noise statistics changed" in caplog.text, "and the user is told"
     samples = np.cumsum(run.totals[500:])  # samples after the fall
     back = next(i for i, bounds in enumerate(run.bounds[500:]) if bounds is not None and bounds[0] <= 100.0)

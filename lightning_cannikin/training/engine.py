@@ -25,19 +25,16 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_cannikin.core.change import LocalChangeCheck
 from lightning_cannikin.core.change_vote import ChangeVote
-from lightning_cannikin.core.dead_weight import dead_weight
-from lightning_cannikin.core.history import NoiseTrail, PlanHistory
-from lightning_cannikin.core.lr_scaling import Progress, check_family
-from lightning_cannikin.core.noise_scale import NoiseScaleEstimator
+from lightning_cannikin.core.controller import Controller, Message, NoiseRule
+from lightning_cannikin.core.lr_scaling import check_family
 from lightning_cannikin.core.plan import BatchBounds, Plan
-from lightning_cannikin.core.policy import Decision, decide, learning_rate_scale
+from lightning_cannikin.core.policy import Decision
 from lightning_cannikin.core.profile import PROFILE_FILENAME, build_profile, save_profile
 from lightning_cannikin.core.replanner import Replanner
-from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings, StepRecord
+from lightning_cannikin.core.speed_model import SpeedModelSettings, StepRecord
 from lightning_cannikin.training.collective import Collective
 from lightning_cannikin.training.comm_hook import WeightedAllReduceState, weighted_allreduce_hook
 from lightning_cannikin.training.cost_aware_sampler import CostTimeFit, SampleCosts, with_time_models
-from lightning_cannikin.training.explain import explain, missed_prediction
 from lightning_cannikin.training.grad_stats import GradientNormObserver
 from lightning_cannikin.training.loader import UnevenDataLoader, kept_arguments, loader_batch_size, rebuild_uneven
 from lightning_cannikin.training.loss_weights import LossScaleCheck, WindowWeights
@@ -50,7 +47,7 @@ from lightning_cannikin.training.step_timer import HostClock, StepTimer, step_ti
 from lightning_cannikin.training.stream_checks import is_litdata
 from lightning_cannikin.training.streaming import rebuild_streaming
 
-__all__ = ["ENGINE_API", "BalancingEngine"]
+__all__ = ["ENGINE_API", "BalancingEngine", "log_messages"]
 
 # Everything a frontend may call, read or set on the engine (``tests/test_layering.py`` checks every frontend against
 # it, and that the engine has nothing else public); the table in ``docs/architecture.md`` says where each is called.
@@ -63,9 +60,8 @@ ENGINE_API = frozenset(
         # the reductions' seams
         "comm_hook", "reduce_with", "gradient_ready", "host_waited", "reduction_done", "reduce_scatter_for",
         # what a frontend reads (the step in progress, what the run learnt) and sets
-        "plan", "bounds", "collective", "step", "step_plan", "step_sizes", "lr_factor", "epoch_length",
-        "latest_record", "measures_noise", "host_clock", "noise_scale", "noise_bounds", "estimator", "speed_model",
-        "history", "progress", "on_adopt", "profile_dir",
+        "plan", "collective", "step_plan", "step_sizes", "lr_factor", "epoch_length",
+        "latest_record", "measures_noise", "host_clock", "controller", "on_adopt", "profile_dir",
         # checkpoints
         "state_dict", "load_state_dict",
     }
@@ -89,21 +85,16 @@ class BalancingEngine:
         options = options if options is not None else EngineOptions(**choices)
         self.options = options
         settings = self._settings = options.settings
-        self._policy = options.policy
         every = (settings.warmup_steps, options.replan_every_n_steps, settings.adapt_every_n_steps)
         cadence = (settings.check_every_n_steps, settings.noise_every_n_steps)
-        self._replanner = Replanner(*every, *cadence, options.balance, options.max_batch_size is not None)
+        replanner = Replanner(*every, *cadence, options.balance, options.max_batch_size is not None)
+        fitting = SpeedModelSettings(half_life=settings.half_life, evidence_reach=settings.evidence_reach)
+        rule = NoiseRule(settings.min_noise_updates, settings.noise_bound_sigmas, settings.noise_bound_level)
+        # every decision and every input to one: this engine only measures and carries
+        self.controller = Controller(options.policy, replanner, fitting, rule, options.base_batch_size)
         self.profile_dir: str | None = None  # where rank zero writes the profile (set by the frontend)
         self.on_adopt: AdoptHook | None = None  # (plan, previous, mid_epoch)
-        self.progress = Progress()
-        self.history = PlanHistory()
-        self._noise_trail = NoiseTrail()  # the estimate and its bounds over the fit, for the run profile
-        self.speed_model: SpeedModel | None = None
-        self.estimator: NoiseScaleEstimator | None = None
-        self._restarts_told = 0  # the estimator's restarts (changes of the statistics) the log has told of
         self.collective: Collective | None = None
-        self.step = 0  # optimizer steps and micro-steps run this fit (as the replanner counts them)
-        self._adam = False
         self._fixed_split = False  # the user fixed the split: nothing re-plans it
         # the step in progress
         self.plan: Plan | None = None  # the newest plan (steps already prefetched may still run the one before it)
@@ -130,7 +121,6 @@ class BalancingEngine:
         self._inner: Any = None  # the optimizer that holds the state, once read
         self._family: str | None = None
         self._restored: dict[str, Any] | None = None
-        self._dead_weights: set[int] = set()  # the ranks the log said are slowest at their smallest batch
         self._held: list[StepRecord] = []  # this rank's records read for a checkpoint: the next re-plan's
 
     # -- the frontend's facts ------------------------------------------------------------------------------------------
@@ -161,21 +151,17 @@ class BalancingEngine:
         self._losses.normalisation = normalisation
         if sharded:
             self._observer_type = ShardedGradientNormObserver
-        if self.speed_model is None:
-            bounds = BatchBounds.parse(self.options.local_batch_bounds, world_size, smallest)
-            fitting = SpeedModelSettings(
-                half_life=self._settings.half_life, evidence_reach=self._settings.evidence_reach
-            )
-            self.speed_model = SpeedModel(world_size, fitting, bounds)
+        controller = self.controller
+        controller.configure(world_size, BatchBounds.parse(self.options.local_batch_bounds, world_size, smallest))
         if self._observer is None and world_size > 1 and self.options.track_noise_scale:
             every = (self._settings.noise_exchange_every, self._settings.noise_every_n_steps)
             self._observer = self._observer_type(collective.rank, world_size, None, *every)
-            self._observer.cadence = self._replanner.noise_every
+            self._observer.cadence = controller.replanner.noise_every
             self._hook.observers.append(self._observer)
         self._vote = None
-        checks = self._replanner.check_every_n_steps
-        if world_size > 1 and self._policy.balance and not fixed_split and checks is not None:
-            check = LocalChangeCheck(self.speed_model.settings.drift_tolerance)
+        checks = controller.replanner.check_every_n_steps
+        if world_size > 1 and controller.policy.balance and not fixed_split and checks is not None:
+            check = LocalChangeCheck(controller.fitting.drift_tolerance)
             self._vote = ChangeVote(check, collective, not collective.host_runs_ahead, cast_before_backward=True)
             self._timer.listeners[:] = [self._vote.check.observe]  # its own times, as the timer reads them
 
@@ -186,11 +172,6 @@ class BalancingEngine:
         observers[observers.index(self._timer)] = timer
         timer.listeners = self._timer.listeners
         self._timer = timer
-
-    @property
-    def bounds(self) -> BatchBounds | None:
-        """Every rank's local batch bounds (``None`` before :meth:`bind`)."""
-        return self.speed_model.bounds if self.speed_model is not None else None
 
     @property
     def measures_noise(self) -> bool:
@@ -206,18 +187,14 @@ class BalancingEngine:
         """Training starts: the estimator (it needs B0), the (first) ``optimizer``'s family, a checkpoint's state;
         ``scaler``: the ``GradScaler`` of ``16-mixed`` (its scale is divided out of the statistics);
         ``accumulation_allowed``: the engine may change the accumulation (the frontend accumulates for it)."""
-        plan = self.plan
+        plan, controller = self.plan, self.controller
         if plan is not None and not self._fixed_split:
-            self._policy.check_initial(plan)  # every rank sees the same plan: all raise, before any collective
-        if self._policy.accumulate and not accumulation_allowed:
-            self._policy = replace(self._policy, accumulate=False)
-        base = self.options.base_batch_size or (plan.total_batch_size if plan is not None else 1)
-        if self.estimator is None:
-            self.estimator = NoiseScaleEstimator(base)
-            if self.measures_noise and plan is not None:  # said once, where the statistics are measured
-                message = self.estimator.never_bounded_at(plan.total_batch_size)
-                if message is not None:
-                    rank_zero_warn(message)
+            controller.policy.check_initial(plan)  # every rank sees the same plan: all raise, before any collective
+        if controller.policy.accumulate and not accumulation_allowed:
+            controller.policy = replace(controller.policy, accumulate=False)
+        message = controller.start(plan)
+        if message is not None and self.measures_noise:  # said once, where the statistics are measured
+            rank_zero_warn(message.text)
         self._optimizer, self._family, self._inner = optimizer, None, None
         self._identify_optimizer()
         if self._observer is not None:
@@ -236,10 +213,10 @@ class BalancingEngine:
         inner = self._inner = unwrapped(self._optimizer)
         self._family = optimizer_family_of(inner)
         if self.options.track_noise_scale:
-            check_family(self._family, self._policy.lr_scaling, type(inner).__name__)
-        self._adam = self._family == "adam"
+            check_family(self._family, self.controller.policy.lr_scaling, type(inner).__name__)
+        self.controller.adam = self._family == "adam"
         if self._observer is not None:  # the noise of the direction Adam steps in (AdaptDL's rule)
-            self._observer.optimizer = inner if self._adam else None
+            self._observer.optimizer = inner if self.controller.adam else None
 
     # -- the plan and the loader ---------------------------------------------------------------------------------------
 
@@ -266,7 +243,7 @@ class BalancingEngine:
         elif self.plan is not None:
             plan = replace(self.plan, accumulation_steps=accumulation)
         else:
-            bounds = self.bounds or BatchBounds((1,) * world_size)
+            bounds = self.controller.bounds or BatchBounds((1,) * world_size)
             plan = bounds.first_plan(loader_batch_size(dataloader) * world_size, accumulation)
         if is_litdata(dataloader.dataset):  # a stream: its own shares (the items left re-dealt at a mid-epoch plan)
             if sample_costs is not None:
@@ -364,7 +341,7 @@ class BalancingEngine:
         plan = self._sampler.plan_at(position) if self._sampler is not None else self.plan
         total = plan.total_batch_size if plan is not None else sum(sizes) * accumulation
         self.step_plan = plan
-        self.lr_factor, self._gain = self._scale(total)
+        self.lr_factor, self._gain = self.controller.scale(total)
 
     def begin_next_step(
         self, optimizer_step: int, accumulation: int = 1, end: int = -1, units: tuple[float, ...] | None = None
@@ -427,7 +404,7 @@ class BalancingEngine:
         """Around the optimizer's step: the step counts at its gain (before a scheduler that may read the progress
         after it), and the learning rates are times the step's factor for this step only, restored afterwards, so any
         LR scheduler keeps its own values (a factor of 1, most steps, touches nothing)."""
-        self.progress.add(self._gain)
+        self.controller.progress.add(self._gain)
         factor = self.lr_factor
         if factor == 1.0:
             yield
@@ -448,11 +425,11 @@ class BalancingEngine:
         self._finish_step()
         if not self._timer.reduced or self._fixed_split:
             return None  # no re-plan mid-window: a window's micro-batches share one layout
-        replanner = self._replanner
-        replanner.voted(self._vote is not None and self._vote.poll(replanner.check_due(self.step)))
-        if epoch_ends or not getattr(self._sampler, "mid_epoch_plans", True):
-            return None  # the epoch's end decides (the vote kept for it); a stream's shares change only there
-        due, adapt = replanner.after_step(self.step, self.noise_bounds(), resizable)
+        controller = self.controller
+        changed = self._vote is not None and self._vote.poll(controller.check_due())
+        # the epoch's end decides (the vote kept for it); a stream's shares change only there
+        decides = not epoch_ends and getattr(self._sampler, "mid_epoch_plans", True)
+        due, adapt = controller.after_step(changed, resizable, decides=decides)
         return self._replan(mid_epoch=True, adapt_total=adapt, epoch=epoch) if due else None
 
     def _input_starts(self) -> None:
@@ -466,25 +443,19 @@ class BalancingEngine:
         running loader from its next global batch (a Fabric loop's). Returns the decision, if any."""
         if self._fixed_split:
             return None
-        due, adapt = self._replanner.after_step(self.step, self.noise_bounds(), epoch_end=True)
+        due, adapt = self.controller.epoch_end()
         return self._replan(mid_epoch=not rebuilds_loader, adapt_total=adapt, epoch=epoch) if due else None
 
     def _finish_step(self) -> None:
-        timer, rank = self._timer, self._rank
-        timer.finish(self.step, rank, None if self.step_sizes is None else self._timed_size(rank))
+        timer, rank, controller = self._timer, self._rank, self.controller
+        timer.finish(controller.step, rank, None if self.step_sizes is None else self._timed_size(rank))
         if timer.reduced:
             self._identify_optimizer()
-            observer, estimator = self._observer, self.estimator
+            observer, estimator = self._observer, controller.estimator
             # every rank folds the same exchanged numbers: the factor is identical everywhere, no collective
             if observer is not None and estimator is not None and observer.fold_into(estimator, self._window):
-                self._noise_trail.add(self.step, estimator.noise_scale, self.noise_bounds())
-            if estimator is not None and estimator.restarts > self._restarts_told:
-                self._restarts_told = estimator.restarts
-                rank_zero_info(
-                    f"Cannikin: step {self.step}: the noise statistics changed (the recent window's bounds left the"
-                    " run's); the noise-scale averages restart from the recent window"
-                )
-        self.step += 1
+                log_messages(controller.noise_folded())
+        controller.step_done()
 
     def _timed_size(self, rank: int) -> int | None:
         """The size this step is timed at: its samples, or with a cost-aware sampler its summed cost in samples of
@@ -494,7 +465,7 @@ class BalancingEngine:
         if sizes is None or load_of is None or position is None:
             return None if sizes is None else sizes[rank]
         units = sampler.units_at(position)[rank]  # type: ignore[union-attr]
-        self._cost_fit.load(self.step, units)
+        self._cost_fit.load(self.controller.step, units)
         return load_of(units)
 
     @property
@@ -537,71 +508,14 @@ class BalancingEngine:
         observer.blocked = self._timer.blocked if self.host_clock else None
         return NoiseReduceScatter(reduce_scatter, observer, module)
 
-    # -- the noise scale and the learning rate -------------------------------------------------------------------------
-
-    @property
-    def noise_scale(self) -> float | None:
-        """The gradient noise scale in samples (equal on every rank; ``None`` until measured)."""
-        return self.estimator.noise_scale if self.estimator is not None else None
-
-    def noise_bounds(self) -> tuple[float, float] | None:
-        """The noise scales the statistics cannot yet tell apart, ``(low, high)``: at ``noise_bound_level`` over the
-        run (:meth:`~lightning_cannikin.core.noise_scale.NoiseScaleEstimator.run_bounds`), or ``noise_bound_sigmas``
-        wide at each look where that is set; ``None`` before ``min_noise_updates`` measured steps or before the
-        statistics have a spread. The same on every rank: every estimator receives the same numbers."""
-        estimator, settings = self.estimator, self._settings
-        if estimator is None or estimator.num_updates < settings.min_noise_updates:
-            return None
-        if settings.noise_bound_sigmas is not None:
-            return estimator.bounds(settings.noise_bound_sigmas)
-        return estimator.run_bounds(settings.noise_bound_level)
-
-    def _scale(self, total_batch_size: int) -> tuple[float, float]:
-        """``(lr factor, AdaScale gain)`` of a step at ``total_batch_size`` with what is known now (the same on every
-        rank): the gain at the noise scale's point estimate, held within its bounds
-        (:func:`~lightning_cannikin.core.policy.gain_noise_scale`)."""
-        if self.estimator is None:
-            return 1.0, 1.0
-        base = self.estimator.base_batch_size
-        rule, bounds, estimate = self._policy.lr_scaling, self.noise_bounds(), self.noise_scale
-        return learning_rate_scale(rule, total_batch_size, base, bounds, self._adam, estimate)
-
     # -- re-plans ------------------------------------------------------------------------------------------------------
-
-    def _decide(
-        self, records: list[StepRecord], current: Plan | None, mid_epoch: bool, adapt_total: bool | None = None
-    ) -> Decision | None:
-        """Rank zero: fold in every rank's records and decide (``None`` while some rank has no timing yet)."""
-        assert self.speed_model is not None and self.estimator is not None
-        self.speed_model.add(records)
-        if self.speed_model.drifts:
-            rank_zero_info(
-                f"Cannikin: ranks {self.speed_model.drifts} changed speed; their models follow the measured change."
-            )
-        self.history.observe(records)
-        if current is None or not self.speed_model.ready:
-            return None
-        # the accumulation changes at epoch ends only (as Lightning's GradientAccumulationScheduler does it): a
-        # mid-epoch window must not straddle two values
-        policy = replace(self._policy, accumulate=False) if mid_epoch else self._policy
-        settle_at = self._replanner.settle_at
-        if settle_at is not None and self.step >= settle_at:  # after a move, its sizes timed: was it as predicted?
-            miss = missed_prediction(self.step, current, self.speed_model, policy.split_margin)
-            if miss is not None:
-                rank_zero_info(miss)
-        adapt_total = not mid_epoch if adapt_total is None else adapt_total
-        noise, base = self.noise_bounds(), self.estimator.base_batch_size
-        decision = decide(
-            self.speed_model, current, policy, noise, base, adapt_total, adam=self._adam, estimate=self.noise_scale
-        )
-        return replace(decision, changing=self.speed_model.changing, unconfirmed=self.speed_model.watch.unconfirmed)
 
     def _replan(self, mid_epoch: bool, adapt_total: bool, epoch: int = 0) -> Decision | None:
         """Gather, decide on rank zero, broadcast, adopt; every rank calls it after the same step. ``mid_epoch``: the
         plan applies from the next global batch no rank has drawn yet (else from the next epoch); ``adapt_total``: the
         total batch may change now; ``epoch``: for the history. Returns the decision adopted (``None`` while some rank
         has no timing yet)."""
-        collective = self.collective
+        collective, controller = self.collective, self.controller
         assert collective is not None
         # the step records are read now (after those a checkpoint read): on CUDA the last ones wait for the device (the
         # gather synchronises anyway); with a cost-aware sampler, this rank's time over its exact cost too
@@ -609,25 +523,24 @@ class BalancingEngine:
         mine_all = (mine, self._batches_yielded, self._losses.take(), self._cost_fit.add(mine))
         gathered = collective.all_gather(mine_all)
         from_batch = max(entry[1] for entry in gathered) if mid_epoch else 0
-        current = self.plan
+        current, rank_zero = self.plan, collective.rank == 0
         decision = None
-        if collective.rank == 0:
+        if rank_zero:
             self._losses.judge([entry[2] for entry in gathered])  # the loss against its declared normalisation
             records = [record for rank_records, *_ in gathered for record in rank_records]
-            decision = self._decide(records, current, mid_epoch, adapt_total)
+            decision, messages = controller.decide(records, current, mid_epoch, adapt_total)
+            log_messages(*messages)
             decision = with_time_models(decision, [e[3] for e in gathered])
         decision = collective.broadcast(decision, src=0)
-        replanner = self._replanner
+        took_vote, messages = controller.adopt(current, decision, adapt_total, epoch, decided=rank_zero)
         if decision is None or current is None:
-            replanner.nothing_adopted(self.step)
             return None
-        plan = decision.plan
-        if replanner.changed and self._vote is not None:
+        if took_vote and self._vote is not None:
             self._vote.reset()
-        replanner.followed(self.step, current, decision, adapt_total, self.noise_bounds())
-        probe_steps = 0 if decision.identified else replanner.warmup_steps
-        self._adopt(plan, current, mid_epoch, from_batch, probe_steps)
-        self._record(plan, current, decision, epoch, collective.rank == 0)
+        self._adopt(decision.plan, current, mid_epoch, from_batch, controller.probe_steps)
+        if rank_zero:
+            self._save_profile()
+            log_messages(*messages)
         return decision
 
     def _adopt(self, plan: Plan, current: Plan, mid_epoch: bool, from_batch: int, probe_steps: int) -> None:
@@ -641,24 +554,15 @@ class BalancingEngine:
         if self.on_adopt is not None:
             self.on_adopt(plan, current, mid_epoch)
 
-    def _record(self, plan: Plan, current: Plan, decision: Decision, epoch: int, rank_zero: bool) -> None:
-        """The history entry, rank zero's profile and message."""
-        changed = self.speed_model.drifts if rank_zero and self.speed_model is not None else []
-        self.history.append(self.step, epoch, plan, decision.lr_factor, self.noise_scale, changed)
-        if not rank_zero:
+    def _save_profile(self) -> None:
+        """Rank zero's run profile, where the frontend set :attr:`profile_dir`."""
+        controller = self.controller
+        if not (self.options.save_profile and self.profile_dir and controller.speed_model is not None):
             return
-        if self.options.save_profile and self.profile_dir and self.speed_model is not None:
-            base = self.estimator.base_batch_size if self.estimator is not None else None
-            trail = self._noise_trail.points or None  # None: from the history (no statistics measured)
-            profile = build_profile(self.speed_model, self.history.entries, base, trail)
-            save_profile(Path(self.profile_dir) / PROFILE_FILENAME, profile)
-        rank_zero_info(explain(self.step, decision, current, self._policy))  # what was decided, and why
-        if decision.identified and self.speed_model is not None:
-            model = self.speed_model
-            weight = dead_weight(*model.pieces(), plan.local_batch_sizes, model.lower, model.upper)
-            if weight is not None and weight.rank not in self._dead_weights:  # said once a rank
-                self._dead_weights.add(weight.rank)
-                rank_zero_warn(weight.message())
+        base = controller.estimator.base_batch_size if controller.estimator is not None else None
+        trail = controller.trail.points or None  # None: from the history (no statistics measured)
+        profile = build_profile(controller.speed_model, controller.history.entries, base, trail)
+        save_profile(Path(self.profile_dir) / PROFILE_FILENAME, profile)
 
     # -- checkpoints ---------------------------------------------------------------------------------------------------
 
@@ -666,13 +570,8 @@ class BalancingEngine:
         """Everything a resume needs; every rank calls it, as Lightning's checkpoint does (each rank's own part is
         gathered)."""
         return {
-            "balancer": self.speed_model.state_dict() if self.speed_model is not None else None,
-            "estimator": self.estimator.state_dict() if self.estimator is not None else None,
-            "progress": self.progress.state_dict(),
+            **self.controller.state_dict(),
             "plan": self.plan.to_dict() if self.plan is not None else None,
-            "history": self.history.entries,
-            "step": self.step,
-            "replanner": self._replanner.state_dict(),
             "noise_in_flight": self._observer.state_dict() if self._observer is not None else None,
             "ranks": self._ranks_state(),
         }
@@ -708,22 +607,10 @@ class BalancingEngine:
 
     def _restore(self, state: dict[str, Any]) -> None:
         """A checkpoint's ``state`` back in place (at training start: the estimator needs B0)."""
-        if state["balancer"] is not None and self.speed_model is not None:
-            self.speed_model.load_state_dict(state["balancer"])
-            self.speed_model.restarted(int(state["step"]))
-        if state["estimator"] is not None and self.estimator is not None:
-            self.estimator.load_state_dict(state["estimator"])
-            self._restarts_told = self.estimator.restarts  # told by the run that saved it
-        self.progress.load_state_dict(state["progress"])
-        self.history.entries = list(state["history"])
-        self.step = int(state["step"])
-        # checkpoints older than the Replanner kept some of its state at the top level
-        self._replanner.load_state_dict(state.get("replanner", state))
+        world_size = self.collective.world_size if self.collective is not None else 1
+        self.controller.load_state_dict(state, world_size)
         if state["noise_in_flight"] is not None and self._observer is not None:
             self._observer.load_state_dict(state["noise_in_flight"])
-        world_size = self.collective.world_size if self.collective is not None else 1
-        same_devices = state["balancer"] is not None and state["balancer"]["world_size"] == world_size
-        self._replanner.identified = self._replanner.identified and same_devices
         ranks = state.get("ranks")  # checkpoints older than it: every rank's check and cost fit start over
         if ranks is not None and len(ranks) == world_size:  # on other devices, each rank's own state is no evidence
             mine = ranks[self._rank]
@@ -733,3 +620,10 @@ class BalancingEngine:
             self._held = [StepRecord(**record) for record in mine["records"]]
         if self._vote is not None:
             self._vote.check.restarted()  # the device warms up again: its first times are left out
+
+
+def log_messages(*messages: Message | None) -> None:
+    """The controller's messages in rank zero's log."""
+    for message in messages:
+        if message is not None:
+            (rank_zero_warn if message.warn else rank_zero_info)(message.text)

@@ -101,7 +101,7 @@ class CannikinFabricStrategy(DDPStrategy):
     @property
     def speed_model(self) -> Any:
         """The engine's per-device timing models."""
-        return self.engine.speed_model
+        return self.engine.controller.speed_model
 
     @override
     def setup_environment(self) -> None:
@@ -148,7 +148,7 @@ class CannikinFabricStrategy(DDPStrategy):
         fixed = self._fixed.local_batch_sizes if self._fixed is not None else None
         loader = self.engine.training_loader(dataloader, self._accumulation, fixed)
         self._loader = loader
-        if self.engine.estimator is None:
+        if self.engine.controller.estimator is None:
             self.engine.start(self._optimizer, accumulation_allowed=False)
         return loader
 

@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_cannikin.core.explain import decision_values
 from lightning_cannikin.core.lr_scaling import Progress
 from lightning_cannikin.core.plan import Plan
 from lightning_cannikin.core.policy import Decision
@@ -25,7 +26,6 @@ from lightning_cannikin.core.profile import PROFILE_FILENAME
 from lightning_cannikin.core.speed_model import SpeedModel
 from lightning_cannikin.training._lightning_compat import epoch_resizable, sync_epoch_length
 from lightning_cannikin.training.engine import BalancingEngine
-from lightning_cannikin.training.explain import decision_values
 from lightning_cannikin.training.log_dir import log_artifact, run_log_dir
 from lightning_cannikin.training.metrics import (
     log_decision,
@@ -75,22 +75,22 @@ class BalancingCallback(Callback):
     @property
     def noise_scale(self) -> float | None:
         """The gradient noise scale ``tr(Sigma) / |G|^2`` in samples (equal on every rank; ``None`` until measured)."""
-        return self._engine.noise_scale if self._engine is not None else None
+        return self._engine.controller.noise.estimate if self._engine is not None else None
 
     @property
     def speed_model(self) -> SpeedModel | None:
         """The per-device timing models (``None`` before fitting starts)."""
-        return self._engine.speed_model if self._engine is not None else None
+        return self._engine.controller.speed_model if self._engine is not None else None
 
     @property
     def history(self) -> list[dict[str, Any]]:
         """One entry per adopted plan: sizes, predicted and measured step time, LR factor, noise scale."""
-        return self._engine.history.entries if self._engine is not None else []
+        return self._engine.controller.history.entries if self._engine is not None else []
 
     @property
     def progress(self) -> Progress:
         """Training progress in base-batch steps (the sum of the AdaScale gains; none before a fit)."""
-        return self._engine.progress if self._engine is not None else Progress()
+        return self._engine.controller.progress if self._engine is not None else Progress()
 
     @property
     def lr_factor(self) -> float:
@@ -164,18 +164,18 @@ class BalancingCallback(Callback):
         # the epoch's last batch: its end re-plans next (a mid-epoch re-plan too would decide twice in a row)
         last = batch_idx + 1 >= trainer.num_training_batches
         decision = engine.end_step(epoch_resizable(trainer), last, trainer.current_epoch)
-        if self._logging and engine.step % trainer.log_every_n_steps == 0:
+        if self._logging and engine.controller.step % trainer.log_every_n_steps == 0:
             if (record := engine.latest_record) is not None:
                 bar = self.options.settings.progress_bar
                 log_step(pl_module, record, engine.step_plan, engine.lr_factor, engine.step_sizes, bar)
-                if trainer.is_global_zero and (error := engine.history.prediction_error) is not None:
+                if trainer.is_global_zero and (error := engine.controller.history.prediction_error) is not None:
                     log_prediction_error(pl_module, error)
-            phi, estimator = engine.noise_scale, engine.estimator
+            phi, estimator = engine.controller.noise.estimate, engine.controller.estimator
             if phi is not None and estimator is not None:  # the latest estimate at every logging step
                 base = estimator.base_batch_size
                 plan = engine.step_plan
                 total = plan.total_batch_size if plan is not None else base
-                log_noise_scale(pl_module, phi, engine.noise_bounds(), total, base)
+                log_noise_scale(pl_module, phi, engine.controller.noise.bounds, total, base)
         self._log(trainer, decision)
 
     @override

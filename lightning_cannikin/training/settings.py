@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from lightning_cannikin.core.controller import MIN_NOISE_UPDATES
 from lightning_cannikin.core.noise_scale import NOISE_BOUND_LEVEL
 from lightning_cannikin.core.plan import BatchBounds
 from lightning_cannikin.core.policy import PolicySettings
@@ -113,7 +114,7 @@ class CannikinSettings:
     adapt_every_n_steps: int | None = Replanner.adapt_every_n_steps
     accumulate: bool = True
     track_noise_scale: bool | None = None
-    min_noise_updates: int = 10
+    min_noise_updates: int = MIN_NOISE_UPDATES
     noise_every_n_steps: int = Replanner.noise_every_n_steps
     noise_exchange_every: int = 4
     progress_bar: bool = False

@@ -187,7 +187,9 @@ class UnevenBatchesMixin:
             raise error
         sizes = self._engine.step_sizes
         batch_size = sizes[self.global_rank] if sizes else None
-        raise out_of_memory_error(self.global_rank, batch_size, sizes, self._engine.bounds, self.root_device) from error
+        raise out_of_memory_error(
+            self.global_rank, batch_size, sizes, self._engine.controller.bounds, self.root_device
+        ) from error
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         # every training step passes here, whatever the LightningModule calls inside it
