@@ -1,6 +1,6 @@
 """What each of the change detector's rules buys: replayed latency and regret, with the rule and without it.
 
-The re-plan protocol runs without Lightning (``tests/replay.py``: 3 emulated ranks, the speed model, ``decide``,
+The re-plan protocol runs without Lightning (``benchmarks/replay.py``: 3 emulated ranks, the speed model, ``decide``,
 every rank's change check and the ranks' vote as the engine makes them) on the scenarios that hold the detector's
 constants: slowdowns and a speed-up mid-run, the same on 7 ms steps, glitches of 4 steps at 4x and of 8 at 2x, a
 12-step stall taken for a change, periodic stalls, jitter on identical devices, saturation, and small lasting
@@ -27,9 +27,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.replay import replay
 from lightning_cannikin.core import change
 from lightning_cannikin.simulation.emulated_devices import EmulatedDevices
-from tests.replay import replay
 
 ONSET = 100  # the step at which the scenario's change begins
 SPEEDS = [0.5, 1.0, 2.0]  # ms per sample, 10 ms fixed: rank 0 is the fastest

@@ -1,6 +1,6 @@
 """Balancing as real devices need it: jitter, slower first steps, changes of total batch, a real change of speed.
 
-Replayed without Lightning (``tests/replay.py``: the callback's re-plan protocol on emulated devices), so each
+Replayed without Lightning (``benchmarks/replay.py``: the callback's re-plan protocol on emulated devices), so each
 scenario runs in milliseconds and over several seeds. ``test_balancing.py`` runs the same code end to end.
 """
 
@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from benchmarks.replay import replay
 from lightning_cannikin.core.plan import BatchBounds
 from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings, StepRecord
 from lightning_cannikin.simulation.emulated_devices import EmulatedDevices
-from tests.replay import replay
 
 # slower first steps as a GPU has them (allocator, autotuning): step 0 three times slower, normal from step 4
 WARMUP = {"warmup_steps": 4, "warmup_factor": 3.0}

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from benchmarks.replay import replay
 from lightning_cannikin.core.change import LocalChangeCheck
 from lightning_cannikin.simulation.emulated_devices import EmulatedDevices
-from tests.replay import replay
 
 WARMUP = {"warmup_steps": 4, "warmup_factor": 3.0}
 CHECK_EVERY = 8  # the default cadence of the ranks' vote

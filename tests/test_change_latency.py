@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.replay import replay
 from lightning_cannikin.core.change import (
     FAST_WINDOW,
     SURE_RUN,
@@ -20,7 +21,6 @@ from lightning_cannikin.core.change import (
     large_change,
 )
 from lightning_cannikin.simulation.emulated_devices import EmulatedDevices
-from tests.replay import replay
 
 WARMUP = {"warmup_steps": 4, "warmup_factor": 3.0}
 SPEEDS = [0.5, 1.0, 2.0]  # ms per sample, 10 ms fixed: rank 0 is the fastest

@@ -1,7 +1,7 @@
 """Planning on what real devices do (issue 21): shared devices that stall every few steps, a device whose speed
 changes mid-epoch, one-off glitches.
 
-Replayed without Lightning (``tests/replay.py``: the callback's re-plan protocol, local change checks included, on
+Replayed without Lightning (``benchmarks/replay.py``: the callback's re-plan protocol, local change checks included, on
 emulated devices), over several seeds.
 """
 
@@ -12,13 +12,13 @@ import math
 import numpy as np
 import pytest
 
+from benchmarks.replay import replay
 from lightning_cannikin.core.change import LocalChangeCheck, clear_change
 from lightning_cannikin.core.goodput import candidate_batch_sizes, goodput
 from lightning_cannikin.core.noise_scale import NoiseScaleEstimator
 from lightning_cannikin.core.optperf import optimal_split
 from lightning_cannikin.core.policy import PolicySettings
 from lightning_cannikin.simulation.emulated_devices import EmulatedDevices
-from tests.replay import replay
 
 WARMUP = {"warmup_steps": 4, "warmup_factor": 3.0}
 SEEDS = range(4)

@@ -6,10 +6,10 @@ import itertools
 
 import pytest
 
+from benchmarks.replay import replay
 from lightning_cannikin.core.policy import PolicySettings
 from lightning_cannikin.core.replanner import ROUTINE_GAP_CAP, Replanner
 from lightning_cannikin.simulation.emulated_devices import EmulatedDevices
-from tests.replay import replay
 
 
 class BandRule:

@@ -2,7 +2,7 @@
 
 It owns what a run learns (the speed model, the noise-scale estimator, the plan history, the progress made) and every
 "when" (its :class:`~lightning_cannikin.core.replanner.Replanner`). A frontend's engine feeds it a step's facts and
-carries what it decides between the ranks; the replays in ``tests/replay.py`` feed it emulated facts the same way.
+carries what it decides between the ranks; the replays in ``benchmarks/replay.py`` feed it emulated facts the same way.
 One loop, written once::
 
     due, adapt = controller.after_step(changed, resizable)        # every rank, every step
@@ -139,10 +139,14 @@ class Controller:
         warning where the noise statistics at this total can never bound the noise scale."""
         if self.estimator is not None:
             return None
-        base = self.base_batch_size or (plan.total_batch_size if plan is not None else 1)
-        self.estimator = NoiseScaleEstimator(base)
+        self.estimator = NoiseScaleEstimator(self.base_batch_size or (plan.total_batch_size if plan is not None else 1))
         message = self.estimator.never_bounded_at(plan.total_batch_size) if plan is not None else None
         return None if message is None else Message(message, warn=True)
+
+    @property
+    def base(self) -> int | None:
+        """B0: the estimator's (a checkpoint's, on a resume), else ``base_batch_size`` (``None``: not started)."""
+        return self.estimator.base_batch_size if self.estimator is not None else self.base_batch_size
 
     @property
     def bounds(self) -> BatchBounds | None:
@@ -213,8 +217,8 @@ class Controller:
         """Rank zero: fold in every rank's ``records`` and decide the plan after ``current`` (``None`` while some
         rank has no timing yet), with what it has to say. ``mid_epoch``: the plan applies within the running epoch
         (the accumulation waits for an epoch's end); ``adapt_total``: the total may change now."""
-        model, estimator = self.speed_model, self.estimator
-        assert model is not None and estimator is not None, "configure() and start() first"
+        model, base = self.speed_model, self.base
+        assert model is not None and base is not None, "configure() and start() first"
         messages: list[Message] = []
         model.add(records)
         if model.drifts:
@@ -230,7 +234,7 @@ class Controller:
             miss = missed_prediction(self.step, current, model, policy.split_margin)
             if miss is not None:
                 messages.append(Message(miss))
-        noise, base = self.noise, estimator.base_batch_size
+        noise = self.noise
         decision = decide(model, current, policy, noise.bounds, base, adapt_total, self.adam, noise.estimate)
         decision = replace(decision, changing=model.changing, unconfirmed=model.watch.unconfirmed)
         return decision, messages

@@ -5,7 +5,7 @@ rank's local check sees its speed change, while a new plan waits to be timed), w
 when to reconsider the total batch (when the noise scale's bounds call for a move under the rule the last choice was
 made by, not on a clock), how often to measure the noise statistics, and whether an epoch's end re-plans when nothing
 asks for it (less often while re-plans keep finding the plan in force). Its :meth:`Replanner.state_dict` is complete:
-a resumed run makes the same calls as one that was not interrupted. The engine, the replays in ``tests/replay.py``
+a resumed run makes the same calls as one that was not interrupted. The engine, the replays in ``benchmarks/replay.py``
 and ``benchmarks/replan_rules.py`` all drive this one object.
 
 Pure Python: imports neither torch nor Lightning.

@@ -1,25 +1,27 @@
-"""The callback's re-plan protocol replayed without Lightning: emulated devices, the speed model and ``decide``.
+"""The callback's re-plan protocol replayed without Lightning: emulated devices driving the engine's ``Controller``.
 
 Each step every rank's compute is what the emulated devices cost (jitter and warm-up included); the records reach
-the speed model at each re-plan, and ``decide`` picks the next plan. Every "when" is the engine's own ``Replanner``
-(what is due after a step or at an epoch's end, when the ranks vote, what a re-plan leaves for the next ones), and
-every rank's vote is the engine's ``ChangeVote``: the balancing behaviour under noise, warm-up and plan changes is
-tested in milliseconds on the real decisions. This module only emulates the devices and carries the records.
+the controller at each re-plan, and it decides the next plan. Every decision and every "when" is the controller's (its
+``Replanner``: what is due after a step or at an epoch's end, when the ranks vote, what a re-plan leaves for the next
+ones), and every rank's vote is the engine's ``ChangeVote``: the balancing behaviour under noise, warm-up and plan
+changes is tested in milliseconds on the real decisions. This module only emulates the devices and carries the records
+and the votes, as the engine carries them between ranks; it writes no decision of its own.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from lightning_cannikin.core.change import LocalChangeCheck
 from lightning_cannikin.core.change_vote import ChangeVote
+from lightning_cannikin.core.controller import Controller, NoiseReading
 from lightning_cannikin.core.optperf import optimal_split
 from lightning_cannikin.core.plan import BatchBounds, Plan, even_split
-from lightning_cannikin.core.policy import Decision, PolicySettings, decide, noise_bounds
+from lightning_cannikin.core.policy import Decision, PolicySettings, noise_bounds
 from lightning_cannikin.core.replanner import Replanner
 from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings, StepRecord
 from lightning_cannikin.simulation.emulated_devices import EmulatedDevices
@@ -112,20 +114,17 @@ def _checkpointed(state: object) -> object:
     return json.loads(json.dumps(state))
 
 
-def _resumed(replanner: Replanner) -> Replanner:
-    """A new replanner with the run's settings, loaded from ``replanner``'s state as a checkpoint carries it."""
-    state = _checkpointed(replanner.state_dict())
+def _resumed(controller: Controller, world_size: int, bounds: BatchBounds | None) -> Controller:
+    """A new controller with the run's settings, loaded from ``controller``'s state as a checkpoint carries it."""
+    state = _checkpointed(controller.state_dict())
     settings = ("warmup_steps", "every_n_steps", "adapt_every_n_steps", "check_every_n_steps", "noise_every_n_steps")
-    fresh = Replanner(**{name: getattr(replanner, name) for name in settings})
-    fresh.balance, fresh.adaptive = replanner.balance, replanner.adaptive
-    fresh.load_state_dict(state)
-    return fresh
-
-
-def _resumed_model(model: SpeedModel, bounds: BatchBounds | None) -> SpeedModel:
-    """A new speed model with the run's settings, loaded from ``model``'s state as a checkpoint carries it."""
-    fresh = SpeedModel(model.world_size, model.settings, bounds)
-    fresh.load_state_dict(_checkpointed(model.state_dict()))  # type: ignore[arg-type]
+    old = controller.replanner
+    replanner = Replanner(**{name: getattr(old, name) for name in settings}, balance=old.balance, adaptive=old.adaptive)
+    fresh = Controller(
+        controller.policy, replanner, controller.fitting, controller.noise_rule, controller.base_batch_size
+    )
+    fresh.configure(world_size, bounds)  # type: ignore[arg-type]
+    fresh.load_state_dict(state, world_size, restarted=False)  # type: ignore[arg-type]
     return fresh
 
 
@@ -184,13 +183,14 @@ def replay(
 
     """
     out = Replay(devices, world_size)
-    model = SpeedModel(world_size, settings, bounds)
-    out.model = model
     policy = policy or PolicySettings()
     every = (warmup_steps, replan_every_n_steps, 1, check_every_n_steps)
     replanner = Replanner(*every, balance=policy.balance, adaptive=policy.max_batch_size is not None)
+    controller = Controller(policy, replanner, settings or SpeedModelSettings(), base_batch_size=total)
+    controller.configure(world_size, bounds)  # type: ignore[arg-type]
+    out.model = controller.speed_model
     ballot = _Ballot(world_size)
-    tolerance = model.settings.drift_tolerance
+    tolerance = controller.fitting.drift_tolerance
 
     def new_vote() -> ChangeVote:
         return ChangeVote(change_check(tolerance), ballot, read_next_step, True)
@@ -209,35 +209,35 @@ def replay(
         ]
         for check, b, seconds in zip(checks, plan.local_batch_sizes, compute, strict=True):
             check.observe(b, seconds)  # each rank, on its own times
-        done = step + 1
+        done = controller.step_done()
         epoch_end = epoch_steps is not None and done % epoch_steps == 0
-        # the ranks' one-bit answers are cast on the steps the replanner names, and read as the engine reads them
-        replanner.voted(any([vote.poll(replanner.check_due(done)) for vote in votes]))
-        phi = noise(done) if noise is not None else None
+        # the known noise scale, as every rank's estimator reads it (the gain at its lower bound: no point estimate)
+        controller.noise = NoiseReading(noise_bounds(noise(done) if noise is not None else None))
+        # the ranks' one-bit answers are cast on the steps the controller names, and read as the engine reads them
+        changed = any([vote.poll(controller.check_due()) for vote in votes])
         forced = (totals or {}).get(done) if epoch_end else None
-        due, adapt = replanner.after_step(done, noise_bounds(phi), epoch_end=epoch_end)
+        due, adapt = controller.after_step(changed, epoch_end=epoch_end)
         if due or forced is not None:  # a forced total is goodput's choice: always due
-            if replanner.changed:
+            if controller.replanner.changed:
                 out.changes.append(done)
+            current = plan if forced is None else Plan(even_split(forced, world_size))  # decide splits a forced total
+            decision, _ = controller.decide(pending, current, mid_epoch=False, adapt_total=adapt)
+            pending = []
+            if controller.speed_model.drifts:  # type: ignore[union-attr]
+                out.drifts.append((done, list(controller.speed_model.drifts)))  # type: ignore[union-attr]
+            took_vote, _ = controller.adopt(plan, decision, adapt)
+            if took_vote:
                 for vote in votes:
                     vote.reset()
-            model.add(pending)
-            pending = []
-            if model.drifts:
-                out.drifts.append((done, list(model.drifts)))
-            current = plan if forced is None else Plan(even_split(forced, world_size))  # decide splits a forced total
-            decision = decide(model, current, policy, phi, total, adapt_total=adapt)
-            # what the engine's decision carries of the speed model (its `decide`)
-            decision = replace(decision, changing=model.changing, unconfirmed=model.watch.unconfirmed)
-            out.decisions.append((done, decision))
-            replanner.followed(done, plan, decision, adapt, noise_bounds(phi))
-            plan = decision.plan
-        out.states.append(replanner.state_dict())
+            if decision is not None:
+                out.decisions.append((done, decision))
+                plan = decision.plan
+        out.states.append(controller.replanner.state_dict())
         out.urgent.append(any(vote.urgent for vote in votes))
-        out.held.append(model.watch.suspected)
+        out.held.append(controller.speed_model.watch.suspected)  # type: ignore[union-attr]
         if done in resume_at:
-            replanner = _resumed(replanner)
-            model = out.model = _resumed_model(model, bounds)
+            controller = _resumed(controller, world_size, bounds)
+            out.model = controller.speed_model
             votes = _resumed_votes(votes, new_vote)
             checks = [vote.check for vote in votes]
             pending = [StepRecord(**record) for record in _checkpointed([r.to_dict() for r in pending])]  # type: ignore[union-attr]
