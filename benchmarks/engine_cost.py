@@ -93,12 +93,12 @@ def run_block(steps: int, fixed: bool, total: int = 96) -> float:
         position = sampler.yielded - 1
         sizes = sampler.sizes_at(position)
         ranks.sizes[engine.controller.step] = sizes
-        engine.begin_step(position, sizes, optimizer_step=step)
+        engine.begin_step(step, batch=(position, sizes))
         engine.forward_started()
         with engine.backward(loss, reduces=True, parameters=tuple):
             time.sleep(compute_s(0, sizes[0]))  # the device computes: no CPU of this thread
-            engine.gradient_ready()  # DDP's parameter hooks: the first and the last gradient ready
-            engine.gradient_ready()
+            engine.reductions.gradient_ready()  # DDP's parameter hooks: the first and the last gradient ready
+            engine.reductions.gradient_ready()
         with engine.optimizer_step(optimizer):
             pass
         time.sleep(max(compute_s(r, b) for r, b in enumerate(sizes)) - compute_s(0, sizes[0]) + TAIL_S)

@@ -63,7 +63,7 @@ class RecordingRegressor(pl.LightningModule):
         record = {
             "steps": self.steps,
             "epochs": self.epochs,
-            "hook_calls": strategy.engine.comm_hook()[0].calls if hasattr(strategy, "engine") else None,
+            "hook_calls": strategy.engine.reductions.comm_hook()[0].calls if hasattr(strategy, "engine") else None,
             "params": {k: v.tolist() for k, v in self.layer.state_dict().items()},
         }
         Path(self.record_dir, f"rank{self.global_rank}.json").write_text(json.dumps(record))

@@ -74,10 +74,10 @@ def run_engine(
         next(batches)  # the loader draws the next batch: a plan decided now starts after it
         position = sampler.yielded - 1
         sizes = sampler.sizes_at(position)
-        engine.begin_step(position, sizes, optimizer_step=step)
+        engine.begin_step(step, batch=(position, sizes))
         engine.forward_started()
         with engine.backward(torch.tensor(1.0), reduces=True, parameters=tuple):
-            engine.gradient_ready()
+            engine.reductions.gradient_ready()
         total = sum(sizes)
         groups_b = np.asarray(shares, dtype=float) * total / sum(shares)
         phi = noise_scale(step)
@@ -89,7 +89,7 @@ def run_engine(
         engine.controller.estimator.update((groups**2).sum(axis=1), groups_b, float(reduced @ reduced))
         log_messages(engine.controller.noise_folded())  # as the engine tells of the observer's fold
         run.totals.append(total)
-        run.factors.append(engine.lr_factor)
+        run.factors.append(engine.running.lr_factor)
         engine.end_step()
         run.bounds.append(engine.controller.noise.bounds)
         run.estimates.append(engine.controller.noise.estimate)

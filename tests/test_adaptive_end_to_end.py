@@ -60,7 +60,7 @@ class Totals(Callback):
         self.totals.append(engine.plan.total_batch_size)
         bounds = engine.controller.noise.bounds
         self.lows.append(None if bounds is None else bounds[0])
-        latest = engine.latest_record  # this step's record: the reductions' own time, every bucket seen
+        latest = engine.reductions.latest_record  # this step's record: the reductions' own time, every bucket seen
         if latest is not None:
             self.busy.append(latest.comm_busy)
 

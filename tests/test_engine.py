@@ -159,10 +159,16 @@ def test_each_step_runs_at_the_lr_factor_of_the_plan_it_runs_not_the_newest_one(
     engine.set_plan(second, from_batch=3)
     factors = []
     for position in range(5):
-        engine.begin_step(position, sampler.sizes_at(position), optimizer_step=position)
-        factors.append((engine.lr_factor, engine._gain))
+        engine.begin_step(position, batch=(position, sampler.sizes_at(position)))
+        factors.append((engine.running.lr_factor, engine.running.gain))
     assert engine.plan == second, "the newest plan is in force for what comes next"
     assert factors == [(1.0, 16.0)] * 3 + [(3.0, 48.0)] * 2
+
+
+def _weighted(engine: BalancingEngine) -> float:
+    """The loss of 1 as the engine hands it to backward (a micro-step: nothing reduced)."""
+    with engine.backward(torch.tensor(1.0), reduces=False, parameters=tuple) as weighted:
+        return weighted.item()
 
 
 def test_the_step_weight_covers_the_accumulation_window_and_its_partial_end():
@@ -172,18 +178,19 @@ def test_the_step_weight_covers_the_accumulation_window_and_its_partial_end():
     engine = BalancingEngine()
     engine.bind(TwoRanksSecond())
     engine.use_loader(plan, sampler)
-    engine.begin_step(1, (6, 2), optimizer_step=0, accumulation=3)
-    hook, _ = engine.comm_hook()
+    engine.begin_step(0, 3, batch=(1, (6, 2)))
+    hook, _ = engine.reductions.comm_hook()
     assert hook.weight == pytest.approx(6 / 24) and hook.micro_weight == pytest.approx(1 / 3)
     # the loss carries the micro share and undoes Lightning's 1/3 (the hook sums: the rank weight is on its buckets)
-    assert engine._weigh(torch.tensor(1.0)).item() == pytest.approx(3 * (1 / 3))
+    assert _weighted(engine) == pytest.approx(3 * (1 / 3))
     last = sampler.sizes_at(3)
-    engine.begin_step(3, last, optimizer_step=1, accumulation=3)
+    engine.begin_step(1, 3, batch=(3, last))
     assert engine._window == (last,) and sum(last) == 4, "the noise groups: the window's one partial micro-batch"
     assert hook.weight == pytest.approx(last[1] / 4) and hook.micro_weight == 1.0
-    engine.reduce_with(loss_carries_weight=True, averaged_over=2)  # DDP's own all-reduce: n * b_i / B on the loss
-    engine.begin_step(3, last, optimizer_step=1, accumulation=3)
-    assert engine._weigh(torch.tensor(1.0)).item() == pytest.approx(3 * 1.0 * 2 * last[1] / 4)
+    # DDP's own all-reduce: n * b_i / B on the loss
+    engine.reductions.reduce_with(loss_carries_weight=True, averaged_over=2)
+    engine.begin_step(1, 3, batch=(3, last))
+    assert _weighted(engine) == pytest.approx(3 * 1.0 * 2 * last[1] / 4)
 
 
 def test_the_first_plan_respects_the_bounds_for_every_frontend():
@@ -348,7 +355,7 @@ def test_an_epochs_last_batch_leaves_its_replan_to_the_epoch_end():
     from types import SimpleNamespace
 
     engine = BalancingEngine()
-    engine._timer = SimpleNamespace(reduced=True)  # a step whose gradients were reduced
+    engine.reductions.timer = SimpleNamespace(reduced=True)  # a step whose gradients were reduced
     engine._finish_step = lambda: None  # the step is counted by hand here
     replans = []
     engine._replan = lambda mid_epoch, adapt_total, epoch=0: replans.append(

@@ -54,7 +54,7 @@ def _train(fabric: L.Fabric, strategy: CannikinFabricStrategy, out: Path) -> Non
             steps.append(
                 {"epoch": epoch, "indices": index.tolist(), "sizes": list(sizes), "params": params, "grads": grads}
             )
-    hook_calls = strategy.engine.comm_hook()[0].calls
+    hook_calls = strategy.engine.reductions.comm_hook()[0].calls
     record = {"steps": steps, "plan": list(strategy.plan.local_batch_sizes), "hook_calls": hook_calls}
     (out / f"rank{fabric.global_rank}.json").write_text(json.dumps(record))
 
@@ -179,7 +179,7 @@ def _train_adapting(fabric: L.Fabric, strategy: CannikinFabricStrategy, out: Pat
             optimizer.step(closure=read_lr)
             optimizer.zero_grad()
             record = {"epoch": epoch, "indices": index.tolist(), "sizes": list(sizes), "lr": lrs[0]}
-            steps.append({**record, "params": params, "grads": grads, "factor": strategy.engine.lr_factor})
+            steps.append({**record, "params": params, "grads": grads, "factor": strategy.engine.running.lr_factor})
     (out / f"rank{fabric.global_rank}.json").write_text(json.dumps(steps))
 
 

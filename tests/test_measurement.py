@@ -44,7 +44,7 @@ class ForwardSpy(Callback):
         trainer.strategy.model.register_forward_pre_hook(entered)  # the DDP wrapper, before its pre-forward work
 
     def on_before_backward(self, trainer, pl_module, loss):
-        forward = trainer.strategy.engine._timer._marks[FORWARD]
+        forward = trainer.strategy.engine.reductions.timer._marks[FORWARD]
         self.rows.append((self.ddp_entered, forward, pl_module.body_started))
 
     def on_train_end(self, trainer, pl_module):

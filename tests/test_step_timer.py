@@ -272,11 +272,11 @@ def test_the_clock_follows_the_device_and_replaces_the_hook_observer():
     cuda = step_timer_for(torch.device("cuda", 0))  # builds no event and touches no device yet
     assert isinstance(cuda.clock, CudaEventClock) and cuda.memory.available
     engine = BalancingEngine()
-    old = engine._timer
-    engine.use_device(torch.device("cuda", 0))
-    hook, _ = engine.comm_hook()
-    assert isinstance(engine._timer.clock, CudaEventClock) and not engine.host_clock
-    assert engine._timer in hook.observers and old not in hook.observers
+    old = engine.reductions.timer
+    engine.reductions.use_device(torch.device("cuda", 0))
+    hook, _ = engine.reductions.comm_hook()
+    assert isinstance(engine.reductions.timer.clock, CudaEventClock) and not engine.reductions.host_clock
+    assert engine.reductions.timer in hook.observers and old not in hook.observers
 
 
 def test_buckets_outside_a_timed_step_are_not_marked():

@@ -286,19 +286,19 @@ def test_weights_and_bad_input():
         return engine
 
     summed = engine("sample_sum")
-    summed.begin_step(0, (6, 2), optimizer_step=0)
-    hook, _ = summed.comm_hook()
+    summed.begin_step(0, batch=(0, (6, 2)))
+    hook, _ = summed.reductions.comm_hook()
     assert hook.weight == 1.0 and hook.unit_scale == 2.0 and hook.global_scale == 8.0
     mean = engine()
-    mean.begin_step(0, (6, 2), optimizer_step=0)
-    hook, _ = mean.comm_hook()
+    mean.begin_step(0, batch=(0, (6, 2)))
+    hook, _ = mean.reductions.comm_hook()
     assert hook.weight == pytest.approx(0.25) and hook.unit_scale == 1.0
     with pytest.raises(ValueError, match="loss_normalisation"):
         CannikinStrategy(loss_normalisation="token_mean")
     with pytest.raises(ValueError, match="sample_costs"):
         CannikinStrategy(loss_normalisation="count_mean")
     with pytest.raises(ValueError, match="needs every micro-batch's count"):
-        engine("count_mean").begin_step(0, (6, 2), optimizer_step=0)
+        engine("count_mean").begin_step(0, batch=(0, (6, 2)))
     dataset = VarLenRegression(10)
     assert resolve_costs(lambda i: dataset.lengths[i], dataset).tolist() == dataset.lengths
     with pytest.raises(ValueError, match="10 samples"):

@@ -92,6 +92,7 @@ class CannikinFabricStrategy(DDPStrategy):
         self._ddp: DistributedDataParallel | None = None
         self._optimizer: Any = None
         self._optimizer_steps = 0
+        self._bound = False  # the engine runs over this strategy's collective
 
     @property
     def plan(self) -> Plan | None:
@@ -112,10 +113,10 @@ class CannikinFabricStrategy(DDPStrategy):
     def setup_module(self, module: Module) -> DistributedDataParallel:
         ddp = super().setup_module(module)
         # Fabric's DDP takes no comm hook; the weighted all-reduce is what makes uneven batches exact
-        ddp.register_comm_hook(*self.engine.comm_hook())
+        ddp.register_comm_hook(*self.engine.reductions.comm_hook())
         # CUDA events on a GPU, the host clock elsewhere; the compute starts when DDP hands the batch to the module
         engine = self.engine
-        engine.use_device(self.root_device)
+        engine.reductions.use_device(self.root_device)
         ddp.module.register_forward_pre_hook(lambda module, args: engine.forward_started(inner=True))
         self._ddp = ddp
         return ddp
@@ -141,7 +142,8 @@ class CannikinFabricStrategy(DDPStrategy):
             raise ValueError(
                 f"`local_batch_sizes` has {self._fixed.world_size} entries but the world size is {self.world_size}."
             )
-        if self.engine.collective is None:
+        if not self._bound:
+            self._bound = True
             module = self._ddp.module if self._ddp is not None else None
             smallest = smallest_local_batch(module, self.engine.options.local_batch_bounds)
             self.engine.bind(StrategyCollective(self), fixed_split=self._fixed is not None, smallest=smallest)
@@ -165,7 +167,7 @@ class CannikinFabricStrategy(DDPStrategy):
         loader = self._loader
         if loader is None or not loader.pending_steps:
             raise RuntimeError("`step()` needs a batch drawn from the loader that `uneven_dataloader` returned.")
-        position, sizes = self.engine.begin_next_step(self._optimizer_steps, self._accumulation)  # type: ignore[misc]
+        position, sizes = self.engine.begin_step(self._optimizer_steps, self._accumulation)  # type: ignore[misc]
         self.engine.forward_started()
         yield sizes
         epoch_end = position == len(loader.uneven_sampler) - 1

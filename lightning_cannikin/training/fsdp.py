@@ -72,7 +72,7 @@ class TimedCollectives:
         self._engine = engine
         self._reducing = reducing  # () -> whether this backward is the window's reducing one
         self._gather = gather
-        self._host = engine.host_clock
+        self._host = engine.reductions.host_clock
         self.calls = 0  # collectives issued (the strategy resets it around each backward)
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -83,7 +83,7 @@ class TimedCollectives:
         self.calls += 1
         reducing = not self._gather and self._reducing()
         if reducing:
-            engine.gradient_ready()
+            engine.reductions.gradient_ready()
         start = time.perf_counter()
         if self._gather:
             work = _all_gather_single(output_tensor, input_tensor, group=group, **kwargs)
@@ -91,9 +91,9 @@ class TimedCollectives:
             op = args[0] if args else kwargs.pop("op")
             work = _reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, **kwargs)
         if self._host and work is None:  # a synchronous collective: the host waited in it
-            engine.host_waited(time.perf_counter() - start)
+            engine.reductions.host_waited(time.perf_counter() - start)
         if reducing:
-            engine.reduction_done(output_tensor)
+            engine.reductions.reduction_done(output_tensor)
         return work
 
 
@@ -160,7 +160,7 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
         super().setup_environment()
         self._bind_engine(sharded=True)  # the noise statistics read FSDP2's reduce-scatters
         # FSDP2's reduce-scatter averages over the ranks: n * b_i / B on the loss makes its mean the weighted mean
-        self._engine.reduce_with(loss_carries_weight=True, averaged_over=self.world_size)
+        self._engine.reductions.reduce_with(loss_carries_weight=True, averaged_over=self.world_size)
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -175,7 +175,7 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
         reduce = self._reduce = TimedCollectives(engine, lambda: not self._accumulating, gather=False)
         for module in sharded:
             module.set_custom_all_gather(gather)
-            module.set_custom_reduce_scatter(engine.reduce_scatter_for(module, reduce))
+            module.set_custom_reduce_scatter(engine.reductions.reduce_scatter_for(module, reduce))
 
     @contextmanager
     @override
@@ -199,7 +199,7 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
         except torch.cuda.OutOfMemoryError as error:
             self._out_of_memory(error)
         if self._reduce is not None and self._reduce.calls == 0 and not self._accumulating:
-            self._engine.gradient_ready()  # one rank: FSDP2 copies its gradients without a reduce-scatter
+            self._engine.reductions.gradient_ready()  # one rank: FSDP2 copies its gradients without a reduce-scatter
         return loss
 
     @override

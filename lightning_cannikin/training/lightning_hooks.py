@@ -55,6 +55,7 @@ class BalancingCallback(Callback):
         self._user_accumulation: int | None = None
         self._length_checked: int | None = None
         self._logging = True  # whether logged values reach a logger or the progress bar
+        self._profile_dir: str | None = None  # where rank zero writes the run profile (set at training start)
 
     @property
     def engine(self) -> BalancingEngine:
@@ -95,7 +96,7 @@ class BalancingCallback(Callback):
     @property
     def lr_factor(self) -> float:
         """The learning-rate factor of the step in progress (or the last one; 1 before a fit)."""
-        return self._engine.lr_factor if self._engine is not None else 1.0
+        return self._engine.running.lr_factor if self._engine is not None else 1.0
 
     @property
     def state_key(self) -> str:
@@ -109,7 +110,6 @@ class BalancingCallback(Callback):
         self._trainer = trainer
         if self._user_accumulation is None:  # before any change of ours (a resume restores ours afterwards)
             self._user_accumulation = trainer.accumulate_grad_batches
-        self.engine.on_adopt = self._adopted
 
     def _adopted(self, plan: Plan, previous: Plan | None, mid_epoch: bool) -> None:
         """Lightning's side of a plan every rank adopted."""
@@ -130,16 +130,17 @@ class BalancingCallback(Callback):
         accumulation = pl_module.automatic_optimization and self._user_accumulation == 1
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
         # 16-mixed: the gradients carry the GradScaler's scale, which the statistics divide out
-        self.engine.start(optimizer, getattr(trainer.precision_plugin, "scaler", None), accumulation)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
         # the logger's folder for this run (W&B and MLflow included); rank zero writes the profile, and alone asks
-        self.engine.profile_dir = run_log_dir(trainer) if self.options.save_profile and trainer.is_global_zero else None
+        self._profile_dir = run_log_dir(trainer) if self.options.save_profile and trainer.is_global_zero else None
+        self.engine.start(optimizer, scaler, accumulation, on_adopt=self._adopted, profile_dir=self._profile_dir)
         self._logging = metrics_are_seen(trainer, self.options.settings.progress_bar)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # the profile as an artifact of the run where the logger keeps artifacts (MLflow, W&B); rank zero wrote it
-        profile = Path(self.engine.profile_dir or "", PROFILE_FILENAME)
-        if self.engine.profile_dir is None or not trainer.is_global_zero or not profile.is_file():
+        profile = Path(self._profile_dir or "", PROFILE_FILENAME)
+        if self._profile_dir is None or not trainer.is_global_zero or not profile.is_file():
             return
         for logger in trainer.loggers:
             try:
@@ -165,15 +166,16 @@ class BalancingCallback(Callback):
         last = batch_idx + 1 >= trainer.num_training_batches
         decision = engine.end_step(epoch_resizable(trainer), last, trainer.current_epoch)
         if self._logging and engine.controller.step % trainer.log_every_n_steps == 0:
-            if (record := engine.latest_record) is not None:
+            if (record := engine.reductions.latest_record) is not None:
                 bar = self.options.settings.progress_bar
-                log_step(pl_module, record, engine.step_plan, engine.lr_factor, engine.step_sizes, bar)
+                running = engine.running
+                log_step(pl_module, record, running.plan, running.lr_factor, running.sizes, bar)
                 if trainer.is_global_zero and (error := engine.controller.history.prediction_error) is not None:
                     log_prediction_error(pl_module, error)
             phi, estimator = engine.controller.noise.estimate, engine.controller.estimator
             if phi is not None and estimator is not None:  # the latest estimate at every logging step
                 base = estimator.base_batch_size
-                plan = engine.step_plan
+                plan = engine.running.plan
                 total = plan.total_batch_size if plan is not None else base
                 log_noise_scale(pl_module, phi, engine.controller.noise.bounds, total, base)
         self._log(trainer, decision)

@@ -96,7 +96,7 @@ class CannikinStrategy(UnevenBatchesMixin, DDPStrategy):
         every step, so the all-reduce model is exact at the totals the goodput choice weighs, not a fit of spans.
         Balancing alone leaves the reduction to DDP's own all-reduce: its total never changes."""
         manual = self.lightning_module is not None and not self.lightning_module.automatic_optimization
-        return self._engine.measures_noise or manual or self._ddp_comm_wrapper is not None
+        return self._engine.reductions.measures_noise or manual or self._ddp_comm_wrapper is not None
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -108,18 +108,19 @@ class CannikinStrategy(UnevenBatchesMixin, DDPStrategy):
         # the loss (one scalar product) instead of on every bucket; under manual optimization the hook applies it.
         # DDP's own all-reduce averages over the ranks: n * b_i / B on the loss makes its mean the weighted mean.
         assert self.lightning_module is not None
-        engine.reduce_with(self.lightning_module.automatic_optimization, 1 if self._uses_comm_hook else self.world_size)
+        averaged_over = 1 if self._uses_comm_hook else self.world_size
+        engine.reductions.reduce_with(self.lightning_module.automatic_optimization, averaged_over)
         if self._uses_comm_hook:
             # DDPStrategy registers comm hooks on CUDA only; on CPU (gloo) a hook would be silently ignored, and the
             # weighted all-reduce is what makes uneven batches correct, so register it on every device type.
-            state, hook = engine.comm_hook()
+            state, hook = engine.reductions.comm_hook()
             register_ddp_comm_hook(
                 model=self.model, ddp_comm_state=state, ddp_comm_hook=hook, ddp_comm_wrapper=self._ddp_comm_wrapper
             )
         else:
             # DDP's own all-reduce, no Python per bucket: the loss carries n * b_i / B (DDP averages), and two
             # parameter hooks time the gradients
-            self._readiness = GradientReadiness(self.model.parameters(), engine.gradient_ready)
+            self._readiness = GradientReadiness(self.model.parameters(), engine.reductions.gradient_ready)
         # DDP calls the LightningModule after its pre-forward work (buffer broadcast, a collective that waits for
         # slower ranks): that is where this rank's compute starts
         if self._forward_hook is not None:

@@ -106,12 +106,12 @@ class UnevenBatchesMixin:
     @property
     def step_sizes(self) -> tuple[int, ...] | None:
         """Every rank's sample count in the training step in progress (``None`` outside training steps)."""
-        return self._built.step_sizes if self._built is not None else None
+        return self._built.running.sizes if self._built is not None else None
 
     @property
     def lr_factor(self) -> float:
         """The multiplier applied to the learning rate in the optimizer step in progress."""
-        return self._built.lr_factor if self._built is not None else 1.0
+        return self._built.running.lr_factor if self._built is not None else 1.0
 
     @property
     def fixed_split(self) -> bool:
@@ -178,14 +178,14 @@ class UnevenBatchesMixin:
         collective = StrategyCollective(self)
         smallest = smallest_local_batch(self.lightning_module, self._engine.options.local_batch_bounds)
         self._engine.bind(collective, self.fixed_split, self._normalisation, sharded, smallest)
-        self._engine.use_device(self.root_device)
+        self._engine.reductions.use_device(self.root_device)
         end_process_group_at_exit()
 
     def _out_of_memory(self, error: torch.cuda.OutOfMemoryError) -> NoReturn:
         """Raise an out-of-memory error that names this rank, its local batch and the bounds."""
         if isinstance(error, LocalBatchOutOfMemoryError):
             raise error
-        sizes = self._engine.step_sizes
+        sizes = self._engine.running.sizes
         batch_size = sizes[self.global_rank] if sizes else None
         raise out_of_memory_error(
             self.global_rank, batch_size, sizes, self._engine.controller.bounds, self.root_device
@@ -240,7 +240,7 @@ class UnevenBatchesMixin:
         # Lightning closes an accumulation window early at the epoch's last batch (or `limit_train_batches`)
         end = trainer.num_training_batches
         end = int(end) if math.isfinite(end) else -1
-        self._engine.begin_next_step(trainer.global_step, trainer.accumulate_grad_batches, end, units)
+        self._engine.begin_step(trainer.global_step, trainer.accumulate_grad_batches, end, units)
 
     def _release_loader(self) -> None:
         """The fit ends: the loader goes, the plan stays (a later fit starts from it)."""

@@ -161,7 +161,7 @@ class Records(pl.Callback):
         self.clock = None
 
     def on_train_start(self, trainer, pl_module):
-        timer = trainer.strategy.engine._timer  # the engine's private timer: the test reads its clock
+        timer = trainer.strategy.engine.reductions.timer  # the engine's timer: the test reads its clock
         self.clock = type(timer.clock).__name__
         handout = timer.records
 
