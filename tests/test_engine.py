@@ -107,7 +107,7 @@ def test_the_optimizer_family_comes_from_what_it_holds():
     def family(optimizer, **engine_kwargs):
         engine = BalancingEngine(**engine_kwargs)
         engine.start(optimizer)
-        return engine.controller.adam, engine._family
+        return engine.controller.adam, engine._optimizer.family
 
     assert family(torch.optim.SGD([parameter], lr=0.1)) == (False, None), "nothing held before the first step"
     assert family(_stepped(torch.optim.SGD([parameter], lr=0.1, momentum=0.9))) == (False, "sgd")
@@ -444,7 +444,7 @@ def test_every_ranks_check_vote_cost_fit_and_unfed_records_round_trip_through_ra
     engine.bind(Gathered())
     engine.set_plan(Plan((8, 8)))
     engine.controller.step = 40
-    vote, cost_fit = engine._vote, engine._cost_fit
+    vote, cost_fit = engine._local.vote, engine._local.cost_fit
     for step in range(40):  # this rank's times: a reference, then a slowdown far beyond the band, too short to count
         vote.check.observe(8, 0.020 if step < 37 else 0.080)
         cost_fit.load(step, 8.0 + step % 3)
@@ -452,7 +452,7 @@ def test_every_ranks_check_vote_cost_fit_and_unfed_records_round_trip_through_ra
     assert vote.check.verdict() == SUSPECTED
     assert not vote.poll(check_due=True)  # a check step: the answer waits for the next backward
     vote.cast()  # it starts: the answer is in flight, read at the next step
-    engine._held = [StepRecord(39, 1, 8, 0.08, 0.1)]  # read for a checkpoint, not yet fed to a re-plan
+    engine._local.held = [StepRecord(39, 1, 8, 0.08, 0.1)]  # read for a checkpoint, not yet fed to a re-plan
     state = json.loads(json.dumps(engine.state_dict()))  # plain values
     saved = state["ranks"][1]
     assert len(state["ranks"]) == 2 and saved["vote"]["in_flight"] == SUSPECTED and not saved["vote"]["urgent"]
@@ -461,20 +461,20 @@ def test_every_ranks_check_vote_cost_fit_and_unfed_records_round_trip_through_ra
     fresh.load_state_dict(state)
     fresh.start()
     assert json.loads(json.dumps(fresh.state_dict()))["ranks"] == state["ranks"], "each rank's own state, exactly"
-    assert fresh._cost_fit.fit() == cost_fit.fit() and fresh._held == engine._held
+    assert fresh._local.cost_fit.fit() == cost_fit.fit() and fresh._local.held == engine._local.held
     # the vote in flight is read at the next step, as the uninterrupted run reads it: suspected, every rank votes on
-    assert fresh._vote.poll(check_due=False) == vote.poll(check_due=False) is False
-    assert fresh._vote.urgent and vote.urgent
+    assert fresh._local.vote.poll(check_due=False) == vote.poll(check_due=False) is False
+    assert fresh._local.vote.urgent and vote.urgent
     # the device restarted: its next `skip` times are its warm-up, left out; the reference and the window stay
-    reference = fresh._vote.check.state_dict()
-    for _ in range(fresh._vote.check.skip):
-        fresh._vote.check.observe(8, 1.0)
-    assert fresh._vote.check.state_dict() == reference
-    fresh._vote.check.observe(8, 0.080)
-    assert fresh._vote.check.state_dict()["recent"][-1] == 0.080
+    reference = fresh._local.vote.check.state_dict()
+    for _ in range(fresh._local.vote.check.skip):
+        fresh._local.vote.check.observe(8, 1.0)
+    assert fresh._local.vote.check.state_dict() == reference
+    fresh._local.vote.check.observe(8, 0.080)
+    assert fresh._local.vote.check.state_dict()["recent"][-1] == 0.080
     # on other devices (another world size) each rank's own state is no evidence: it starts over
     other = BalancingEngine()
     other.bind(OneRank())
     other.load_state_dict(state)
     other.start()
-    assert other._cost_fit.fit() is None and other._held == []
+    assert other._local.cost_fit.fit() is None and other._local.held == []

@@ -28,6 +28,7 @@ from lightning_cannikin.core.lr_scaling import Progress
 from lightning_cannikin.core.noise_scale import NOISE_BOUND_LEVEL, NoiseScaleEstimator
 from lightning_cannikin.core.plan import BatchBounds, Plan
 from lightning_cannikin.core.policy import Decision, PolicySettings, decide, learning_rate_scale
+from lightning_cannikin.core.profile import build_profile
 from lightning_cannikin.core.replanner import Replanner
 from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings, StepRecord
 
@@ -268,6 +269,14 @@ class Controller:
     def probe_steps(self) -> int:
         """Steps a probe alternates with the split it leaves (mid-epoch) while the speeds are not all measured."""
         return 0 if self.replanner.identified else self.replanner.warmup_steps
+
+    def profile(self) -> dict[str, Any] | None:
+        """The run profile (:func:`~lightning_cannikin.core.profile.build_profile`; ``None`` before any fit)."""
+        if self.speed_model is None:
+            return None
+        base = self.estimator.base_batch_size if self.estimator is not None else None
+        trail = self.trail.points or None  # None: from the history (no statistics measured)
+        return build_profile(self.speed_model, self.history.entries, base, trail)
 
     # -- checkpoints -------------------------------------------------------------------------------------------------
 

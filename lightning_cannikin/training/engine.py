@@ -28,15 +28,16 @@ from lightning_cannikin.core.controller import Controller, Message, NoiseRule
 from lightning_cannikin.core.lr_scaling import check_family
 from lightning_cannikin.core.plan import BatchBounds, Plan
 from lightning_cannikin.core.policy import Decision
-from lightning_cannikin.core.profile import PROFILE_FILENAME, build_profile, save_profile
+from lightning_cannikin.core.profile import PROFILE_FILENAME, save_profile
 from lightning_cannikin.core.replanner import Replanner
-from lightning_cannikin.core.speed_model import SpeedModelSettings, StepRecord
+from lightning_cannikin.core.speed_model import SpeedModelSettings
 from lightning_cannikin.training.collective import Collective
-from lightning_cannikin.training.cost_aware_sampler import CostTimeFit, SampleCosts, with_time_models
+from lightning_cannikin.training.cost_aware_sampler import SampleCosts, with_time_models
 from lightning_cannikin.training.grad_stats import GradientNormObserver
 from lightning_cannikin.training.loader import UnevenDataLoader, loader_batch_size
+from lightning_cannikin.training.local_evidence import LocalEvidence
 from lightning_cannikin.training.loss_weights import LossScaleCheck, WindowWeights
-from lightning_cannikin.training.optimizers import optimizer_family_of, unwrapped
+from lightning_cannikin.training.optimizers import FamilyWatch, scaled_learning_rates
 from lightning_cannikin.training.rebuild import rebuild_training_loader
 from lightning_cannikin.training.reductions import Reductions
 from lightning_cannikin.training.sampler import UnevenBatchSampler
@@ -108,16 +109,12 @@ class BalancingEngine:
         self._loader: UnevenDataLoader | None = None  # the training loader, where the engine built it
         self._weights = WindowWeights()
         self._losses = LossScaleCheck()
-        self._cost_fit = CostTimeFit()  # this rank's compute time over its exact summed cost (cost-aware sampler)
+        self._local = LocalEvidence()  # this rank's records, cost fit and change vote, for the next re-plan
         self._window: tuple[tuple[float, ...], ...] = ()  # the noise statistics' group sizes of the step's window
         self._loss_factor = 1.0
         self._position: int | None = None
-        self._vote: ChangeVote | None = None  # this rank's speed-change check and the ranks' vote on it
-        self._optimizer: Any = None
-        self._inner: Any = None  # the optimizer that holds the state, once read
-        self._family: str | None = None
+        self._optimizer = FamilyWatch()
         self._restored: dict[str, Any] | None = None
-        self._held: list[StepRecord] = []  # this rank's records read for a checkpoint: the next re-plan's
 
     # -- the run -------------------------------------------------------------------------------------------------------
 
@@ -153,12 +150,12 @@ class BalancingEngine:
             observer = self._observer_type(collective.rank, world_size, None, *every)
             observer.cadence = controller.replanner.noise_every
             reductions.watch_noise(observer)
-        self._vote = None
+        vote = self._local.vote = None
         checks = controller.replanner.check_every_n_steps
         if world_size > 1 and controller.policy.balance and not fixed_split and checks is not None:
             check = LocalChangeCheck(controller.fitting.drift_tolerance)
-            self._vote = ChangeVote(check, collective, not collective.host_runs_ahead, cast_before_backward=True)
-            reductions.timer.listeners[:] = [self._vote.check.observe]  # its own times, as the timer reads them
+            vote = self._local.vote = ChangeVote(check, collective, not collective.host_runs_ahead, True)
+            reductions.timer.listeners[:] = [vote.check.observe]  # its own times, as the timer reads them
 
     def start(
         self,
@@ -187,7 +184,7 @@ class BalancingEngine:
         message = controller.start(plan)
         if message is not None and self.reductions.measures_noise:  # said once, where the statistics are measured
             log_messages(message)
-        self._optimizer, self._family, self._inner = optimizer, None, None
+        self._optimizer = FamilyWatch(optimizer)
         self._identify_optimizer()
         if self.reductions.observer is not None:
             self.reductions.observer.scaler = scaler
@@ -196,19 +193,16 @@ class BalancingEngine:
             self._restored = None
 
     def _identify_optimizer(self) -> None:
-        """Adam-family once the optimizer holds a second moment (at once on a resume, else after its first step); one
-        that preconditions otherwise is refused where AdaScale follows a measured noise scale (every rank alike)."""
-        if self._optimizer is None or self._family is not None:
+        """The optimizer's family, once it tells (:class:`FamilyWatch`): one that preconditions other than Adam is
+        refused where AdaScale follows a measured noise scale (every rank alike)."""
+        watch = self._optimizer
+        if not watch.read():
             return
-        if self._inner is not None and not getattr(self._inner, "state", None):
-            return  # it still holds nothing (plain SGD never does): as read last time, at no cost each step
-        inner = self._inner = unwrapped(self._optimizer)
-        self._family = optimizer_family_of(inner)
         if self.options.track_noise_scale:
-            check_family(self._family, self.controller.policy.lr_scaling, type(inner).__name__)
-        adam = self.controller.adam = self._family == "adam"
+            check_family(watch.family, self.controller.policy.lr_scaling, type(watch.inner).__name__)
+        adam = self.controller.adam = watch.family == "adam"
         if self.reductions.observer is not None:  # the noise of the direction Adam steps in (AdaptDL's rule)
-            self.reductions.observer.optimizer = inner if adam else None
+            self.reductions.observer.optimizer = watch.inner if adam else None
 
     # -- the plan and the loader ---------------------------------------------------------------------------------------
 
@@ -350,8 +344,8 @@ class BalancingEngine:
         self._losses.record(self.running.sizes, loss)
         weighted = loss * self._loss_factor if self._loss_factor != 1.0 else loss
         self.reductions.timer.will_reduce(reduces)
-        if self._vote is not None:
-            self._vote.cast()
+        if self._local.vote is not None:
+            self._local.vote.cast()
         yield weighted
         self.reductions.backward_done(parameters)
 
@@ -361,18 +355,8 @@ class BalancingEngine:
         after it), and the learning rates are times the step's factor for this step only, restored afterwards, so any
         LR scheduler keeps its own values (a factor of 1, most steps, touches nothing)."""
         self.controller.progress.add(self.running.gain)
-        factor = self.running.lr_factor
-        if factor == 1.0:
+        with scaled_learning_rates(optimizer, self.running.lr_factor):
             yield
-            return
-        saved = [group["lr"] for group in optimizer.param_groups]
-        for group in optimizer.param_groups:
-            group["lr"] = group["lr"] * factor
-        try:
-            yield
-        finally:
-            for group, lr in zip(optimizer.param_groups, saved, strict=True):
-                group["lr"] = lr
 
     def end_step(self, resizable: bool = True, epoch_ends: bool = False, epoch: int = 0) -> Decision | None:
         """The step ended on every rank alike: time it, fold in the noise statistics that arrived, and re-plan when
@@ -382,7 +366,8 @@ class BalancingEngine:
         if not self.reductions.timer.reduced or self._fixed_split:
             return None  # no re-plan mid-window: a window's micro-batches share one layout
         controller = self.controller
-        changed = self._vote is not None and self._vote.poll(controller.check_due())
+        vote = self._local.vote
+        changed = vote is not None and vote.poll(controller.check_due())
         # the epoch's end decides (the vote kept for it); a stream's shares change only there
         decides = not epoch_ends and getattr(self._sampler, "mid_epoch_plans", True)
         due, adapt = controller.after_step(changed, resizable, decides=decides)
@@ -416,7 +401,7 @@ class BalancingEngine:
         if sizes is None or load_of is None or position is None:
             return None if sizes is None else sizes[rank]
         units = sampler.units_at(position)[rank]  # type: ignore[union-attr]
-        self._cost_fit.load(self.controller.step, units)
+        self._local.cost_fit.load(self.controller.step, units)
         return load_of(units)
 
     # -- re-plans ------------------------------------------------------------------------------------------------------
@@ -428,11 +413,8 @@ class BalancingEngine:
         has no timing yet)."""
         collective, controller = self._collective, self.controller
         assert collective is not None
-        # the step records are read now (after those a checkpoint read): on CUDA the last ones wait for the device (the
-        # gather synchronises anyway); with a cost-aware sampler, this rank's time over its exact cost too
-        mine, self._held = self._held + self.reductions.timer.records(wait=True), []
-        mine_all = (mine, self._batches_yielded, self._losses.take(), self._cost_fit.add(mine))
-        gathered = collective.all_gather(mine_all)
+        records, cost_fit = self._local.take(self.reductions.timer)
+        gathered = collective.all_gather((records, self._batches_yielded, self._losses.take(), cost_fit))
         from_batch = max(entry[1] for entry in gathered) if mid_epoch else 0
         current, rank_zero = self.plan, collective.rank == 0
         decision = None
@@ -446,34 +428,25 @@ class BalancingEngine:
         took_vote, messages = controller.adopt(current, decision, adapt_total, epoch, decided=rank_zero)
         if decision is None or current is None:
             return None
-        if took_vote and self._vote is not None:
-            self._vote.reset()
-        self._adopt(decision.plan, current, mid_epoch, from_batch, controller.probe_steps)
+        if took_vote and self._local.vote is not None:
+            self._local.vote.reset()
+        plan, probe_steps = decision.plan, controller.probe_steps
+        if not mid_epoch:  # a new total waits for the rebuilt loader
+            self.set_plan(plan, None if plan.total_batch_size != current.total_batch_size else 0)
+        else:  # a probe mid-epoch alternates with the split it leaves for a warm-up
+            self.set_plan(plan, from_batch, (current, probe_steps) if probe_steps > 0 else None)
+        if self._on_adopt is not None:
+            self._on_adopt(plan, current, mid_epoch)
         if rank_zero:
             self._save_profile()
             log_messages(*messages)
         return decision
 
-    def _adopt(self, plan: Plan, current: Plan, mid_epoch: bool, from_batch: int, probe_steps: int) -> None:
-        """Put the plan in force; a probe mid-epoch alternates with the split it leaves for ``probe_steps`` batches."""
-        if not mid_epoch:
-            total_changed = plan.total_batch_size != current.total_batch_size
-            self.set_plan(plan, None if total_changed else 0)  # a new total waits for the rebuilt loader
-        else:
-            interleave = (current, probe_steps) if probe_steps > 0 else None
-            self.set_plan(plan, from_batch=from_batch, interleave=interleave)
-        if self._on_adopt is not None:
-            self._on_adopt(plan, current, mid_epoch)
-
     def _save_profile(self) -> None:
         """Rank zero's run profile, where the frontend gave a ``profile_dir`` (:meth:`start`)."""
-        controller = self.controller
-        if not (self.options.save_profile and self._profile_dir and controller.speed_model is not None):
-            return
-        base = controller.estimator.base_batch_size if controller.estimator is not None else None
-        trail = controller.trail.points or None  # None: from the history (no statistics measured)
-        profile = build_profile(controller.speed_model, controller.history.entries, base, trail)
-        save_profile(Path(self._profile_dir) / PROFILE_FILENAME, profile)
+        profile = self.controller.profile() if self.options.save_profile and self._profile_dir else None
+        if profile is not None:
+            save_profile(Path(self._profile_dir) / PROFILE_FILENAME, profile)  # type: ignore[arg-type]
 
     # -- checkpoints ---------------------------------------------------------------------------------------------------
 
@@ -488,15 +461,9 @@ class BalancingEngine:
         }
 
     def _ranks_state(self) -> list[dict[str, Any]]:
-        """Every rank's own state, gathered (Lightning writes rank zero's callback state; every rank calls
-        :meth:`state_dict`, as Lightning's ``save_checkpoint`` does): its change check and vote, its cost fit, and
-        the records its timer holds for the next re-plan (read now, and still handed to it)."""
-        self._held += self.reductions.timer.records(wait=True)
-        mine = {
-            "vote": self._vote.state_dict() if self._vote is not None else None,
-            "cost_fit": self._cost_fit.state_dict(),
-            "records": [record.to_dict() for record in self._held],
-        }
+        """Every rank's :class:`LocalEvidence`, gathered: Lightning writes rank zero's callback state, and every rank
+        calls :meth:`state_dict`, as Lightning's ``save_checkpoint`` does."""
+        mine = self._local.state_dict(self.reductions.timer)
         return self._collective.all_gather(mine) if self._collective is not None else [mine]
 
     def load_state_dict(self, state: dict[str, Any]) -> Plan | None:
@@ -525,13 +492,8 @@ class BalancingEngine:
             observer.load_state_dict(state["noise_in_flight"])
         ranks = state.get("ranks")  # checkpoints older than it: every rank's check and cost fit start over
         if ranks is not None and len(ranks) == world_size:  # on other devices, each rank's own state is no evidence
-            mine = ranks[self._rank]
-            if self._vote is not None and mine["vote"] is not None:
-                self._vote.load_state_dict(mine["vote"])
-            self._cost_fit.load_state_dict(mine["cost_fit"])
-            self._held = [StepRecord(**record) for record in mine["records"]]
-        if self._vote is not None:
-            self._vote.check.restarted()  # the device warms up again: its first times are left out
+            self._local.load_state_dict(ranks[self._rank])
+        self._local.restarted()
 
 
 def log_messages(*messages: Message | None) -> None:
