@@ -81,7 +81,7 @@ def run_block(steps: int, fixed: bool, total: int = 96) -> float:
     engine.bind(ranks, fixed_split=fixed)
     plan = engine.controller.bounds.first_plan(total)
     sampler = UnevenBatchSampler(total * (steps + 1), rank=0, plan=plan, shuffle=False)
-    engine.use_loader(plan, sampler)
+    engine.data.use_loader(plan, sampler)
     parameter = torch.nn.Parameter(torch.zeros(4))
     optimizer = torch.optim.SGD([parameter], lr=0.1)
     engine.start(optimizer)

@@ -67,7 +67,7 @@ def run_engine(
     engine.bind(OneRank())
     plan = engine.controller.bounds.first_plan(total or base)
     sampler = UnevenBatchSampler((cap or plan.total_batch_size) * (steps + 2), rank=0, plan=plan, shuffle=False)
-    engine.use_loader(plan, sampler)
+    engine.data.use_loader(plan, sampler)
     engine.start()
     run, batches = NoiseRun(engine), iter(sampler)
     for step in range(steps):

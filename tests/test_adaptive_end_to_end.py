@@ -57,7 +57,7 @@ class Totals(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         engine = self._cannikin(trainer)[0].engine
-        self.totals.append(engine.plan.total_batch_size)
+        self.totals.append(engine.data.plan.total_batch_size)
         bounds = engine.controller.noise.bounds
         self.lows.append(None if bounds is None else bounds[0])
         latest = engine.reductions.latest_record  # this step's record: the reductions' own time, every bucket seen

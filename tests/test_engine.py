@@ -57,7 +57,7 @@ def test_the_checkpoint_keeps_the_callbacks_key_and_restores_the_replanner_exact
     assert BalancingCallback().state_key == Cannikin().state_key == "Cannikin"
     engine = BalancingEngine()
     engine.bind(OneRank())
-    engine.set_plan(Plan((5, 3)))
+    engine.data.set_plan(Plan((5, 3)))
     engine.controller.step = 9
     replanner = engine.controller.replanner
     replanner.identified, replanner.changed, replanner.settle_at, replanner.unconfirmed_moved = True, True, 12, True
@@ -78,7 +78,7 @@ def test_the_checkpoint_keeps_the_callbacks_key_and_restores_the_replanner_exact
 def test_a_checkpoint_from_before_the_replanner_still_resumes():
     engine = BalancingEngine()
     engine.bind(OneRank())
-    engine.set_plan(Plan((4,)))
+    engine.data.set_plan(Plan((4,)))
     state = engine.state_dict()
     del state["replanner"]
     band = [120.0, 480.0]  # a band old checkpoints saved, without the options: reconsidered at the next step
@@ -155,13 +155,13 @@ def test_each_step_runs_at_the_lr_factor_of_the_plan_it_runs_not_the_newest_one(
     engine.controller.scale = lambda total: (total / 8, 2.0 * total)  # the learning-rate rule, known
     first, second = Plan((6, 2)), Plan((18, 6))
     sampler = _sampler(first)
-    engine.use_loader(first, sampler)
-    engine.set_plan(second, from_batch=3)
+    engine.data.use_loader(first, sampler)
+    engine.data.set_plan(second, from_batch=3)
     factors = []
     for position in range(5):
         engine.begin_step(position, batch=(position, sampler.sizes_at(position)))
         factors.append((engine.running.lr_factor, engine.running.gain))
-    assert engine.plan == second, "the newest plan is in force for what comes next"
+    assert engine.data.plan == second, "the newest plan is in force for what comes next"
     assert factors == [(1.0, 16.0)] * 3 + [(3.0, 48.0)] * 2
 
 
@@ -177,7 +177,7 @@ def test_the_step_weight_covers_the_accumulation_window_and_its_partial_end():
     sampler = UnevenBatchSampler(28, rank=1, plan=plan, shuffle=False)
     engine = BalancingEngine()
     engine.bind(TwoRanksSecond())
-    engine.use_loader(plan, sampler)
+    engine.data.use_loader(plan, sampler)
     engine.begin_step(0, 3, batch=(1, (6, 2)))
     hook, _ = engine.reductions.comm_hook()
     assert hook.weight == pytest.approx(6 / 24) and hook.micro_weight == pytest.approx(1 / 3)
@@ -377,7 +377,7 @@ def test_statistics_that_can_never_bound_the_noise_scale_are_said_once_with_the_
     for base, warned in ((2, True), (128, False)):
         engine = BalancingEngine(max_batch_size=4096, base_batch_size=base)
         engine.bind(TwoRanksSecond())
-        engine.use_loader(Plan((256, 256)), None)
+        engine.data.use_loader(Plan((256, 256)), None)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             engine.start()
@@ -424,7 +424,7 @@ def _fit_twice(built: list, with_callback: bool) -> None:
     trainer.fit(BoringModel())
     assert len(built) == 1, "one engine per fit"
     (engine,) = built
-    assert strategy.engine is engine and engine.plan is not None and engine.plan.local_batch_sizes == (4,)
+    assert strategy.engine is engine and engine.data.plan is not None and engine.data.plan.local_batch_sizes == (4,)
     if with_callback:
         assert callback.engine is engine and engine.options is callback.options
     trainer.fit_loop.epoch_loop.max_steps = 6
@@ -442,7 +442,7 @@ def test_every_ranks_check_vote_cost_fit_and_unfed_records_round_trip_through_ra
 
     engine = BalancingEngine()
     engine.bind(Gathered())
-    engine.set_plan(Plan((8, 8)))
+    engine.data.set_plan(Plan((8, 8)))
     engine.controller.step = 40
     vote, cost_fit = engine._local.vote, engine._local.cost_fit
     for step in range(40):  # this rank's times: a reference, then a slowdown far beyond the band, too short to count

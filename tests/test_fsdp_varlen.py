@@ -43,7 +43,7 @@ class ShardedVarLenRegressor(VarLenRegressor):
             "steps": self.steps,
             "epochs": self.epochs,
             "params": full_params(self.layer),
-            "sampler": type(self.trainer.strategy.engine._sampler).__name__,
+            "sampler": type(self.trainer.strategy.engine.data.sampler).__name__,
         }
         Path(self.record_dir, f"rank{self.global_rank}.json").write_text(json.dumps(record))
 
@@ -169,7 +169,7 @@ class WarnedVarLenRegressor(ShardedVarLenRegressor):
         path = Path(self.record_dir, f"rank{self.global_rank}.json")
         record = json.loads(path.read_text())
         engine = self.trainer.strategy.engine
-        models = engine.plan.time_models
+        models = engine.data.plan.time_models
         record.update(warned=engine._losses.warned, time_models=None if models is None else list(models))
         path.write_text(json.dumps(record))
 

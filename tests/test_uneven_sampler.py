@@ -116,11 +116,11 @@ def test_a_probe_interleaved_with_the_split_it_left_alternates_then_stays():
 
     base, probe = Plan((16, 16)), Plan((24, 8))
     engine, sampler = BalancingEngine(), UnevenBatchSampler(640, 0, base)
-    engine.use_loader(base, sampler)
-    engine.set_plan(probe, from_batch=3, interleave=(base, 4))
+    engine.data.use_loader(base, sampler)
+    engine.data.set_plan(probe, from_batch=3, interleave=(base, 4))
     sizes = [sampler.sizes_at(q) for q in range(10)]
     assert sizes == [(16, 16)] * 3 + [(24, 8), (16, 16)] * 2 + [(24, 8)] * 3
-    assert engine.plan == probe and len(sampler) == 20, "the same global batch: the epoch keeps its length"
+    assert engine.data.plan == probe and len(sampler) == 20, "the same global batch: the epoch keeps its length"
     # a plan of another total is never interleaved (the epoch's length would change under the loader)
-    engine.set_plan(Plan((40, 8)), from_batch=12, interleave=(probe, 4))
+    engine.data.set_plan(Plan((40, 8)), from_batch=12, interleave=(probe, 4))
     assert [sampler.sizes_at(q) for q in range(11, 14)] == [(24, 8), (40, 8), (40, 8)]

@@ -89,11 +89,11 @@ class VarLenRegressor(RecordingRegressor):
         record = json.loads(path.read_text())
         engine = self.trainer.strategy.engine
         balancing = [cb for cb in self.trainer.callbacks if isinstance(cb, BalancingCallback)]
-        plan = engine.plan
+        plan = engine.data.plan
         record.update(
             warned=engine._losses.warned,
             time_models=None if plan is None or plan.time_models is None else list(plan.time_models),
-            mean_cost=getattr(engine._sampler, "mean_cost", None),
+            mean_cost=getattr(engine.data.sampler, "mean_cost", None),
             slopes=[m.slope for m in balancing[0].speed_model.models()] if balancing and self.global_rank == 0 else [],
         )
         path.write_text(json.dumps(record))

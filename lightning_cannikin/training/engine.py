@@ -38,9 +38,9 @@ from lightning_cannikin.training.loader import UnevenDataLoader, loader_batch_si
 from lightning_cannikin.training.local_evidence import LocalEvidence
 from lightning_cannikin.training.loss_weights import LossScaleCheck, WindowWeights
 from lightning_cannikin.training.optimizers import FamilyWatch, scaled_learning_rates
+from lightning_cannikin.training.plan_in_force import PlanInForce
 from lightning_cannikin.training.rebuild import rebuild_training_loader
 from lightning_cannikin.training.reductions import Reductions
-from lightning_cannikin.training.sampler import UnevenBatchSampler
 from lightning_cannikin.training.settings import EngineOptions
 from lightning_cannikin.training.sharded_grad_stats import ShardedGradientNormObserver
 
@@ -52,8 +52,8 @@ ENGINE_API = frozenset(
     {
         # the run: its options, its decisions, its reductions
         "options", "controller", "reductions", "bind", "start",
-        # the plan and the loader
-        "training_loader", "use_loader", "set_plan", "plan", "epoch_length",
+        # the plan in force and the training loader
+        "data", "training_loader",
         # a step
         "begin_step", "forward_started", "backward", "optimizer_step", "end_step", "end_epoch", "running",
         # checkpoints
@@ -98,15 +98,13 @@ class BalancingEngine:
         # every decision and every input to one: this engine only measures and carries
         self.controller = Controller(options.policy, replanner, fitting, rule, options.base_batch_size)
         self.reductions = Reductions()
-        self.plan: Plan | None = None  # the newest plan (steps already prefetched may still run the one before it)
+        self.data = PlanInForce()
         self.running = RunningStep()
         self._collective: Collective | None = None
         self._fixed_split = False  # the user fixed the split: nothing re-plans it
         self._profile_dir: str | None = None  # where rank zero writes the profile
         self._on_adopt: AdoptHook | None = None  # the frontend's side of a plan every rank adopted
         self._observer_type: type[GradientNormObserver] = GradientNormObserver
-        self._sampler: UnevenBatchSampler | None = None
-        self._loader: UnevenDataLoader | None = None  # the training loader, where the engine built it
         self._weights = WindowWeights()
         self._losses = LossScaleCheck()
         self._local = LocalEvidence()  # this rank's records, cost fit and change vote, for the next re-plan
@@ -175,7 +173,7 @@ class BalancingEngine:
             profile_dir: where rank zero writes the run profile (``None``: nowhere).
 
         """
-        plan, controller = self.plan, self.controller
+        plan, controller = self.data.plan, self.controller
         if plan is not None and not self._fixed_split:
             controller.policy.check_initial(plan)  # every rank sees the same plan: all raise, before any collective
         if controller.policy.accumulate and not accumulation_allowed:
@@ -206,11 +204,6 @@ class BalancingEngine:
 
     # -- the plan and the loader ---------------------------------------------------------------------------------------
 
-    def use_loader(self, plan: Plan | None, sampler: UnevenBatchSampler | None) -> None:
-        """The training sampler built with ``plan`` (``None``: the fit ended; the plan stays)."""
-        self.plan, self._sampler = plan if plan is not None else self.plan, sampler
-        self._loader = None
-
     def training_loader(
         self,
         dataloader: DataLoader,
@@ -226,42 +219,16 @@ class BalancingEngine:
         rank, world_size = self._collective.rank, self._collective.world_size
         if fixed is not None:
             plan = Plan(tuple(fixed), accumulation)
-        elif self.plan is not None:
-            plan = replace(self.plan, accumulation_steps=accumulation)
+        elif self.data.plan is not None:
+            plan = replace(self.data.plan, accumulation_steps=accumulation)
         else:
             bounds = self.controller.bounds or BatchBounds((1,) * world_size)
             plan = bounds.first_plan(loader_batch_size(dataloader) * world_size, accumulation)
         loader = rebuild_training_loader(dataloader, plan, rank, world_size, sample_costs)
-        self.use_loader(plan, loader.uneven_sampler)
+        self.data.use_loader(plan, loader.uneven_sampler)
         loader.on_fetch = lambda: self.reductions.timer.input_starts()  # the next input span starts at the ask
-        self._loader = loader
+        self.data.loader = loader
         return loader
-
-    @property
-    def _batches_yielded(self) -> int:
-        """Global batches the training sampler has handed out this epoch (a mid-epoch plan starts at or after it)."""
-        return self._sampler.yielded if self._sampler is not None else 0
-
-    @property
-    def epoch_length(self) -> int | None:
-        """Global batches in the running epoch (``None`` without a training loader)."""
-        try:
-            return len(self._sampler) if self._sampler is not None else None
-        except TypeError:  # a stream read whole by every rank: its length is known at its end only
-            return None
-
-    def set_plan(self, plan: Plan, from_batch: int | None = None, interleave: tuple[Plan, int] | None = None) -> None:
-        """Put ``plan`` (as many ranks as the plan in force) in force: in the running epoch from global batch
-        ``from_batch`` on (``interleave``: :meth:`UnevenBatchSampler.set_plan
-        <lightning_cannikin.training.sampler.UnevenBatchSampler.set_plan>`'s), or, with ``None``, when the training
-        DataLoader is next built."""
-        if self.plan is not None and plan.world_size != self.plan.world_size:
-            raise ValueError(
-                f"The plan splits across {plan.world_size} ranks, but the world size is {self.plan.world_size}."
-            )
-        self.plan = plan
-        if from_batch is not None and self._sampler is not None:
-            self._sampler.set_plan(plan, from_batch, interleave)
 
     # -- a training step -----------------------------------------------------------------------------------------------
 
@@ -293,8 +260,7 @@ class BalancingEngine:
             The batch's position in the epoch and every rank's sample count in it (``None`` outside the loader).
 
         """
-        if batch is None and self._loader is not None and self._loader.pending_steps:
-            batch = self._loader.pending_steps.popleft()
+        batch = self.data.next_batch() if batch is None else batch
         position, sizes = batch if batch is not None else (None, None)
         # an epoch's first step has no input span of its own: the epoch's end and the loader's new iterator lie between
         self.reductions.timer.start(after_input=position is not None and position > 0)
@@ -304,7 +270,7 @@ class BalancingEngine:
         if position is None or sizes is None:
             self.running = replace(self.running, sizes=sizes)
             return batch
-        weights = self._weights.of_step(self._sampler, position, sizes, self._rank, accumulation, end, units)
+        weights = self._weights.of_step(self.data.sampler, position, sizes, self._rank, accumulation, end, units)
         self._window = weights.noise_sizes
         hook = self.reductions.state
         hook.weight, hook.micro_weight, hook.unit_scale = weights.rank, weights.micro, weights.unit_scale
@@ -312,7 +278,7 @@ class BalancingEngine:
         # the weight on the loss (where the loss carries it), times n where the reduction averages
         weight = hook.weight * hook.mean_over if hook.weight_in_loss else 1.0
         self._loss_factor = accumulation * hook.micro_weight * weight
-        plan = self._sampler.plan_at(position) if self._sampler is not None else self.plan
+        plan = self.data.plan_at(position)
         total = plan.total_batch_size if plan is not None else sum(sizes) * accumulation
         self.running = RunningStep(plan, sizes, *self.controller.scale(total))
         return batch
@@ -369,7 +335,7 @@ class BalancingEngine:
         vote = self._local.vote
         changed = vote is not None and vote.poll(controller.check_due())
         # the epoch's end decides (the vote kept for it); a stream's shares change only there
-        decides = not epoch_ends and getattr(self._sampler, "mid_epoch_plans", True)
+        decides = not epoch_ends and self.data.mid_epoch_plans
         due, adapt = controller.after_step(changed, resizable, decides=decides)
         return self._replan(mid_epoch=True, adapt_total=adapt, epoch=epoch) if due else None
 
@@ -396,7 +362,7 @@ class BalancingEngine:
     def _timed_size(self, rank: int) -> int | None:
         """The size this step is timed at: its samples, or with a cost-aware sampler its summed cost in samples of
         average cost (the speed model then fits the time over the cost; the exact cost goes to the cost fit)."""
-        sizes, position, sampler = self.running.sizes, self._position, self._sampler
+        sizes, position, sampler = self.running.sizes, self._position, self.data.sampler
         load_of = getattr(sampler, "load_of", None)
         if sizes is None or load_of is None or position is None:
             return None if sizes is None else sizes[rank]
@@ -414,9 +380,9 @@ class BalancingEngine:
         collective, controller = self._collective, self.controller
         assert collective is not None
         records, cost_fit = self._local.take(self.reductions.timer)
-        gathered = collective.all_gather((records, self._batches_yielded, self._losses.take(), cost_fit))
+        gathered = collective.all_gather((records, self.data.batches_yielded, self._losses.take(), cost_fit))
         from_batch = max(entry[1] for entry in gathered) if mid_epoch else 0
-        current, rank_zero = self.plan, collective.rank == 0
+        current, rank_zero = self.data.plan, collective.rank == 0
         decision = None
         if rank_zero:
             self._losses.judge([entry[2] for entry in gathered])  # the loss against its declared normalisation
@@ -432,9 +398,9 @@ class BalancingEngine:
             self._local.vote.reset()
         plan, probe_steps = decision.plan, controller.probe_steps
         if not mid_epoch:  # a new total waits for the rebuilt loader
-            self.set_plan(plan, None if plan.total_batch_size != current.total_batch_size else 0)
+            self.data.set_plan(plan, None if plan.total_batch_size != current.total_batch_size else 0)
         else:  # a probe mid-epoch alternates with the split it leaves for a warm-up
-            self.set_plan(plan, from_batch, (current, probe_steps) if probe_steps > 0 else None)
+            self.data.set_plan(plan, from_batch, (current, probe_steps) if probe_steps > 0 else None)
         if self._on_adopt is not None:
             self._on_adopt(plan, current, mid_epoch)
         if rank_zero:
@@ -455,7 +421,7 @@ class BalancingEngine:
         gathered)."""
         return {
             **self.controller.state_dict(),
-            "plan": self.plan.to_dict() if self.plan is not None else None,
+            "plan": self.data.plan.to_dict() if self.data.plan is not None else None,
             "noise_in_flight": observer.state_dict() if (observer := self.reductions.observer) is not None else None,
             "ranks": self._ranks_state(),
         }
@@ -480,7 +446,7 @@ class BalancingEngine:
                 f"Cannikin: resuming a {len(saved['local_batch_sizes'])}-rank run on {world_size} ranks;"
                 f" keeping the global batch of {plan.global_batch_size}, split evenly until the new devices are timed."
             )
-        self.set_plan(plan)
+        self.data.set_plan(plan)
         return plan
 
     def _restore(self, state: dict[str, Any]) -> None:

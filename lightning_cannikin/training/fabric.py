@@ -97,7 +97,7 @@ class CannikinFabricStrategy(DDPStrategy):
     @property
     def plan(self) -> Plan | None:
         """The split in force (``None`` before :meth:`uneven_dataloader`)."""
-        return self.engine.plan
+        return self.engine.data.plan
 
     @property
     def speed_model(self) -> Any:

@@ -71,7 +71,7 @@ class BalancingCallback(Callback):
     @property
     def plan(self) -> Plan | None:
         """The split in force (``None`` before a fit)."""
-        return self._engine.plan if self._engine is not None else None
+        return self._engine.data.plan if self._engine is not None else None
 
     @property
     def noise_scale(self) -> float | None:
@@ -113,7 +113,7 @@ class BalancingCallback(Callback):
 
     def _adopted(self, plan: Plan, previous: Plan | None, mid_epoch: bool) -> None:
         """Lightning's side of a plan every rank adopted."""
-        trainer, length = self._trainer, self.engine.epoch_length
+        trainer, length = self._trainer, self.engine.data.epoch_length
         assert trainer is not None
         total_changed = previous is not None and plan.total_batch_size != previous.total_batch_size
         if total_changed:
@@ -152,7 +152,7 @@ class BalancingCallback(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        length = self.engine.epoch_length
+        length = self.engine.data.epoch_length
         if length is not None and self._length_checked != trainer.current_epoch:
             self._length_checked = trainer.current_epoch  # a resumed epoch's layout is restored at its first batch
             sync_epoch_length(trainer, length)

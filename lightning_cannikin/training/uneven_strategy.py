@@ -93,15 +93,15 @@ class UnevenBatchesMixin:
 
     def _build_engine(self, options: EngineOptions) -> None:
         """This strategy's engine, from ``options``, starting from the plan in force (one set before the fit)."""
-        plan = self._built.plan if self._built is not None else self._plan_before_fit
+        plan = self._built.data.plan if self._built is not None else self._plan_before_fit
         self._built, self._plan_before_fit = BalancingEngine(options), None
         if plan is not None:
-            self._built.set_plan(plan)
+            self._built.data.set_plan(plan)
 
     @property
     def plan(self) -> Plan | None:
         """The split in force (``None`` before the training DataLoader is set up)."""
-        return self._built.plan if self._built is not None else self._plan_before_fit
+        return self._built.data.plan if self._built is not None else self._plan_before_fit
 
     @property
     def step_sizes(self) -> tuple[int, ...] | None:
@@ -128,7 +128,7 @@ class UnevenBatchesMixin:
         if self._built is None:
             self._plan_before_fit = plan  # the engine, built at setup, starts from it
         else:
-            self._built.set_plan(plan, from_batch)
+            self._built.data.set_plan(plan, from_batch)
 
     def _launch_world_size(self) -> int:
         """The world size before the process group exists: nodes x devices, or Ray Train's world under its cluster
@@ -245,4 +245,4 @@ class UnevenBatchesMixin:
     def _release_loader(self) -> None:
         """The fit ends: the loader goes, the plan stays (a later fit starts from it)."""
         self._train_loader = None
-        self._engine.use_loader(None, None)
+        self._engine.data.use_loader(None, None)
