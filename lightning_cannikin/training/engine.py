@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,29 +22,23 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn  # Lightning's and Fabric's
 from torch.utils.data import DataLoader
 
-from lightning_cannikin.core.change import LocalChangeCheck
-from lightning_cannikin.core.change_vote import ChangeVote
-from lightning_cannikin.core.controller import Controller, Message, NoiseRule
+from lightning_cannikin.core.controller import Message
 from lightning_cannikin.core.lr_scaling import check_family
 from lightning_cannikin.core.plan import BatchBounds, Plan
 from lightning_cannikin.core.policy import Decision
 from lightning_cannikin.core.profile import PROFILE_FILENAME, save_profile
-from lightning_cannikin.core.replanner import Replanner
-from lightning_cannikin.core.speed_model import SpeedModelSettings
 from lightning_cannikin.training.collective import Collective
 from lightning_cannikin.training.cost_aware_sampler import SampleCosts, with_time_models
-from lightning_cannikin.training.grad_stats import GradientNormObserver
 from lightning_cannikin.training.loader import UnevenDataLoader, loader_batch_size
 from lightning_cannikin.training.local_evidence import LocalEvidence
 from lightning_cannikin.training.loss_weights import LossScaleCheck, WindowWeights
 from lightning_cannikin.training.optimizers import FamilyWatch, scaled_learning_rates
-from lightning_cannikin.training.plan_in_force import PlanInForce
+from lightning_cannikin.training.plan_in_force import PlanInForce, RunningStep
 from lightning_cannikin.training.rebuild import rebuild_training_loader
 from lightning_cannikin.training.reductions import Reductions
 from lightning_cannikin.training.settings import EngineOptions
-from lightning_cannikin.training.sharded_grad_stats import ShardedGradientNormObserver
 
-__all__ = ["ENGINE_API", "BalancingEngine", "RunningStep", "log_messages"]
+__all__ = ["ENGINE_API", "BalancingEngine", "log_messages"]
 
 # Everything a frontend may call, read or set on the engine (``tests/test_layering.py`` checks every frontend against
 # it, and that the engine has nothing else public); the table in ``docs/architecture.md`` says where each is called.
@@ -64,18 +58,6 @@ ENGINE_API = frozenset(
 AdoptHook = Callable[[Plan, "Plan | None", bool], None]
 
 
-@dataclass(frozen=True)
-class RunningStep:
-    """The step in progress: the ``plan`` it runs (a plan decided mid-epoch starts at a later batch than the decision,
-    because the loader prefetches), every rank's sample count ``sizes``, and that plan's learning-rate factor and
-    AdaScale gain (B0-steps of progress the step makes)."""
-
-    plan: Plan | None = None
-    sizes: tuple[int, ...] | None = None
-    lr_factor: float = 1.0
-    gain: float = 1.0
-
-
 class BalancingEngine:
     """Measure a balancing run's steps, and carry its controller's decisions between the ranks.
 
@@ -89,14 +71,8 @@ class BalancingEngine:
     def __init__(self, options: EngineOptions | None = None, **choices: Any) -> None:
         options = options if options is not None else EngineOptions(**choices)
         self.options = options
-        settings = self._settings = options.settings
-        every = (settings.warmup_steps, options.replan_every_n_steps, settings.adapt_every_n_steps)
-        cadence = (settings.check_every_n_steps, settings.noise_every_n_steps)
-        replanner = Replanner(*every, *cadence, options.balance, options.max_batch_size is not None)
-        fitting = SpeedModelSettings(half_life=settings.half_life, evidence_reach=settings.evidence_reach)
-        rule = NoiseRule(settings.min_noise_updates, settings.noise_bound_sigmas, settings.noise_bound_level)
-        # every decision and every input to one: this engine only measures and carries
-        self.controller = Controller(options.policy, replanner, fitting, rule, options.base_batch_size)
+        self._settings = options.settings
+        self.controller = options.controller()  # every decision and every input to one: the engine measures, carries
         self.reductions = Reductions()
         self.data = PlanInForce()
         self.running = RunningStep()
@@ -104,7 +80,6 @@ class BalancingEngine:
         self._fixed_split = False  # the user fixed the split: nothing re-plans it
         self._profile_dir: str | None = None  # where rank zero writes the profile
         self._on_adopt: AdoptHook | None = None  # the frontend's side of a plan every rank adopted
-        self._observer_type: type[GradientNormObserver] = GradientNormObserver
         self._weights = WindowWeights()
         self._losses = LossScaleCheck()
         self._local = LocalEvidence()  # this rank's records, cost fit and change vote, for the next re-plan
@@ -140,20 +115,13 @@ class BalancingEngine:
         self._collective, self._fixed_split = collective, fixed_split
         self._weights = WindowWeights(normalisation)
         self._losses.normalisation = normalisation
-        if sharded:
-            self._observer_type = ShardedGradientNormObserver
         controller.configure(world_size, BatchBounds.parse(self.options.local_batch_bounds, world_size, smallest))
         if reductions.observer is None and world_size > 1 and self.options.track_noise_scale:
             every = (self._settings.noise_exchange_every, self._settings.noise_every_n_steps)
-            observer = self._observer_type(collective.rank, world_size, None, *every)
-            observer.cadence = controller.replanner.noise_every
-            reductions.watch_noise(observer)
-        vote = self._local.vote = None
+            reductions.watch_noise(collective.rank, world_size, sharded, every, controller.replanner.noise_every)
         checks = controller.replanner.check_every_n_steps
-        if world_size > 1 and controller.policy.balance and not fixed_split and checks is not None:
-            check = LocalChangeCheck(controller.fitting.drift_tolerance)
-            vote = self._local.vote = ChangeVote(check, collective, not collective.host_runs_ahead, True)
-            reductions.timer.listeners[:] = [vote.check.observe]  # its own times, as the timer reads them
+        votes = world_size > 1 and controller.policy.balance and not fixed_split and checks is not None
+        self._local.watch_speed(collective if votes else None, controller.fitting.drift_tolerance, reductions.timer)
 
     def start(
         self,
@@ -217,13 +185,8 @@ class BalancingEngine:
         :meth:`begin_step`; a step's input is timed from the loop's request for it."""
         assert self._collective is not None, "bind() first"
         rank, world_size = self._collective.rank, self._collective.world_size
-        if fixed is not None:
-            plan = Plan(tuple(fixed), accumulation)
-        elif self.data.plan is not None:
-            plan = replace(self.data.plan, accumulation_steps=accumulation)
-        else:
-            bounds = self.controller.bounds or BatchBounds((1,) * world_size)
-            plan = bounds.first_plan(loader_batch_size(dataloader) * world_size, accumulation)
+        bounds = self.controller.bounds or BatchBounds((1,) * world_size)
+        plan = self.data.first_plan(loader_batch_size(dataloader) * world_size, accumulation, fixed, bounds)
         loader = rebuild_training_loader(dataloader, plan, rank, world_size, sample_costs)
         self.data.use_loader(plan, loader.uneven_sampler)
         loader.on_fetch = lambda: self.reductions.timer.input_starts()  # the next input span starts at the ask
@@ -263,21 +226,14 @@ class BalancingEngine:
         batch = self.data.next_batch() if batch is None else batch
         position, sizes = batch if batch is not None else (None, None)
         # an epoch's first step has no input span of its own: the epoch's end and the loader's new iterator lie between
-        self.reductions.timer.start(after_input=position is not None and position > 0)
-        if self.reductions.observer is not None:  # before the step's first backward: is this optimizer step measured?
-            self.reductions.observer.start_step(optimizer_step)
+        self.reductions.start_step(optimizer_step, after_input=position is not None and position > 0)
         self._position = position
         if position is None or sizes is None:
             self.running = replace(self.running, sizes=sizes)
             return batch
         weights = self._weights.of_step(self.data.sampler, position, sizes, self._rank, accumulation, end, units)
         self._window = weights.noise_sizes
-        hook = self.reductions.state
-        hook.weight, hook.micro_weight, hook.unit_scale = weights.rank, weights.micro, weights.unit_scale
-        hook.global_scale = weights.global_scale
-        # the weight on the loss (where the loss carries it), times n where the reduction averages
-        weight = hook.weight * hook.mean_over if hook.weight_in_loss else 1.0
-        self._loss_factor = accumulation * hook.micro_weight * weight
+        self._loss_factor = self.reductions.weigh(weights, accumulation)
         plan = self.data.plan_at(position)
         total = plan.total_batch_size if plan is not None else sum(sizes) * accumulation
         self.running = RunningStep(plan, sizes, *self.controller.scale(total))
@@ -350,7 +306,8 @@ class BalancingEngine:
 
     def _finish_step(self) -> None:
         timer, rank, controller = self.reductions.timer, self._rank, self.controller
-        timer.finish(controller.step, rank, None if self.running.sizes is None else self._timed_size(rank))
+        timed = self._local.timed_size(self.data.sampler, self._position, self.running.sizes, rank, controller.step)
+        timer.finish(controller.step, rank, timed)
         if timer.reduced:
             self._identify_optimizer()
             observer, estimator = self.reductions.observer, controller.estimator
@@ -358,17 +315,6 @@ class BalancingEngine:
             if observer is not None and estimator is not None and observer.fold_into(estimator, self._window):
                 log_messages(controller.noise_folded())
         controller.step_done()
-
-    def _timed_size(self, rank: int) -> int | None:
-        """The size this step is timed at: its samples, or with a cost-aware sampler its summed cost in samples of
-        average cost (the speed model then fits the time over the cost; the exact cost goes to the cost fit)."""
-        sizes, position, sampler = self.running.sizes, self._position, self.data.sampler
-        load_of = getattr(sampler, "load_of", None)
-        if sizes is None or load_of is None or position is None:
-            return None if sizes is None else sizes[rank]
-        units = sampler.units_at(position)[rank]  # type: ignore[union-attr]
-        self._local.cost_fit.load(self.controller.step, units)
-        return load_of(units)
 
     # -- re-plans ------------------------------------------------------------------------------------------------------
 
@@ -404,15 +350,11 @@ class BalancingEngine:
         if self._on_adopt is not None:
             self._on_adopt(plan, current, mid_epoch)
         if rank_zero:
-            self._save_profile()
+            profile = controller.profile() if self.options.save_profile and self._profile_dir else None
+            if profile is not None:  # rank zero's run profile, where the frontend gave a folder (:meth:`start`)
+                save_profile(Path(self._profile_dir) / PROFILE_FILENAME, profile)  # type: ignore[arg-type]
             log_messages(*messages)
         return decision
-
-    def _save_profile(self) -> None:
-        """Rank zero's run profile, where the frontend gave a ``profile_dir`` (:meth:`start`)."""
-        profile = self.controller.profile() if self.options.save_profile and self._profile_dir else None
-        if profile is not None:
-            save_profile(Path(self._profile_dir) / PROFILE_FILENAME, profile)  # type: ignore[arg-type]
 
     # -- checkpoints ---------------------------------------------------------------------------------------------------
 
@@ -422,7 +364,7 @@ class BalancingEngine:
         return {
             **self.controller.state_dict(),
             "plan": self.data.plan.to_dict() if self.data.plan is not None else None,
-            "noise_in_flight": observer.state_dict() if (observer := self.reductions.observer) is not None else None,
+            "noise_in_flight": self.reductions.state_dict(),
             "ranks": self._ranks_state(),
         }
 
@@ -439,23 +381,15 @@ class BalancingEngine:
         saved = state.get("plan")
         if saved is None or self._fixed_split or self._collective is None:
             return None
-        world_size = self._collective.world_size
-        plan = Plan.from_dict(saved).resized(world_size)
-        if len(saved["local_batch_sizes"]) != world_size:
-            rank_zero_info(
-                f"Cannikin: resuming a {len(saved['local_batch_sizes'])}-rank run on {world_size} ranks;"
-                f" keeping the global batch of {plan.global_batch_size}, split evenly until the new devices are timed."
-            )
-        self.data.set_plan(plan)
+        plan, message = self.data.resume(saved, self._collective.world_size)
+        log_messages(message)
         return plan
 
     def _restore(self, state: dict[str, Any]) -> None:
         """A checkpoint's ``state`` back in place (at training start: the estimator needs B0)."""
         world_size = self._collective.world_size if self._collective is not None else 1
         self.controller.load_state_dict(state, world_size)
-        observer = self.reductions.observer
-        if state["noise_in_flight"] is not None and observer is not None:
-            observer.load_state_dict(state["noise_in_flight"])
+        self.reductions.load_state_dict(state["noise_in_flight"])
         ranks = state.get("ranks")  # checkpoints older than it: every rank's check and cost fit start over
         if ranks is not None and len(ranks) == world_size:  # on other devices, each rank's own state is no evidence
             self._local.load_state_dict(ranks[self._rank])

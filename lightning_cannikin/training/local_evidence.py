@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_cannikin.core.change import LocalChangeCheck
 from lightning_cannikin.core.change_vote import ChangeVote
 from lightning_cannikin.core.speed_model import StepRecord
+from lightning_cannikin.training.collective import Collective
 from lightning_cannikin.training.cost_aware_sampler import CostTimeFit
 from lightning_cannikin.training.step_timer import StepTimer
 
@@ -25,6 +27,27 @@ class LocalEvidence:
         self.vote: ChangeVote | None = None  # this rank's speed-change check and the ranks' vote on it
         self.cost_fit = CostTimeFit()
         self.held: list[StepRecord] = []  # records read for a checkpoint: the next re-plan's
+
+    def watch_speed(self, collective: Collective | None, tolerance: float, timer: StepTimer) -> None:
+        """Check this rank's own step times for a change of speed, and vote on it with the ranks over ``collective``
+        (``None``: no vote: one rank, an even or fixed split, or checks off)."""
+        self.vote = None
+        if collective is not None:
+            check = LocalChangeCheck(tolerance)
+            self.vote = ChangeVote(check, collective, not collective.host_runs_ahead, cast_before_backward=True)
+            timer.listeners[:] = [check.observe]  # its own times, as the timer reads them
+
+    def timed_size(
+        self, sampler: Any, position: int | None, sizes: tuple[int, ...] | None, rank: int, step: int
+    ) -> int | None:
+        """The size this rank's step is timed at: its samples, or with a cost-aware sampler its summed cost in samples
+        of average cost (the speed model then fits the time over the cost; the exact cost goes to the cost fit)."""
+        load_of = getattr(sampler, "load_of", None)
+        if sizes is None or load_of is None or position is None:
+            return None if sizes is None else sizes[rank]
+        units = sampler.units_at(position)[rank]
+        self.cost_fit.load(step, units)
+        return load_of(units)
 
     def take(self, timer: StepTimer) -> tuple[list[StepRecord], tuple[float, float] | None]:
         """Every record not yet handed to a re-plan (on CUDA the last ones wait for the device: the gather that

@@ -17,6 +17,7 @@ import torch
 from lightning_cannikin.core.speed_model import StepRecord
 from lightning_cannikin.training.comm_hook import WeightedAllReduceState, weighted_allreduce_hook
 from lightning_cannikin.training.grad_stats import GradientNormObserver
+from lightning_cannikin.training.loss_weights import StepWeights
 from lightning_cannikin.training.sharded_grad_stats import NoiseReduceScatter, ShardedGradientNormObserver
 from lightning_cannikin.training.step_timer import HostClock, StepTimer, step_timer_for
 
@@ -32,9 +33,15 @@ class Reductions:
         self.state.observers.append(self.timer)
         self.observer: GradientNormObserver | None = None
 
-    def watch_noise(self, observer: GradientNormObserver) -> None:
-        """Measure the noise statistics with ``observer``: it sees every bucket after the timer."""
-        self.observer = observer
+    def watch_noise(
+        self, rank: int, world_size: int, sharded: bool, every: tuple[int, int], cadence: Callable[[], int]
+    ) -> None:
+        """Measure the noise statistics (of the reduce-scatters where the gradients are ``sharded``): ``every`` is
+        ``(noise_exchange_every, noise_every_n_steps)``, ``cadence`` the steps per measurement at each step's start.
+        The observer sees every bucket after the timer."""
+        observer_type = ShardedGradientNormObserver if sharded else GradientNormObserver
+        observer = self.observer = observer_type(rank, world_size, None, *every)
+        observer.cadence = cadence
         self.state.observers.append(observer)
 
     def use_device(self, device: torch.device) -> None:
@@ -95,7 +102,32 @@ class Reductions:
         observer.blocked = self.timer.blocked if self.host_clock else None
         return NoiseReduceScatter(reduce_scatter, observer, module)
 
+    def state_dict(self) -> dict[str, Any] | None:
+        """The noise statistics in flight (``None`` where none are measured)."""
+        return self.observer.state_dict() if self.observer is not None else None
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """The noise statistics in flight back, where both the checkpoint and this run measure them."""
+        if state is not None and self.observer is not None:
+            self.observer.load_state_dict(state)
+
     # -- the engine's side -------------------------------------------------------------------------------------------
+
+    def start_step(self, optimizer_step: int, after_input: bool) -> None:
+        """A step starts (``after_input``: its input was timed): time it, and say whether the noise statistics measure
+        this optimizer step (before its first backward)."""
+        self.timer.start(after_input=after_input)
+        if self.observer is not None:
+            self.observer.start_step(optimizer_step)
+
+    def weigh(self, weights: StepWeights, accumulation: int) -> float:
+        """The step's ``weights`` on the all-reduce; returns the factor on the loss: the rank's weight where the loss
+        carries it (times ``n`` where the reduction averages) and the micro-batch's share of its window."""
+        state = self.state
+        state.weight, state.micro_weight, state.unit_scale = weights.rank, weights.micro, weights.unit_scale
+        state.global_scale = weights.global_scale
+        weight = state.weight * state.mean_over if state.weight_in_loss else 1.0
+        return accumulation * state.micro_weight * weight
 
     def backward_done(self, parameters: Callable[[], Iterable[torch.Tensor]]) -> None:
         """A backward ended: an accumulation micro-step's gradient is a noise group of its own, and a sharded window's

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from lightning_cannikin.core.controller import MIN_NOISE_UPDATES
+from lightning_cannikin.core.controller import MIN_NOISE_UPDATES, Controller, NoiseRule
 from lightning_cannikin.core.noise_scale import NOISE_BOUND_LEVEL
 from lightning_cannikin.core.plan import BatchBounds
 from lightning_cannikin.core.policy import PolicySettings
@@ -176,6 +176,16 @@ class EngineOptions:
         return PolicySettings(
             self.max_batch_size, self.balance, settings.adapt_margin, self.lr_scaling, accumulate=settings.accumulate
         )
+
+    def controller(self) -> Controller:
+        """A new decision controller for a run with these choices (every "when" its replanner's)."""
+        settings = self.settings
+        every = (settings.warmup_steps, self.replan_every_n_steps, settings.adapt_every_n_steps)
+        cadence = (settings.check_every_n_steps, settings.noise_every_n_steps)
+        replanner = Replanner(*every, *cadence, self.balance, self.max_batch_size is not None)
+        fitting = SpeedModelSettings(half_life=settings.half_life, evidence_reach=settings.evidence_reach)
+        rule = NoiseRule(settings.min_noise_updates, settings.noise_bound_sigmas, settings.noise_bound_level)
+        return Controller(self.policy, replanner, fitting, rule, self.base_batch_size)
 
     @property
     def track_noise_scale(self) -> bool:
