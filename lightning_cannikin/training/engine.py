@@ -1,13 +1,9 @@
 """``BalancingEngine``: the torch side of a balancing run, behind every frontend.
 
-A frontend (Lightning's DDP and FSDP2 strategies with their callback, Fabric's strategy) says where a step's pieces
-happen through the step API (:meth:`~BalancingEngine.bind`, :meth:`~BalancingEngine.begin_step`,
-:meth:`~BalancingEngine.backward`, :meth:`~BalancingEngine.optimizer_step`, :meth:`~BalancingEngine.end_step`,
-:meth:`~BalancingEngine.end_epoch`, and the reductions' seams on :attr:`~BalancingEngine.reductions`; the table is in
-``docs/architecture.md``). The engine measures (the step timer, the noise statistics, the loss's weights), feeds the
-facts to its :class:`~lightning_cannikin.core.controller.Controller`, which holds every decision and every input to
-one, and carries what it decides: gather every rank's records, rank zero decides, broadcast, every rank adopts
-(:meth:`BalancingEngine._replan`), the loader's sampler runs it.
+Frontends (Lightning's DDP and FSDP2 strategies with their callback, Fabric's strategy) drive it through the step API
+(the table is in ``docs/architecture.md``). It measures (the step timer, the noise statistics, the loss's weights),
+feeds the facts to its :class:`~lightning_cannikin.core.controller.Controller`, which holds every decision and every
+input to one, and carries what that decides between the ranks (:meth:`BalancingEngine._replan`).
 """
 
 from __future__ import annotations
