@@ -372,7 +372,8 @@ def simulate(
         raise ValueError(
             f"Batch size {start} is below the smallest feasible batch {model.minimum(policy)} of {policy}."
         )
-    cap = job.max_validated_batch if max_batch_size is None else int(max_batch_size)
+    # raised to the smallest feasible batch, so that a mid-epoch re-plan (its accumulation fixed) has a candidate
+    cap = max(job.max_validated_batch if max_batch_size is None else int(max_batch_size), model.minimum(policy))
     grid = _NoiseGrid(job, int(replans) * int(cells_per_replan))
     plan = model.plan(policy, model.effective_total(policy, start))
     if policy in ADAPTIVE:
