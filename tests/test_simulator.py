@@ -38,7 +38,7 @@ DATA = PACKAGE / "data" / "gpu-profiles"
 TRACES = DATA / "pollux" / "simulator" / "traces"
 SHIPPED = ProfileStore(use_sia=False)
 MIX = "4xV100,4xRTX6000,8xT4"  # covered by the shipped profiles for imagenet, bert and ncf
-REPLANS = 40  # fewer re-plans than the report's 100 keep the suite fast; every property holds at any count
+REPLANS = 40  # a coarser noise grid (400 cells) than the report's 1,000 keeps the suite fast; every property holds
 
 
 def _sia_store() -> ProfileStore:

@@ -18,7 +18,9 @@ network term is applied to its result, exactly.
 **One policy.** The adaptive policies re-plan with the library's own :func:`lightning_cannikin.core.policy.decide`:
 :class:`ClusterModel` answers the same calls as the callback's fitted speed model, so the simulated choice of total
 batch, accumulation and split is the decision a live run would make from the same models. The policy prices a
-step of ``s`` micro-steps as ``s`` micro-steps; the clock charges ``(s - 1) * c + overlap(c)``.
+step of ``s`` micro-steps as ``s`` micro-steps; the clock charges ``(s - 1) * c + overlap(c)``. They re-plan when a
+live run would: the training run's :class:`~lightning_cannikin.core.replanner.Replanner` is asked after every step
+(at the noise scale, known exactly), and mid-epoch re-plans keep the accumulation, which changes at epoch ends.
 
 **What the planner knows vs the clock.** The planner and the goodput choice use the linear models ``a_i*b + a0_i``
 fitted by the project's fitter (what a live Cannikin run would learn) and the library's own two-regime step model
@@ -218,7 +220,7 @@ class PolicyResult:
         samples: samples processed.
         mean_batch_size: samples / steps.
         final_plan: the plan at the end.
-        trajectory: ``(progress, total batch, true step time)`` at every re-plan.
+        trajectory: ``(progress, total batch, true step time)`` at the start and after every re-plan.
         prediction_error: median over re-plans of ``|predicted - true| / true`` step time.
         replan_seconds: wall time of each re-plan (candidates' step times plus the choice), adaptive policies only.
 
@@ -428,6 +430,7 @@ def _adaptive_run(
     """Run an adaptive policy step by step under the training run's Replanner, in chunks where nothing can be due."""
     replanner = replanner_for(policy)
     epoch = float(model.job.samples_per_epoch)
+    epochs = math.isfinite(epoch) and epoch > 0  # a job without a data set size has no epoch ends
     edges, cells = grid.edges, grid.cells
     total = plan.total_batch_size
     gains, noise = grid.gains(total), grid.noise(total)
@@ -440,14 +443,18 @@ def _adaptive_run(
     elapsed = steps = samples = 0.0
     while cell < cells:
         # the next step after which something may be due: the noise reading changes (the first step that ends in the
-        # next cell), a settling re-plan, the floor of the total's reconsideration, an epoch's end
-        to_edge = (edges[cell + 1] - progress) / gains[cell]
-        due_at = [step + max(1, math.ceil(to_edge)), step + max(1, math.ceil(epoch_left / total))]
-        if replanner.settle_at is not None and replanner.settle_at > step:
-            due_at.append(replanner.settle_at)
-        floor = replanner.adapt_every_n_steps
-        if floor is not None and replanner.last_adapt_step + floor > step:
-            due_at.append(replanner.last_adapt_step + floor)
+        # next cell), an epoch's end, a settling re-plan, the floor of the total's reconsideration, the cadence
+        due_at = [step + max(1, math.ceil((edges[cell + 1] - progress) / gains[cell]))]
+        if epochs:
+            due_at.append(step + max(1, math.ceil(epoch_left / total)))
+        floor, every = replanner.adapt_every_n_steps, replanner.every_n_steps
+        for at in (
+            replanner.settle_at,
+            None if floor is None else replanner.last_adapt_step + floor,
+            None if every is None else replanner.last_replan_step + every,
+        ):
+            if at is not None and at > step:
+                due_at.append(at)
         target = min(due_at)
         # run the steps up to it, cell by cell (the last step may end at the target progress)
         left = float(target - step)
@@ -467,7 +474,7 @@ def _adaptive_run(
         step = target
         if cell >= cells:
             break
-        epoch_end = epoch_left <= 0.0
+        epoch_end = epochs and epoch_left <= 0.0
         if epoch_end:
             epoch_left = epoch  # the epoch's last batch is split, not dropped: the next epoch starts afresh
         phi = float(noise[cell])
@@ -480,12 +487,14 @@ def _adaptive_run(
         decision = replan(model, policy, plan, phi, cap, margin, candidates, adapt, mid_epoch=not epoch_end)
         replan_seconds.append(time.perf_counter() - tick)
         replanner.followed(step, plan, decision, adapt, bounds)
-        if decision.plan.total_batch_size != total or decision.plan.local_batch_sizes != plan.local_batch_sizes:
-            plan = decision.plan
+        new = decision.plan
+        moved = new.local_batch_sizes != plan.local_batch_sizes or new.accumulation_steps != plan.accumulation_steps
+        plan = new
+        if moved:
             total = plan.total_batch_size
             gains, noise = grid.gains(total), grid.noise(total)
             true_time = model.true_step_time(plan)
-        trajectory.append((progress, int(total), true_time))
+        trajectory.append((float(progress), int(total), true_time))
         errors.append(abs(model.predicted_step_time(plan) - true_time) / true_time)
     return PolicyResult(
         policy=policy,
