@@ -62,7 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of %(default)s")
     parser.add_argument("--batch-size", type=int, help="DDP's fixed (and every policy's starting) total batch")
     parser.add_argument("--max-batch-size", type=int, help="cap of the adaptive policies (default: largest validated)")
-    parser.add_argument("--replans", type=int, default=100, help="re-plans over the run (default: %(default)s)")
+    parser.add_argument(
+        "--replans",
+        type=int,
+        default=100,
+        help="noise grid: the run's progress in REPLANS x 10 cells, the noise scale read per cell; the re-plans come"
+        " when the training run's Replanner says (default: %(default)s)",
+    )
     parser.add_argument("--margin", type=float, default=ADAPT_MARGIN, help="goodput hysteresis (default: %(default)s)")
     parser.add_argument(
         "--network-scaling",

@@ -146,7 +146,8 @@ def compare(
         policies: which of :data:`POLICIES` to run.
         batch_size: fixed/starting total batch (default: :func:`default_batch_size`).
         max_batch_size: cap of the adaptive policies (and of tuned DDP's search).
-        replans: re-plans over the run.
+        replans: the noise grid's resolution, ``replans * cells_per_replan`` progress cells (:func:`simulate`: the
+            re-plans come when the training run's Replanner says).
         tuned_ddp: also compute hindsight-tuned fixed-batch DDP.
         **kwargs: passed to :func:`simulate` (``cells_per_replan``, ``candidates``, ``margin``).
 

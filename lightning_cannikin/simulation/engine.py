@@ -18,7 +18,9 @@ network term is applied to its result, exactly.
 **One policy.** The adaptive policies re-plan with the library's own :func:`lightning_cannikin.core.policy.decide`:
 :class:`ClusterModel` answers the same calls as the callback's fitted speed model, so the simulated choice of total
 batch, accumulation and split is the decision a live run would make from the same models. The policy prices a
-step of ``s`` micro-steps as ``s`` micro-steps; the clock charges ``(s - 1) * c + overlap(c)``.
+step of ``s`` micro-steps as ``s`` micro-steps; the clock charges ``(s - 1) * c + overlap(c)``. They re-plan when a
+live run would: the training run's :class:`~lightning_cannikin.core.replanner.Replanner` is asked after every step
+(at the noise scale, known exactly), and mid-epoch re-plans keep the accumulation, which changes at epoch ends.
 
 **What the planner knows vs the clock.** The planner and the goodput choice use the linear models ``a_i*b + a0_i``
 fitted by the project's fitter (what a live Cannikin run would learn) and the library's own two-regime step model
@@ -38,6 +40,7 @@ Pure numpy: imports neither torch nor Lightning.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -49,6 +52,7 @@ from lightning_cannikin.core import optperf as planner
 from lightning_cannikin.core.goodput import ADAPT_MARGIN, adascale_gain, candidate_batch_sizes
 from lightning_cannikin.core.plan import Plan, even_split
 from lightning_cannikin.core.policy import Decision, PolicySettings, decide
+from lightning_cannikin.core.replanner import Replanner
 from lightning_cannikin.simulation.cluster import Cluster
 from lightning_cannikin.simulation.models import JobModel, library_step_time
 
@@ -59,6 +63,7 @@ __all__ = [
     "candidate_grid",
     "default_batch_size",
     "replan",
+    "replanner_for",
     "simulate",
 ]
 
@@ -215,7 +220,7 @@ class PolicyResult:
         samples: samples processed.
         mean_batch_size: samples / steps.
         final_plan: the plan at the end.
-        trajectory: ``(progress, total batch, true step time)`` at every re-plan.
+        trajectory: ``(progress, total batch, true step time)`` at the start and after every re-plan.
         prediction_error: median over re-plans of ``|predicted - true| / true`` step time.
         replan_seconds: wall time of each re-plan (candidates' step times plus the choice), adaptive policies only.
 
@@ -286,10 +291,14 @@ def replan(
     max_batch_size: int,
     margin: float = ADAPT_MARGIN,
     candidates: int = 50,
+    adapt_total: bool = True,
+    mid_epoch: bool = False,
 ) -> Decision:
     """One re-plan of an adaptive policy: the library's :func:`~lightning_cannikin.core.policy.decide` on the model.
 
-    ``adaptdl`` splits evenly, ``cannikin`` by OptPerf; both reach totals beyond the memory caps by accumulation.
+    ``adaptdl`` splits evenly, ``cannikin`` by OptPerf; both reach totals beyond the memory caps by accumulation, which
+    changes at epoch ends only, as in training: a ``mid_epoch`` re-plan keeps the accumulation in force.
+    ``adapt_total``: the total may change (the Replanner's word: ``Replanner.after_step``).
     """
     # the cluster model is the truth, free of timing noise: no split hysteresis is needed to guard against it
     settings = PolicySettings(
@@ -297,10 +306,24 @@ def replan(
         balance=policy in BALANCED,
         margin=margin,
         candidates=candidates,
-        accumulate=True,
+        accumulate=not mid_epoch,
         split_margin=0.0,
     )
-    return decide(model, plan, settings, noise_scale, model.job.base_batch_size)
+    return decide(model, plan, settings, noise_scale, model.job.base_batch_size, adapt_total)
+
+
+def replanner_for(policy: str) -> Replanner:
+    """The "when" of a training run of ``policy``: the :class:`~lightning_cannikin.core.replanner.Replanner` with the
+    training defaults (``CannikinSettings()``'s cadences, no periodic re-plan, a balancing run's settling), adaptive
+    where the total follows the noise scale, and identified from the start (the cluster model is the truth: there is
+    nothing to probe or warm up).
+
+    ``adaptdl`` re-plans when a Cannikin run would (its settling re-plans included): it is the same run with the split
+    held even, so the two differ by the split alone, and on a homogeneous cluster not at all. A Replanner told that the
+    split is even has no settling re-plans; those re-plans keep the plan on the truth but double the routine gap of
+    the epoch ends, which moves when an accumulated total is adopted.
+    """
+    return Replanner(adaptive=policy in ADAPTIVE, identified=True)
 
 
 def simulate(
@@ -315,6 +338,13 @@ def simulate(
 ) -> PolicyResult:
     """Run one policy to the job's target.
 
+    The adaptive policies re-plan when training would: step by step, the training run's
+    :class:`~lightning_cannikin.core.replanner.Replanner` (:func:`replanner_for`) is asked after every optimizer step
+    whether a re-plan, and a reconsideration of the total, is due (at the known noise scale, both of its bounds; an
+    epoch ends every ``samples_per_epoch`` samples), and is told what each re-plan adopted. Nothing can fall due
+    between the steps where the noise reading changes, a settling re-plan is due, the reconsideration's floor passes
+    or an epoch ends, so the run is integrated in chunks between those steps.
+
     Args:
         model: the job on the cluster.
         policy: one of :data:`POLICIES`.
@@ -322,8 +352,10 @@ def simulate(
             policies (default: :func:`default_batch_size`).
         max_batch_size: cap of the adaptive policies (default: the job's largest validated batch, Pollux's limit;
             raised to the smallest feasible batch when that is larger).
-        replans: re-plans over the run, evenly spaced in progress (the noise scale is known at each).
-        cells_per_replan: integration cells between re-plans (the noise scale varies inside an interval).
+        replans: with ``cells_per_replan``, the noise grid's resolution: the run's progress is cut into
+            ``replans * cells_per_replan`` cells, and the noise scale known to the policy (and the progress a step
+            makes) is that of the cell a step ends in. It no longer sets the number of re-plans: the Replanner does.
+        cells_per_replan: see ``replans``.
         candidates: geometric candidate batch sizes per re-plan.
         margin: goodput improvement required to change the batch size (hysteresis, as in AdaptDL).
 
@@ -333,46 +365,137 @@ def simulate(
     """
     if policy not in POLICIES:
         raise ValueError(f"Unknown policy {policy!r}; choose from {', '.join(POLICIES)}.")
+    for name, value in (("replans", replans), ("cells_per_replan", cells_per_replan)):
+        if int(value) < 1:
+            raise ValueError(f"`{name}` must be a positive integer (the noise grid's resolution), got {value}.")
     job = model.job
-    base = job.base_batch_size
     start = default_batch_size(model, max_batch_size) if batch_size is None else int(batch_size)
     if start < model.minimum(policy):
         raise ValueError(
             f"Batch size {start} is below the smallest feasible batch {model.minimum(policy)} of {policy}."
         )
-    cap = job.max_validated_batch if max_batch_size is None else int(max_batch_size)
-    edges, mids = _progress_grid(job, replans * cells_per_replan)
-    widths = np.diff(edges)
-    adaptive = policy in ADAPTIVE
-
-    total = model.effective_total(policy, start)
-    plan = model.plan(policy, total)
-    predicted = model.predicted_step_time(plan)
+    # raised to the smallest feasible batch, so that a mid-epoch re-plan (its accumulation fixed) has a candidate
+    cap = max(job.max_validated_batch if max_batch_size is None else int(max_batch_size), model.minimum(policy))
+    grid = _NoiseGrid(job, int(replans) * int(cells_per_replan))
+    plan = model.plan(policy, model.effective_total(policy, start))
+    if policy in ADAPTIVE:
+        return _adaptive_run(model, policy, plan, grid, cap, margin, candidates)
+    # a fixed total never re-plans: the truth gives the same plan at every step
     true_time = model.true_step_time(plan)
-    elapsed = steps = samples = 0.0
-    trajectory: list[tuple[float, int, float]] = []
-    errors: list[float] = []
+    total = plan.total_batch_size
+    steps = float(np.sum(grid.widths / grid.gains(total)))
+    predicted = model.predicted_step_time(plan)
+    return PolicyResult(
+        policy=policy,
+        time_to_target=steps * true_time,
+        steps=steps,
+        samples=steps * total,
+        mean_batch_size=float(total),
+        final_plan=plan,
+        trajectory=[(0.0, int(total), true_time)],
+        prediction_error=abs(predicted - true_time) / true_time,
+    )
+
+
+class _NoiseGrid:
+    """The run's progress cut into cells: the noise scale known after a step is the one at the start of its cell (at
+    the total in force), and a step in a cell makes the AdaScale gain at its midpoint."""
+
+    def __init__(self, job: JobModel, cells: int) -> None:
+        self.job = job
+        self.cells = cells
+        self.edges, self.mids = _progress_grid(job, cells)
+        self.widths = np.diff(self.edges)
+        self._by_total: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _at(self, total: int) -> tuple[np.ndarray, np.ndarray]:
+        if total not in self._by_total:
+            job = self.job
+            gains = np.asarray(adascale_gain(job.noise(self.mids, total), total, job.base_batch_size), dtype=float)
+            self._by_total[total] = (np.asarray(job.noise(self.edges[:-1], total), dtype=float), gains)
+        return self._by_total[total]
+
+    def gains(self, total: int) -> np.ndarray:
+        """Progress per step in each cell at ``total``."""
+        return self._at(total)[1]
+
+    def noise(self, total: int) -> np.ndarray:
+        """The known noise scale of each cell at ``total``."""
+        return self._at(total)[0]
+
+
+def _adaptive_run(
+    model: ClusterModel, policy: str, plan: Plan, grid: _NoiseGrid, cap: int, margin: float, candidates: int
+) -> PolicyResult:
+    """Run an adaptive policy step by step under the training run's Replanner, in chunks where nothing can be due."""
+    replanner = replanner_for(policy)
+    epoch = float(model.job.samples_per_epoch)
+    epochs = math.isfinite(epoch) and epoch > 0  # a job without a data set size has no epoch ends
+    edges, cells = grid.edges, grid.cells
+    total = plan.total_batch_size
+    gains, noise = grid.gains(total), grid.noise(total)
+    true_time = model.true_step_time(plan)
+    trajectory = [(0.0, int(total), true_time)]
+    errors = [abs(model.predicted_step_time(plan) - true_time) / true_time]
     replan_seconds: list[float] = []
-    for k in range(replans):
-        cells = slice(k * cells_per_replan, (k + 1) * cells_per_replan)
-        if adaptive:
-            tick = time.perf_counter()
-            # The live estimator measures the noise scale at the batch in force, so that is what the choice sees.
-            phi_now = float(job.noise(edges[k * cells_per_replan], total))
-            decision = replan(model, policy, plan, phi_now, cap, margin, candidates)
-            replan_seconds.append(time.perf_counter() - tick)
-            if decision.plan.total_batch_size != total:
-                plan = decision.plan
-                total = plan.total_batch_size
-                predicted = model.predicted_step_time(plan)
-                true_time = model.true_step_time(plan)
-        trajectory.append((float(edges[k * cells_per_replan]), int(total), true_time))
-        errors.append(abs(predicted - true_time) / true_time)
-        gain = adascale_gain(job.noise(mids[cells], total), total, base)
-        n_steps = float(np.sum(widths[cells] / gain))
-        steps += n_steps
-        samples += n_steps * total
-        elapsed += n_steps * true_time
+    progress, cell, step = 0.0, 0, 0
+    epoch_left = epoch  # samples left in the epoch in progress
+    elapsed = steps = samples = 0.0
+    while cell < cells:
+        # the next step after which something may be due: the noise reading changes (the first step that ends in the
+        # next cell), an epoch's end, a settling re-plan, the floor of the total's reconsideration, the cadence
+        due_at = [step + max(1, math.ceil((edges[cell + 1] - progress) / gains[cell]))]
+        if epochs:
+            due_at.append(step + max(1, math.ceil(epoch_left / total)))
+        floor, every = replanner.adapt_every_n_steps, replanner.every_n_steps
+        for at in (
+            replanner.settle_at,
+            None if floor is None else replanner.last_adapt_step + floor,
+            None if every is None else replanner.last_replan_step + every,
+        ):
+            if at is not None and at > step:
+                due_at.append(at)
+        target = min(due_at)
+        # run the steps up to it, cell by cell (the last step may end at the target progress)
+        left = float(target - step)
+        while left > 0.0 and cell < cells:
+            room = (edges[cell + 1] - progress) / gains[cell]
+            if room > left:
+                progress += left * gains[cell]
+                left = 0.0
+            else:
+                left -= room
+                progress, cell = float(edges[cell + 1]), cell + 1
+        ran = target - step - left
+        steps += ran
+        samples += ran * total
+        elapsed += ran * true_time
+        epoch_left -= ran * total
+        step = target
+        if cell >= cells:
+            break
+        epoch_end = epochs and epoch_left <= 0.0
+        if epoch_end:
+            epoch_left = epoch  # the epoch's last batch is split, not dropped: the next epoch starts afresh
+        phi = float(noise[cell])
+        bounds = (phi, phi)
+        replanner.voted(False)  # the truth's speeds never change: no rank's check ever fires
+        due, adapt = replanner.after_step(step, bounds, epoch_end=epoch_end)
+        if not due:
+            continue
+        tick = time.perf_counter()
+        decision = replan(model, policy, plan, phi, cap, margin, candidates, adapt, mid_epoch=not epoch_end)
+        replan_seconds.append(time.perf_counter() - tick)
+        replanner.followed(step, plan, decision, adapt, bounds)
+        new = decision.plan
+        moved = new.local_batch_sizes != plan.local_batch_sizes or new.accumulation_steps != plan.accumulation_steps
+        plan = new
+        if moved:
+            total = plan.total_batch_size
+            gains, noise = grid.gains(total), grid.noise(total)
+            true_time = model.true_step_time(plan)
+        trajectory.append((float(progress), int(total), true_time))
+        errors.append(abs(model.predicted_step_time(plan) - true_time) / true_time)
     return PolicyResult(
         policy=policy,
         time_to_target=elapsed,
