@@ -63,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.harness import quiet_cpu_trainer
 from lightning_cannikin import Cannikin, CannikinSettings, EmulatedCluster
-from lightning_cannikin.training.lightning_hooks import BalancingCallback
+from lightning_cannikin.training.frontends.lightning_hooks import BalancingCallback
 
 PER_SAMPLE_MS = [0.5, 1.0, 2.0]
 FIXED_MS = 10.0

@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lightning_cannikin.core.speed_model import StepRecord
 from lightning_cannikin.training.collective import StrategyCollective
+from lightning_cannikin.training.data.sampler import UnevenBatchSampler
 from lightning_cannikin.training.engine import BalancingEngine
-from lightning_cannikin.training.sampler import UnevenBatchSampler
 from lightning_cannikin.training.settings import CannikinSettings
 
 SLOPES_MS = (0.01, 0.02, 0.04)  # per sample on each emulated rank: rank zero is the fastest

@@ -506,8 +506,8 @@ def spans_callback(device: torch.device, world: int) -> Any:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
 
-    from lightning_cannikin.training.grad_ready import GradientReadiness
-    from lightning_cannikin.training.step_timer import step_timer_for
+    from lightning_cannikin.training.measurement.grad_ready import GradientReadiness
+    from lightning_cannikin.training.measurement.step_timer import step_timer_for
 
     class Spans(Callback):
         """Every step of this rank on the package's step timer, whichever strategy trains, and the epochs' clock."""

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from examples.data import ImageClassifier, accuracy, load_dataset
 from lightning_cannikin import EmulatedCluster
-from lightning_cannikin.training.lightning_hooks import BalancingCallback
+from lightning_cannikin.training.frontends.lightning_hooks import BalancingCallback
 
 
 class EpochClock(Callback):

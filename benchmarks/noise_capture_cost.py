@@ -37,9 +37,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_cannikin.core.noise_scale import NoiseScaleEstimator
-from lightning_cannikin.training.comm_hook import WeightedAllReduceState, weighted_allreduce_hook
-from lightning_cannikin.training.grad_stats import GradientNormObserver
-from lightning_cannikin.training.step_timer import step_timer_for
+from lightning_cannikin.training.measurement.comm_hook import WeightedAllReduceState, weighted_allreduce_hook
+from lightning_cannikin.training.measurement.grad_stats import GradientNormObserver
+from lightning_cannikin.training.measurement.step_timer import step_timer_for
 
 RESULTS = Path(__file__).parent / "results"
 VARIANTS = ("ddp", "hook", "measured")

@@ -78,7 +78,7 @@ def read_cost(data_dir: Path, seed: int, repeats: int = 3) -> dict[str, Any]:
     from lightning_cannikin.core.layout import epoch_layout
     from lightning_cannikin.core.plan import Plan
     from lightning_cannikin.core.stream_shares import stream_shares
-    from lightning_cannikin.training.streaming import read_layout
+    from lightning_cannikin.training.data.streaming import read_layout
 
     stream = StreamingDataset(str(data_dir), shuffle=True, seed=seed)
     memory, _, _ = load_dataset("digits", seed=seed)

@@ -18,30 +18,32 @@ from lightning_cannikin._registration import register_when_lightning_is_imported
 
 if TYPE_CHECKING:  # the names below, for type checkers and IDEs; at run time `__getattr__` imports them on first use
     from lightning_cannikin.core.plan import Plan
-    from lightning_cannikin.training.callback import Cannikin
+    from lightning_cannikin.training.data.sampler import UnevenDistributedSampler
     from lightning_cannikin.training.emulator import EmulatedCluster
-    from lightning_cannikin.training.fabric import CannikinFabricStrategy
-    from lightning_cannikin.training.fsdp import CannikinModelParallelStrategy
-    from lightning_cannikin.training.ray_train import CannikinRayFSDPStrategy as CannikinRayFSDPStrategy
-    from lightning_cannikin.training.ray_train import CannikinRayStrategy as CannikinRayStrategy  # not in __all__
-    from lightning_cannikin.training.sampler import UnevenDistributedSampler
+    from lightning_cannikin.training.frontends.callback import Cannikin
+    from lightning_cannikin.training.frontends.fabric import CannikinFabricStrategy
+    from lightning_cannikin.training.frontends.fsdp import CannikinModelParallelStrategy
+    from lightning_cannikin.training.frontends.ray_train import CannikinRayFSDPStrategy as CannikinRayFSDPStrategy
+    from lightning_cannikin.training.frontends.ray_train import (
+        CannikinRayStrategy as CannikinRayStrategy,  # not in __all__
+    )
+    from lightning_cannikin.training.frontends.strategy import CannikinStrategy
     from lightning_cannikin.training.schedules import progress_lr_lambda
     from lightning_cannikin.training.settings import CannikinSettings
-    from lightning_cannikin.training.strategy import CannikinStrategy
 
 # public name -> the module that defines it
 _LAZY = {
     "Plan": "lightning_cannikin.core.plan",
-    "Cannikin": "lightning_cannikin.training.callback",
+    "Cannikin": "lightning_cannikin.training.frontends.callback",
     "CannikinSettings": "lightning_cannikin.training.settings",
-    "CannikinStrategy": "lightning_cannikin.training.strategy",
-    "CannikinFabricStrategy": "lightning_cannikin.training.fabric",
-    "CannikinModelParallelStrategy": "lightning_cannikin.training.fsdp",
+    "CannikinStrategy": "lightning_cannikin.training.frontends.strategy",
+    "CannikinFabricStrategy": "lightning_cannikin.training.frontends.fabric",
+    "CannikinModelParallelStrategy": "lightning_cannikin.training.frontends.fsdp",
     # these need the `ray` extra: importable by name but left out of `__all__` (a star import must not need Ray)
-    "CannikinRayStrategy": "lightning_cannikin.training.ray_train",
-    "CannikinRayFSDPStrategy": "lightning_cannikin.training.ray_train",
+    "CannikinRayStrategy": "lightning_cannikin.training.frontends.ray_train",
+    "CannikinRayFSDPStrategy": "lightning_cannikin.training.frontends.ray_train",
     "EmulatedCluster": "lightning_cannikin.training.emulator",
-    "UnevenDistributedSampler": "lightning_cannikin.training.sampler",
+    "UnevenDistributedSampler": "lightning_cannikin.training.data.sampler",
     "progress_lr_lambda": "lightning_cannikin.training.schedules",
 }
 

@@ -10,8 +10,8 @@ the simulator or the ``cannikin`` command. So:
   ``import`` statement returns.
 
 The registry stores a small factory rather than the class, so registering imports nothing of this package: the
-factory imports :class:`~lightning_cannikin.training.strategy.CannikinStrategy` when Lightning builds the strategy
-from its name. (A registry entry only has to be callable with its stored init parameters.)
+factory imports :class:`~lightning_cannikin.training.frontends.strategy.CannikinStrategy` when Lightning builds the
+strategy from its name. (A registry entry only has to be callable with its stored init parameters.)
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ FSDP_REGISTRY_NAMES: dict[str, str] = {
     "cannikin_fsdp_notebook": "fork",
 }
 
-# the Ray Train strategies' names -> their class in `training.ray_train` and what they are. Ray starts the workers,
-# so there is no launcher variant.
+# the Ray Train strategies' names -> their class in `training.frontends.ray_train` and what they are. Ray starts the
+# workers, so there is no launcher variant.
 # Registering them imports nothing of Ray; building one without Ray raises an error that says how to install it.
 RAY_REGISTRY_NAMES: dict[str, tuple[str, str]] = {
     "cannikin_ray": ("CannikinRayStrategy", "DDP inside Ray Train workers (the `ray` extra)"),
@@ -68,10 +68,10 @@ def register(registry: Any) -> None:
     """Add the names to ``registry`` (a second call, or a name registered otherwise, is left alone)."""
     training = "lightning_cannikin.training"
     families = (
-        (REGISTRY_NAMES, _builder(f"{training}.strategy", "CannikinStrategy"), "DDP"),
+        (REGISTRY_NAMES, _builder(f"{training}.frontends.strategy", "CannikinStrategy"), "DDP"),
         (
             FSDP_REGISTRY_NAMES,
-            _builder(f"{training}.fsdp", "CannikinModelParallelStrategy"),
+            _builder(f"{training}.frontends.fsdp", "CannikinModelParallelStrategy"),
             "FSDP2 (sharded data parallel)",
         ),
     )
@@ -87,7 +87,7 @@ def register(registry: Any) -> None:
             )
     for name, (cls, kind) in RAY_REGISTRY_NAMES.items():
         if name not in registry:
-            factory = _builder(f"{training}.ray_train", cls)
+            factory = _builder(f"{training}.frontends.ray_train", cls)
             registry.register(name, factory, description=f"Cannikin heterogeneity-aware {kind}")
 
 

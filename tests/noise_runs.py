@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from lightning_cannikin import CannikinSettings
+from lightning_cannikin.training.data.sampler import UnevenBatchSampler
 from lightning_cannikin.training.engine import BalancingEngine, log_messages
-from lightning_cannikin.training.sampler import UnevenBatchSampler
 from tests.test_engine import OneRank
 
 

@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from lightning_cannikin import Cannikin, CannikinSettings, CannikinStrategy, EmulatedCluster
-from lightning_cannikin.training.grad_stats import FOLD_DELAY
+from lightning_cannikin.training.measurement.grad_stats import FOLD_DELAY
 from tests.models import (
     IndexedRegression,
     ManualRegressor,

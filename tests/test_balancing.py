@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning_cannikin import Cannikin, CannikinStrategy, EmulatedCluster
 from lightning_cannikin.core.optperf import optimal_split
 from lightning_cannikin.simulation.emulated_devices import EmulatedDevices
-from lightning_cannikin.training.lightning_hooks import BalancingCallback
+from lightning_cannikin.training.frontends.lightning_hooks import BalancingCallback
 from tests.models import IndexedRegression, RecordingRegressor, quiet_trainer
 
 

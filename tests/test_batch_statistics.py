@@ -18,7 +18,7 @@ from lightning_cannikin import Cannikin, EmulatedCluster
 from lightning_cannikin.core.dead_weight import dead_weight
 from lightning_cannikin.core.optperf import optimal_split
 from lightning_cannikin.core.plan import BatchBounds
-from lightning_cannikin.training.batch_statistics import smallest_local_batch
+from lightning_cannikin.training.frontends.batch_statistics import smallest_local_batch
 from tests.models import IndexedRegression, RecordingRegressor, quiet_trainer
 
 

@@ -13,7 +13,7 @@ import lightning_cannikin
 from lightning_cannikin import CannikinStrategy, EmulatedCluster, Plan
 from lightning_cannikin.core.layout import epoch_layout
 from lightning_cannikin.core.plan import proportional_sizes
-from lightning_cannikin.training.sampler import UnevenBatchSampler
+from lightning_cannikin.training.data.sampler import UnevenBatchSampler
 
 
 @pytest.mark.parametrize(

@@ -13,9 +13,9 @@ import torch
 from lightning_cannikin import Cannikin, CannikinSettings, Plan
 from lightning_cannikin.core.interval_choice import TotalOptions
 from lightning_cannikin.core.plan import BatchBounds
+from lightning_cannikin.training.data.sampler import UnevenBatchSampler
 from lightning_cannikin.training.engine import BalancingEngine
-from lightning_cannikin.training.lightning_hooks import BalancingCallback
-from lightning_cannikin.training.sampler import UnevenBatchSampler
+from lightning_cannikin.training.frontends.lightning_hooks import BalancingCallback
 
 # what a checkpoint keeps of the engine
 STATE_KEYS = {"balancer", "estimator", "progress", "plan", "history", "step", "replanner", "noise_in_flight", "ranks"}
@@ -389,7 +389,7 @@ def test_statistics_that_can_never_bound_the_noise_scale_are_said_once_with_the_
 
 @pytest.mark.parametrize("with_callback", [True, False])
 def test_a_fit_builds_one_engine_from_its_callbacks_options_and_keeps_a_plan_set_before_it(monkeypatch, with_callback):
-    from lightning_cannikin.training import uneven_strategy
+    from lightning_cannikin.training.frontends import uneven_strategy
 
     built = []
 

@@ -121,8 +121,8 @@ def test_a_config_or_shell_example_names_only_the_public_api(path: Path) -> None
 def test_the_import_rule_flags_what_broke_an_example_and_passes_the_public_route() -> None:
     broken = {
         "from lightning_cannikin.training._lightning_compat import launcher_for": "private module",
-        "from lightning_cannikin.training.comm_hook import weighted_allreduce_hook": "submodule of the package",
-        "import lightning_cannikin.training.fsdp": "submodule of the package",
+        "from lightning_cannikin.training.measurement.comm_hook import weighted_allreduce_hook": "submodule",
+        "import lightning_cannikin.training.frontends.fsdp": "submodule of the package",
         "from lightning_cannikin import _registration": "private",
         "from lightning_cannikin import BalancingEngine": "not a public name",
         "import lightning_cannikin\nlightning_cannikin.training.engine": "not a public name",

@@ -18,7 +18,7 @@ from torch.distributed.fsdp import fully_shard
 
 from lightning_cannikin import Cannikin, CannikinModelParallelStrategy, CannikinSettings, EmulatedCluster
 from lightning_cannikin.training import engine as engine_module
-from lightning_cannikin.training.lightning_hooks import BalancingCallback
+from lightning_cannikin.training.frontends.lightning_hooks import BalancingCallback
 from tests.models import IndexedRegression, RecordingRegressor, quiet_trainer, read_records, record_estimator_inputs
 from tests.test_mid_epoch_total import known_step_times, noisy_dataset, total_changing_cannikin
 

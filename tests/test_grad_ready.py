@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_cannikin.training.grad_ready import GradientReadiness
-from lightning_cannikin.training.step_timer import StepTimer
+from lightning_cannikin.training.measurement.grad_ready import GradientReadiness
+from lightning_cannikin.training.measurement.step_timer import StepTimer
 
 
 def mlp() -> nn.Module:
@@ -55,7 +55,7 @@ def test_the_kept_hooks_are_the_first_and_the_last_gradient_ready():
 
 def test_the_timer_marks_gradients_and_the_reduction_from_readiness(monkeypatch):
     ticks = iter(float(t) for t in range(100))
-    monkeypatch.setattr("lightning_cannikin.training.step_timer.time.perf_counter", lambda: next(ticks))
+    monkeypatch.setattr("lightning_cannikin.training.measurement.step_timer.time.perf_counter", lambda: next(ticks))
     timer = StepTimer()
     model = mlp()
     readiness = GradientReadiness(model.parameters(), timer.gradient_ready)

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from lightning_cannikin.core.noise_scale import NoiseScaleEstimator
-from lightning_cannikin.training import grad_stats
-from lightning_cannikin.training.comm_hook import WeightedAllReduceState
-from lightning_cannikin.training.grad_norms import GradientNorms
-from lightning_cannikin.training.grad_stats import FOLD_DELAY, GradientNormObserver
+from lightning_cannikin.training.measurement import grad_stats
+from lightning_cannikin.training.measurement.comm_hook import WeightedAllReduceState
+from lightning_cannikin.training.measurement.grad_norms import GradientNorms
+from lightning_cannikin.training.measurement.grad_stats import FOLD_DELAY, GradientNormObserver
 
 READ = torch.Tensor.tolist
 

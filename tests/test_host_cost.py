@@ -27,7 +27,7 @@ from lightning_cannikin.core.speed_model import SpeedModel, SpeedModelSettings
 from lightning_cannikin.core.step_record import StepRecord
 from lightning_cannikin.simulation.emulated_devices import EmulatedDevices
 from lightning_cannikin.training.emulator import loop_meets_each_step
-from lightning_cannikin.training.lightning_hooks import BalancingCallback
+from lightning_cannikin.training.frontends.lightning_hooks import BalancingCallback
 from tests.models import IndexedRegression, quiet_trainer
 
 TOTAL = 96

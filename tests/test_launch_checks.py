@@ -14,7 +14,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from lightning_cannikin import Cannikin, CannikinModelParallelStrategy, CannikinStrategy
-from lightning_cannikin.training import launch_checks
+from lightning_cannikin.training.frontends import launch_checks
 from tests.models import IndexedRegression, quiet_trainer
 
 

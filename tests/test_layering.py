@@ -150,13 +150,13 @@ print(json.dumps(leaks))
 OPTIONAL_EXTRAS = {"ray"}  # what a module of the package may need that an installation may lack
 
 FRONTENDS = (
-    "training/callback.py",
-    "training/lightning_hooks.py",
-    "training/fabric.py",
-    "training/strategy.py",
-    "training/fsdp.py",
-    "training/uneven_strategy.py",
-    "training/ray_train.py",
+    "training/frontends/callback.py",
+    "training/frontends/lightning_hooks.py",
+    "training/frontends/fabric.py",
+    "training/frontends/strategy.py",
+    "training/frontends/fsdp.py",
+    "training/frontends/uneven_strategy.py",
+    "training/frontends/ray_train.py",
 )
 PROTOCOL_CALLS = {"all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "decide"}
 
@@ -222,7 +222,7 @@ def test_the_frontends_drive_the_engine_through_its_declared_api_only():
     public |= {name for name in vars(BalancingEngine()) if not name.startswith("_")}  # plan, step_sizes, ...
     assert public == ENGINE_API, f"undeclared: {public - ENGINE_API}; declared, absent: {ENGINE_API - public}"
     used = set()
-    for frontend in (*FRONTENDS, "training/launch_checks.py"):
+    for frontend in (*FRONTENDS, "training/frontends/launch_checks.py"):
         source = (PACKAGE / frontend).read_text()
         found = _behind_the_engine(source, set(ENGINE_API))
         assert not found, f"{frontend} reaches behind the engine's step API: {sorted(found)}"
@@ -256,20 +256,21 @@ def test_the_strategies_own_the_engine_and_the_callback_reads_the_strategys():
         callback.engine  # noqa: B018 (the callback builds none: it configures the strategy's)
     assert callback.plan is None and callback.history == [] and callback.lr_factor == 1.0
     graph = _graph()
-    for frontend in ("training.uneven_strategy", "training.fabric"):
+    for frontend in ("training.frontends.uneven_strategy", "training.frontends.fabric"):
         assert f"{NAME}.training.engine" in graph[f"{NAME}.{frontend}"], frontend
-    assert f"{NAME}.training.engine" not in graph[f"{NAME}.training.callback"], "the callback builds no engine"
+    callback = f"{NAME}.training.frontends.callback"
+    assert f"{NAME}.training.engine" not in graph[callback], "the callback builds no engine"
 
 
 def test_the_strategy_does_not_import_the_callback_even_indirectly():
     graph = _graph()
-    seen, todo = set(), [f"{NAME}.training.strategy"]
+    seen, todo = set(), [f"{NAME}.training.frontends.strategy"]
     while todo:
         module = todo.pop()
         if module not in seen:
             seen.add(module)
             todo.extend(graph[module])
-    assert f"{NAME}.training.callback" not in seen
+    assert f"{NAME}.training.frontends.callback" not in seen
     assert not any(m.startswith(f"{NAME}.tools") for m in graph[f"{NAME}.training.engine"]), "the profile is core's"
 
 

@@ -14,9 +14,9 @@ from torch import nn
 
 from lightning_cannikin import Cannikin, CannikinStrategy
 from lightning_cannikin.core.plan import BatchBounds
-from lightning_cannikin.training.device_memory import LocalBatchOutOfMemoryError, out_of_memory_error
-from lightning_cannikin.training.step_timer import FORWARD
-from lightning_cannikin.training.strategy_checks import warn_about_sync_batchnorm
+from lightning_cannikin.training.frontends.strategy_checks import warn_about_sync_batchnorm
+from lightning_cannikin.training.measurement.device_memory import LocalBatchOutOfMemoryError, out_of_memory_error
+from lightning_cannikin.training.measurement.step_timer import FORWARD
 from tests.models import IndexedRegression, RecordingRegressor, quiet_trainer
 
 

@@ -25,7 +25,7 @@ from lightning_cannikin import Cannikin, CannikinSettings, CannikinStrategy, Emu
 from lightning_cannikin.core.goodput import adascale_gain
 from lightning_cannikin.core.noise_scale import NoiseScaleEstimator
 from lightning_cannikin.core.speed_model import SpeedModel
-from lightning_cannikin.training.grad_stats import FOLD_DELAY
+from lightning_cannikin.training.measurement.grad_stats import FOLD_DELAY
 from lightning_cannikin.training.schedules import progress_lr_lambda
 from tests.models import IndexedRegression, RecordingRegressor, quiet_trainer, read_records, record_estimator_inputs
 

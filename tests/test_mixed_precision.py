@@ -14,7 +14,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
 from lightning_cannikin import Cannikin, CannikinSettings, CannikinStrategy
-from lightning_cannikin.training.grad_stats import FOLD_DELAY
+from lightning_cannikin.training.measurement.grad_stats import FOLD_DELAY
 from tests.models import IndexedRegression, RecordingRegressor, quiet_trainer, read_records, record_estimator_inputs
 
 

@@ -110,7 +110,7 @@ def test_the_allreduce_and_its_exposed_part_are_measured(tmp_path):
 def test_metrics_are_logged_only_where_a_logger_or_the_progress_bar_sees_them():
     from types import SimpleNamespace
 
-    from lightning_cannikin.training.metrics import metrics_are_seen
+    from lightning_cannikin.training.frontends.metrics import metrics_are_seen
 
     assert not metrics_are_seen(SimpleNamespace(loggers=[], progress_bar_callback=None))
     assert metrics_are_seen(SimpleNamespace(loggers=[object()], progress_bar_callback=None))

@@ -74,7 +74,7 @@ def _distribution(module: str, declared: set[str]) -> str:
 
 
 # an extra's own module, which imports it at module level: nothing imports the module before the user asks for it
-EXTRA_MODULES = {"ray": PACKAGE / "training" / "ray_train.py"}
+EXTRA_MODULES = {"ray": PACKAGE / "training" / "frontends" / "ray_train.py"}
 
 
 def _eager_imports_of(module: str, paths: list[Path]) -> list[str]:
@@ -200,7 +200,7 @@ print(json.dumps(report))
     assert report["registered"] == sorted([*ddp, *fsdp, "cannikin_ray", "cannikin_ray_fsdp"])
     assert report["ray"] == []
     assert report["fsdp"] == ["CannikinModelParallelStrategy", "fork"]
-    assert report["strategy"] == "lightning_cannikin.training.strategy.CannikinStrategy"
+    assert report["strategy"] == "lightning_cannikin.training.frontends.strategy.CannikinStrategy"
     assert report["start_method"] == "fork"
     assert report["loader_restored"] != "lightning_cannikin._registration", "the import hook must put the loader back"
     assert report["registered_again"] == report["registered"]

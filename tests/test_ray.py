@@ -309,7 +309,7 @@ def test_the_strategy_is_both_cannikins_and_rays_with_rays_device_and_cannikins_
     from ray.train.lightning import RayDDPStrategy
 
     from lightning_cannikin import CannikinRayStrategy, CannikinStrategy
-    from lightning_cannikin.training.uneven_strategy import UnevenBatchesMixin
+    from lightning_cannikin.training.frontends.uneven_strategy import UnevenBatchesMixin
 
     mro = CannikinRayStrategy.__mro__
     assert mro[2:6] == (CannikinStrategy, UnevenBatchesMixin, RayDDPStrategy, RayDDPStrategy.__mro__[1])

@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_cannikin import Cannikin, CannikinSettings, CannikinStrategy
-from lightning_cannikin.training import strategy_checks
+from lightning_cannikin.training.frontends import strategy_checks
 from tests.models import IndexedRegression, RecordingRegressor, quiet_trainer, read_records
 
 

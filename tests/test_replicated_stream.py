@@ -145,7 +145,7 @@ def test_a_stream_split_by_node_is_refused_before_the_ranks_start(attributes, me
 
 
 def test_a_stream_that_does_not_split_by_node_is_taken():
-    from lightning_cannikin.training.stream_checks import check_replicable
+    from lightning_cannikin.training.data.stream_checks import check_replicable
 
     for attributes in ({"nodesplitter": identity}, {"nodesplitter": None}, {"pipeline": [list, identity]}, {}):
         assert check_replicable(DataLoader(NodeSplit(**attributes), batch_size=2)) == (False, 0)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_cannikin.training import step_timer
-from lightning_cannikin.training.device_memory import DeviceMemory
-from lightning_cannikin.training.step_timer import CudaEventClock, HostClock, StepTimer, step_timer_for
+from lightning_cannikin.training.measurement import step_timer
+from lightning_cannikin.training.measurement.device_memory import DeviceMemory
+from lightning_cannikin.training.measurement.step_timer import CudaEventClock, HostClock, StepTimer, step_timer_for
 
 
 class FakeDevice:
@@ -353,7 +353,7 @@ def test_the_comm_hook_fills_the_reductions_time_on_gloo(tmp_path):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from lightning_cannikin.training.comm_hook import WeightedAllReduceState, weighted_allreduce_hook
+    from lightning_cannikin.training.measurement.comm_hook import WeightedAllReduceState, weighted_allreduce_hook
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:

@@ -258,7 +258,7 @@ def test_what_cannot_be_split_exactly_is_refused_before_the_ranks_start(stream_d
 
 
 def test_a_plan_mid_epoch_deals_the_items_left_and_never_moves_a_drawn_batch():
-    from lightning_cannikin.training.streaming import StreamShareSampler
+    from lightning_cannikin.training.data.streaming import StreamShareSampler
 
     chunks = [8] * 12 + [5]
     samplers = [StreamShareSampler(chunks, r, Plan(SIZES), num_workers=2, shuffle=True, seed=7) for r in range(3)]
@@ -283,8 +283,8 @@ def test_a_plan_mid_epoch_deals_the_items_left_and_never_moves_a_drawn_batch():
     ],
 )
 def test_a_resume_that_cannot_continue_the_shares_is_refused(stream_dir, change, message):
-    from lightning_cannikin.training.loader import kept_arguments
-    from lightning_cannikin.training.streaming import rebuild_streaming
+    from lightning_cannikin.training.data.loader import kept_arguments
+    from lightning_cannikin.training.data.streaming import rebuild_streaming
 
     user_loader = StreamingDataLoader(_dataset(stream_dir), batch_size=2)  # seed 42, no workers
     loader = rebuild_streaming(user_loader, Plan(SIZES), 0, kept_arguments(user_loader))

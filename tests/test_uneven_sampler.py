@@ -111,8 +111,8 @@ def test_the_example_loop_gives_the_exact_mean_gradient_over_every_sample_once(t
 
 def test_a_probe_interleaved_with_the_split_it_left_alternates_then_stays():
     from lightning_cannikin.core.plan import Plan
+    from lightning_cannikin.training.data.sampler import UnevenBatchSampler
     from lightning_cannikin.training.engine import BalancingEngine
-    from lightning_cannikin.training.sampler import UnevenBatchSampler
 
     base, probe = Plan((16, 16)), Plan((24, 8))
     engine, sampler = BalancingEngine(), UnevenBatchSampler(640, 0, base)

@@ -21,17 +21,17 @@ from lightning_cannikin import CannikinStrategy, EmulatedCluster
 from lightning_cannikin.core.loss_normalisation import loss_weights
 from lightning_cannikin.core.plan import Plan
 from lightning_cannikin.core.step_record import StepRecord
-from lightning_cannikin.training.cost_aware_sampler import (
+from lightning_cannikin.training.data.cost_aware_sampler import (
     CostAwareBatchSampler,
     CostTimeFit,
     resolve_costs,
     with_time_models,
 )
+from lightning_cannikin.training.data.loader import rebuild_uneven
 from lightning_cannikin.training.engine import BalancingEngine
-from lightning_cannikin.training.grad_stats import FOLD_DELAY
-from lightning_cannikin.training.lightning_hooks import BalancingCallback
-from lightning_cannikin.training.loader import rebuild_uneven
-from lightning_cannikin.training.loss_weights import step_weights
+from lightning_cannikin.training.frontends.lightning_hooks import BalancingCallback
+from lightning_cannikin.training.measurement.grad_stats import FOLD_DELAY
+from lightning_cannikin.training.measurement.loss_weights import step_weights
 from tests.models import RecordingRegressor, accumulation_windows, quiet_trainer
 from tests.test_adaptive import fit_recording_noise, squared_gradient_norm
 

@@ -3,7 +3,7 @@
 ``peak(b) = m0 + m1 * b`` fitted from (local batch, peak allocated bytes) samples: activations grow linearly with the
 batch on top of the parameters, gradients and optimizer state. The cap keeps the prediction within ``headroom`` of
 the capacity it is given (on CUDA the memory this process can use: free on the device plus what it holds, see
-``training/device_memory.py``), for allocator fragmentation and what the allocator does not count.
+``training/measurement/device_memory.py``), for allocator fragmentation and what the allocator does not count.
 
 Pure: numpy only (no torch, no Lightning).
 """

@@ -1,7 +1,8 @@
-"""The Lightning and torch layer on top of :mod:`lightning_cannikin.core`.
+"""The Lightning and torch layer on top of :mod:`lightning_cannikin.core`, by role.
 
-The balancing engine (:mod:`~lightning_cannikin.training.engine`), the one object that owns a training step, and its
-frontends, which drive it through its step API: the Lightning strategies (DDP, FSDP2) with their callback, and the
-Fabric strategy. Behind the engine: the uneven sampler and loader, the weighted comm hook with the step timer and the
-gradient-norm observer riding on it. See ``docs/architecture.md``.
+The balancing engine (:mod:`~lightning_cannikin.training.engine`), the torch adapter that measures a step and carries
+its :class:`~lightning_cannikin.core.controller.Controller`'s decisions; ``frontends/``, which drive it (the Lightning
+strategies with their callback, the Fabric strategy); ``measurement/`` (the step timer, the weighted reductions and
+the noise statistics on them, the loss's weights); ``data/`` (the uneven samplers, loaders and streams, and the plan in
+force). See ``docs/architecture.md``.
 """

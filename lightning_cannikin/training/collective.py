@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from lightning_cannikin.training.host_transfer import HostTransfer, PinnedTransfer
+from lightning_cannikin.training.measurement.host_transfer import HostTransfer, PinnedTransfer
 
 __all__ = ["Collective", "StrategyCollective", "end_process_group_at_exit"]
 

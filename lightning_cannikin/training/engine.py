@@ -24,14 +24,14 @@ from lightning_cannikin.core.plan import BatchBounds, Plan
 from lightning_cannikin.core.policy import Decision
 from lightning_cannikin.core.profile import PROFILE_FILENAME, save_profile
 from lightning_cannikin.training.collective import Collective
-from lightning_cannikin.training.cost_aware_sampler import SampleCosts, with_time_models
-from lightning_cannikin.training.loader import UnevenDataLoader, loader_batch_size
-from lightning_cannikin.training.local_evidence import LocalEvidence
-from lightning_cannikin.training.loss_weights import LossScaleCheck, WindowWeights
+from lightning_cannikin.training.data.cost_aware_sampler import SampleCosts, with_time_models
+from lightning_cannikin.training.data.loader import UnevenDataLoader, loader_batch_size
+from lightning_cannikin.training.data.plan_in_force import PlanInForce, RunningStep
+from lightning_cannikin.training.data.rebuild import rebuild_training_loader
+from lightning_cannikin.training.measurement.local_evidence import LocalEvidence
+from lightning_cannikin.training.measurement.loss_weights import LossScaleCheck, WindowWeights
+from lightning_cannikin.training.measurement.reductions import Reductions
 from lightning_cannikin.training.optimizers import FamilyWatch, scaled_learning_rates
-from lightning_cannikin.training.plan_in_force import PlanInForce, RunningStep
-from lightning_cannikin.training.rebuild import rebuild_training_loader
-from lightning_cannikin.training.reductions import Reductions
 from lightning_cannikin.training.settings import EngineOptions
 
 __all__ = ["ENGINE_API", "BalancingEngine", "log_messages"]
@@ -101,10 +101,10 @@ class BalancingEngine:
             collective: where the ranks' records, decisions and votes meet.
             fixed_split: the user fixed the split: nothing re-plans it (the steps are still weighted).
             normalisation: how the user's loss is normalised
-                (:func:`~lightning_cannikin.training.loss_weights.check_normalisation`).
+                (:func:`~lightning_cannikin.training.measurement.loss_weights.check_normalisation`).
             sharded: the gradients are reduce-scattered (FSDP2): the noise statistics read the reduce-scatters.
             smallest: the smallest local batch the model trains on where the user sets no lower bound
-                (:func:`~lightning_cannikin.training.batch_statistics.smallest_local_batch`).
+                (:func:`~lightning_cannikin.training.frontends.batch_statistics.smallest_local_batch`).
 
         """
         world_size, controller, reductions = collective.world_size, self.controller, self.reductions
@@ -203,8 +203,8 @@ class BalancingEngine:
         statistics measure it, weigh it.
 
         The weights are those of the exact mean over the accumulation window the step belongs to
-        (:class:`~lightning_cannikin.training.loss_weights.WindowWeights`); its learning-rate factor and gain are
-        those of the plan it runs (:class:`RunningStep`).
+        (:class:`~lightning_cannikin.training.measurement.loss_weights.WindowWeights`); its learning-rate factor and
+        gain are those of the plan it runs (:class:`RunningStep`).
 
         Args:
             optimizer_step: optimizer steps taken this fit (as a resumed fit counts them): micro-steps share one.

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import lightning.pytorch as pl
 
-from lightning_cannikin.training.lightning_hooks import BalancingCallback
+from lightning_cannikin.training.frontends.lightning_hooks import BalancingCallback
 
 __all__ = ["progress_lr_lambda"]
 

@@ -21,9 +21,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_cannikin import Cannikin, CannikinStrategy
 from lightning_cannikin.core.memory import MemoryFitter
-from lightning_cannikin.training.comm_hook import WeightedAllReduceState, weighted_allreduce_hook
-from lightning_cannikin.training.device_memory import DeviceMemory
-from lightning_cannikin.training.step_timer import CudaEventClock, StepTimer
+from lightning_cannikin.training.measurement.comm_hook import WeightedAllReduceState, weighted_allreduce_hook
+from lightning_cannikin.training.measurement.device_memory import DeviceMemory
+from lightning_cannikin.training.measurement.step_timer import CudaEventClock, StepTimer
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

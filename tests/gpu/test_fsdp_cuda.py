@@ -13,7 +13,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_cannikin import Cannikin, CannikinModelParallelStrategy, CannikinSettings
-from lightning_cannikin.training.device_memory import LocalBatchOutOfMemoryError
+from lightning_cannikin.training.measurement.device_memory import LocalBatchOutOfMemoryError
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_cannikin.core.plan import Plan
-from lightning_cannikin.training.cost_aware_sampler import SampleCosts
-from lightning_cannikin.training.loader import UnevenDataLoader, kept_arguments, rebuild_uneven
-from lightning_cannikin.training.replicated_stream import rebuild_replicated
-from lightning_cannikin.training.stream_checks import is_litdata
-from lightning_cannikin.training.streaming import rebuild_streaming
+from lightning_cannikin.training.data.cost_aware_sampler import SampleCosts
+from lightning_cannikin.training.data.loader import UnevenDataLoader, kept_arguments, rebuild_uneven
+from lightning_cannikin.training.data.replicated_stream import rebuild_replicated
+from lightning_cannikin.training.data.stream_checks import is_litdata
+from lightning_cannikin.training.data.streaming import rebuild_streaming
 
 __all__ = ["rebuild_training_loader"]
 

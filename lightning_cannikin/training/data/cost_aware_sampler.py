@@ -27,7 +27,7 @@ from lightning_cannikin.core.layout import GlobalBatch
 from lightning_cannikin.core.plan import Plan
 from lightning_cannikin.core.policy import Decision
 from lightning_cannikin.core.timing import HALF_LIFE
-from lightning_cannikin.training.sampler import UnevenBatchSampler
+from lightning_cannikin.training.data.sampler import UnevenBatchSampler
 
 __all__ = ["CostAwareBatchSampler", "CostTimeFit", "SampleCosts", "resolve_costs", "with_time_models"]
 

@@ -28,9 +28,9 @@ from lightning_cannikin.training._lightning_compat import (
     fit_arguments,
     uses_distributed_sampler,
 )
-from lightning_cannikin.training.lightning_hooks import BalancingCallback
-from lightning_cannikin.training.loader import check_trainable, loader_batch_size
-from lightning_cannikin.training.strategy_checks import NO_DISTRIBUTED_SAMPLER_ERROR
+from lightning_cannikin.training.data.loader import check_trainable, loader_batch_size
+from lightning_cannikin.training.frontends.lightning_hooks import BalancingCallback
+from lightning_cannikin.training.frontends.strategy_checks import NO_DISTRIBUTED_SAMPLER_ERROR
 
 __all__ = [
     "CheckedMultiProcessingLauncher",

@@ -2,8 +2,8 @@
 
 On a measured step (every step, or one in ``measure_every``, which the engine sets step by step through
 ``cadence``) this rank's local squared norm is taken before the reduction and the global one (on rank zero) after
-it, through the comm hook, bucket by bucket (:mod:`~lightning_cannikin.training.grad_norms` computes them, fused).
-With gradient accumulation every micro-batch is a group of its own. Each
+it, through the comm hook, bucket by bucket (:mod:`~lightning_cannikin.training.measurement.grad_norms` computes them,
+fused). With gradient accumulation every micro-batch is a group of its own. Each
 measured step's groups go in a block of ``world_size x micro-batches + 2`` floats; every ``exchange_every`` measured
 steps the waiting blocks are exchanged with one all-reduce, issued asynchronously at the end of a step. Steps in
 this paragraph and below are measured steps.
@@ -36,9 +36,9 @@ import torch.distributed as dist
 
 from lightning_cannikin.core.noise_scale import NoiseScaleEstimator
 from lightning_cannikin.training._lightning_compat import scaler_scale
-from lightning_cannikin.training.comm_hook import WeightedAllReduceState
-from lightning_cannikin.training.grad_norms import GradientNorms
-from lightning_cannikin.training.host_transfer import HostTransfer, PinnedTransfer
+from lightning_cannikin.training.measurement.comm_hook import WeightedAllReduceState
+from lightning_cannikin.training.measurement.grad_norms import GradientNorms
+from lightning_cannikin.training.measurement.host_transfer import HostTransfer, PinnedTransfer
 
 __all__ = ["FOLD_DELAY", "GradientNormObserver", "check_every"]
 

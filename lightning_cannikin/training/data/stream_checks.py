@@ -1,8 +1,8 @@
 """Which streamed training loaders Cannikin can split exactly, told before any process is launched.
 
-LitData's ``StreamingDataset`` is split into exact uneven shares (:mod:`lightning_cannikin.training.streaming`), any
-other ``IterableDataset`` is read whole by every rank (:mod:`lightning_cannikin.training.replicated_stream`); what
-neither can split exactly is refused here with the fix. Nothing here imports LitData unless a data set from it is
+LitData's ``StreamingDataset`` is split into exact uneven shares (:mod:`lightning_cannikin.training.data.streaming`),
+any other ``IterableDataset`` is read whole by every rank (:mod:`lightning_cannikin.training.data.replicated_stream`);
+what neither can split exactly is refused here with the fix. Nothing here imports LitData unless a data set from it is
 given.
 """
 

@@ -16,9 +16,14 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 
 from lightning_cannikin.core.layout import epoch_layout
 from lightning_cannikin.core.plan import Plan
-from lightning_cannikin.training.cost_aware_sampler import CostAwareBatchSampler, SampleCosts, resolve_costs
-from lightning_cannikin.training.sampler import UnevenBatchSampler
-from lightning_cannikin.training.stream_checks import check_replicable, check_streaming, is_litdata, is_litdata_loader
+from lightning_cannikin.training.data.cost_aware_sampler import CostAwareBatchSampler, SampleCosts, resolve_costs
+from lightning_cannikin.training.data.sampler import UnevenBatchSampler
+from lightning_cannikin.training.data.stream_checks import (
+    check_replicable,
+    check_streaming,
+    is_litdata,
+    is_litdata_loader,
+)
 
 # DataLoader arguments carried over from the user's loader unchanged.
 _KEPT_ARGUMENTS = (
@@ -152,7 +157,7 @@ def check_trainable(dataloader: DataLoader, global_batch_size: int) -> tuple[boo
 
     Raises:
         ValueError: for DataLoader subclasses, streams Cannikin cannot split exactly
-            (:mod:`~lightning_cannikin.training.stream_checks`), custom samplers, or a global batch larger than the
+            (:mod:`~lightning_cannikin.training.data.stream_checks`), custom samplers, or a global batch larger than the
             dataset.
 
     """
@@ -165,7 +170,7 @@ def check_trainable(dataloader: DataLoader, global_batch_size: int) -> tuple[boo
             " `torch.utils.data.DataLoader` (move the subclass's logic into the Dataset, `collate_fn` or"
             " `worker_init_fn`: all are kept), or use `strategy='ddp'`."
         )
-    if streamed:  # LitData's StreamingDataset: exact uneven shares of the stream (training/streaming.py)
+    if streamed:  # LitData's StreamingDataset: exact uneven shares of the stream (training/data/streaming.py)
         return check_streaming(dataloader)
     if isinstance(dataset, IterableDataset):
         # any other stream: every rank reads it whole and keeps its slice of each global batch (replicated_stream.py)

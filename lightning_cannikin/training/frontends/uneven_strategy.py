@@ -19,22 +19,22 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 
 from lightning_cannikin.core.plan import Plan
 from lightning_cannikin.training._lightning_compat import uses_distributed_sampler
-from lightning_cannikin.training.batch_statistics import smallest_local_batch
 from lightning_cannikin.training.collective import StrategyCollective, end_process_group_at_exit
-from lightning_cannikin.training.cost_aware_sampler import SampleCosts
-from lightning_cannikin.training.device_memory import LocalBatchOutOfMemoryError, out_of_memory_error
+from lightning_cannikin.training.data.cost_aware_sampler import SampleCosts
+from lightning_cannikin.training.data.loader import UnevenDataLoader, loader_batch_size
 from lightning_cannikin.training.engine import BalancingEngine
-from lightning_cannikin.training.lightning_hooks import BalancingCallback
-from lightning_cannikin.training.loader import UnevenDataLoader, loader_batch_size
-from lightning_cannikin.training.loss_weights import check_normalisation, every_ranks_units
-from lightning_cannikin.training.settings import EngineOptions
-from lightning_cannikin.training.strategy_checks import (
+from lightning_cannikin.training.frontends.batch_statistics import smallest_local_batch
+from lightning_cannikin.training.frontends.lightning_hooks import BalancingCallback
+from lightning_cannikin.training.frontends.strategy_checks import (
     MULTIPLE_LOADERS_ERROR,
     NO_DISTRIBUTED_SAMPLER_ERROR,
     from_ray,
     validate_local_batch_sizes,
     warn_about_fixed_total,
 )
+from lightning_cannikin.training.measurement.device_memory import LocalBatchOutOfMemoryError, out_of_memory_error
+from lightning_cannikin.training.measurement.loss_weights import check_normalisation, every_ranks_units
+from lightning_cannikin.training.settings import EngineOptions
 
 __all__ = ["UnevenBatchesMixin"]
 

@@ -31,9 +31,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_cannikin.core.plan import Plan
 from lightning_cannikin.core.stream_shares import replanned_shares, share_key
-from lightning_cannikin.training.loader import UnevenDataLoader
-from lightning_cannikin.training.sampler import UnevenBatchSampler
-from lightning_cannikin.training.stream_checks import check_streaming
+from lightning_cannikin.training.data.loader import UnevenDataLoader
+from lightning_cannikin.training.data.sampler import UnevenBatchSampler
+from lightning_cannikin.training.data.stream_checks import check_streaming
 
 __all__ = ["StreamShareSampler", "StreamingUnevenLoader", "rebuild_streaming"]
 

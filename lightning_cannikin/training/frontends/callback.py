@@ -1,6 +1,6 @@
 """``Cannikin``: the callback users hold, with the decisions that are theirs; the engine's settings are one object.
 
-It is :class:`~lightning_cannikin.training.lightning_hooks.BalancingCallback` (Lightning's hooks wired to the
+It is :class:`~lightning_cannikin.training.frontends.lightning_hooks.BalancingCallback` (Lightning's hooks wired to the
 :class:`~lightning_cannikin.training.engine.BalancingEngine`) with the user's arguments, which the strategy builds
 its engine from.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_cannikin.training.lightning_hooks import BalancingCallback
+from lightning_cannikin.training.frontends.lightning_hooks import BalancingCallback
 from lightning_cannikin.training.settings import CannikinSettings, EngineOptions
 
 __all__ = ["Cannikin"]

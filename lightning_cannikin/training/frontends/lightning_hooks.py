@@ -26,16 +26,16 @@ from lightning_cannikin.core.profile import PROFILE_FILENAME
 from lightning_cannikin.core.speed_model import SpeedModel
 from lightning_cannikin.training._lightning_compat import epoch_resizable, sync_epoch_length
 from lightning_cannikin.training.engine import BalancingEngine
-from lightning_cannikin.training.log_dir import log_artifact, run_log_dir
-from lightning_cannikin.training.metrics import (
+from lightning_cannikin.training.frontends.log_dir import log_artifact, run_log_dir
+from lightning_cannikin.training.frontends.metrics import (
     log_decision,
     log_noise_scale,
     log_prediction_error,
     log_step,
     metrics_are_seen,
 )
+from lightning_cannikin.training.frontends.strategy_checks import wrong_strategy_error
 from lightning_cannikin.training.settings import EngineOptions
-from lightning_cannikin.training.strategy_checks import wrong_strategy_error
 
 __all__ = ["BalancingCallback"]
 

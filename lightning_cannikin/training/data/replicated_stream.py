@@ -5,7 +5,7 @@ per-rank shares without a coordinator, so every rank reads the same stream, cuts
 (:func:`~lightning_cannikin.core.stream_shares.global_batches`: the plan's sizes, the remainder split as for map-style
 data) and keeps its contiguous slice of each. That is exact and needs nothing from the data set, but reading and
 decoding cost the world size times a single reader's, which the strategy says once at the start; LitData's
-``StreamingDataset`` (:mod:`lightning_cannikin.training.streaming`) reads every item once.
+``StreamingDataset`` (:mod:`lightning_cannikin.training.data.streaming`) reads every item once.
 
 The user's DataLoader keeps its workers (they read the stream as they would for one process) and its collate function
 (applied to the rank's slice in the main process). The stream must give every rank the same items in the same order:
@@ -30,9 +30,9 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lightning_cannikin.core.plan import Plan
 from lightning_cannikin.core.stream_shares import global_batches
-from lightning_cannikin.training.loader import _KEPT_ARGUMENTS, UnevenDataLoader
-from lightning_cannikin.training.sampler import UnevenBatchSampler
-from lightning_cannikin.training.stream_checks import check_replicable
+from lightning_cannikin.training.data.loader import _KEPT_ARGUMENTS, UnevenDataLoader
+from lightning_cannikin.training.data.sampler import UnevenBatchSampler
+from lightning_cannikin.training.data.stream_checks import check_replicable
 
 __all__ = ["ReplicatedStreamLoader", "StreamSliceSampler", "rebuild_replicated"]
 

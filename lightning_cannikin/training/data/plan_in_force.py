@@ -14,8 +14,8 @@ from typing import Any
 
 from lightning_cannikin.core.controller import Message
 from lightning_cannikin.core.plan import BatchBounds, Plan
-from lightning_cannikin.training.loader import UnevenDataLoader
-from lightning_cannikin.training.sampler import UnevenBatchSampler
+from lightning_cannikin.training.data.loader import UnevenDataLoader
+from lightning_cannikin.training.data.sampler import UnevenBatchSampler
 
 __all__ = ["PlanInForce", "RunningStep"]
 
@@ -72,7 +72,7 @@ class PlanInForce:
     def set_plan(self, plan: Plan, from_batch: int | None = None, interleave: tuple[Plan, int] | None = None) -> None:
         """Put ``plan`` (as many ranks as the plan in force) in force: in the running epoch from global batch
         ``from_batch`` on (``interleave``: :meth:`UnevenBatchSampler.set_plan
-        <lightning_cannikin.training.sampler.UnevenBatchSampler.set_plan>`'s), or, with ``None``, when the training
+        <lightning_cannikin.training.data.sampler.UnevenBatchSampler.set_plan>`'s), or, with ``None``, when the training
         DataLoader is next built."""
         if self.plan is not None and plan.world_size != self.plan.world_size:
             raise ValueError(

@@ -26,8 +26,8 @@ The points, the same on both clocks:
   its buffer broadcast is a collective that waits for slower ranks, which is not this device's compute;
 - gradients ready: the latest bucket reaching the comm hook (on CUDA, the point in the stream where that bucket's
   gradients are complete); with DDP's own C++ all-reduce (no Python hook, see the strategy), the last parameter's
-  gradient accumulated (:mod:`~lightning_cannikin.training.grad_ready`); without a reduction (an accumulation
-  micro-step), the end of backward;
+  gradient accumulated (:mod:`~lightning_cannikin.training.measurement.grad_ready`); without a reduction (an
+  accumulation micro-step), the end of backward;
 - the all-reduce: from the first bucket reaching the hook (with DDP's own all-reduce: the first gradient ready) to
   the latest reduced bucket coming back. On CUDA that end is recorded in the future's callback, on the stream that
   waits for the collective (NCCL futures complete when the collective is *enqueued*, so a host clock there would
@@ -63,8 +63,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_cannikin.core.step_record import StepRecord
-from lightning_cannikin.training.comm_hook import WeightedAllReduceState
-from lightning_cannikin.training.device_memory import DeviceMemory
+from lightning_cannikin.training.measurement.comm_hook import WeightedAllReduceState
+from lightning_cannikin.training.measurement.device_memory import DeviceMemory
 
 __all__ = ["CudaEventClock", "HostClock", "StepTimer", "step_timer_for"]
 
@@ -205,8 +205,9 @@ class StepTimer:
             self._reduced = True
 
     def gradient_ready(self) -> None:
-        """A hooked parameter's gradient is ready (:class:`~lightning_cannikin.training.grad_ready.GradientReadiness`,
-        with DDP's own all-reduce): the first call of a step marks where gradients start, every call the latest."""
+        """A hooked parameter's gradient is ready
+        (:class:`~lightning_cannikin.training.measurement.grad_ready.GradientReadiness`, with DDP's own all-reduce):
+        the first call of a step marks where gradients start, every call the latest."""
         if self._in_step and self._reduced:
             if self._marks[FIRST_BUCKET] is None:
                 self.clock.mark(self._marks, FIRST_BUCKET)

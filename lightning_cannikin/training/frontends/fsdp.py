@@ -33,10 +33,10 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_cannikin.training._lightning_compat import StrategyRegistryType
-from lightning_cannikin.training.cost_aware_sampler import SampleCosts
+from lightning_cannikin.training.data.cost_aware_sampler import SampleCosts
 from lightning_cannikin.training.engine import BalancingEngine
-from lightning_cannikin.training.launch_checks import check_before_launch, checked_launcher
-from lightning_cannikin.training.uneven_strategy import UnevenBatchesMixin
+from lightning_cannikin.training.frontends.launch_checks import check_before_launch, checked_launcher
+from lightning_cannikin.training.frontends.uneven_strategy import UnevenBatchesMixin
 
 __all__ = ["CannikinModelParallelStrategy", "TimedCollectives"]
 
@@ -104,7 +104,7 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
         local_batch_sizes: a fixed split, one entry per rank. It turns split planning off. When ``None``, the first
             plan gives every rank the training DataLoader's ``batch_size``.
         loss_normalisation, sample_costs, batch_units: what the loss averages over and each sample's cost, as for
-            :class:`~lightning_cannikin.training.strategy.CannikinStrategy` (the same weights reach FSDP2's
+            :class:`~lightning_cannikin.training.frontends.strategy.CannikinStrategy` (the same weights reach FSDP2's
             averaging reduce-scatter).
         data_parallel_size: ``"auto"`` (the default) is the world size: pure sharded data parallelism (unlike
             ``ModelParallelStrategy``'s own "auto", which is the number of nodes).

@@ -1,10 +1,11 @@
 """``Reductions``: where a step's gradients are reduced, and what watches them on the way.
 
-The weighted all-reduce's state (:class:`~lightning_cannikin.training.comm_hook.WeightedAllReduceState`), the step
-timer that times the rank's compute around it (:mod:`~lightning_cannikin.training.step_timer`) and, where the noise
-scale is measured, the gradient statistics' observer (:mod:`~lightning_cannikin.training.grad_stats`). A frontend
-reaches them through the seams here (DDP's comm hook, FSDP2's reduce-scatter, a gradient ready, a wait in a
-collective), never through the parts themselves (``tests/test_layering.py``); the engine reads what they measured.
+The weighted all-reduce's state (:class:`~lightning_cannikin.training.measurement.comm_hook.WeightedAllReduceState`),
+the step timer that times the rank's compute around it (:mod:`~lightning_cannikin.training.measurement.step_timer`)
+and, where the noise scale is measured, the gradient statistics' observer
+(:mod:`~lightning_cannikin.training.measurement.grad_stats`). A frontend reaches them through the seams here (DDP's
+comm hook, FSDP2's reduce-scatter, a gradient ready, a wait in a collective), never through the parts themselves
+(``tests/test_layering.py``); the engine reads what they measured.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ from typing import Any
 import torch
 
 from lightning_cannikin.core.speed_model import StepRecord
-from lightning_cannikin.training.comm_hook import WeightedAllReduceState, weighted_allreduce_hook
-from lightning_cannikin.training.grad_stats import GradientNormObserver
-from lightning_cannikin.training.loss_weights import StepWeights
-from lightning_cannikin.training.sharded_grad_stats import NoiseReduceScatter, ShardedGradientNormObserver
-from lightning_cannikin.training.step_timer import HostClock, StepTimer, step_timer_for
+from lightning_cannikin.training.measurement.comm_hook import WeightedAllReduceState, weighted_allreduce_hook
+from lightning_cannikin.training.measurement.grad_stats import GradientNormObserver
+from lightning_cannikin.training.measurement.loss_weights import StepWeights
+from lightning_cannikin.training.measurement.sharded_grad_stats import NoiseReduceScatter, ShardedGradientNormObserver
+from lightning_cannikin.training.measurement.step_timer import HostClock, StepTimer, step_timer_for
 
 __all__ = ["Reductions"]
 

@@ -3,7 +3,7 @@ gradient.
 
 FSDP2 copies each parameter group's local (unsharded) gradient into one flat buffer and reduce-scatters it; the
 strategy issues that reduce-scatter itself, through FSDP2's public custom-comm seam
-(:class:`~lightning_cannikin.training.fsdp.TimedCollectives`). So:
+(:class:`~lightning_cannikin.training.frontends.fsdp.TimedCollectives`). So:
 
 - ``Z_i = |g_i|^2``, this rank's local gradient before the reduction, is the sum over the parameter groups of the
   squared norm of each reduce-scatter's input (one dot product per group, on the buffer FSDP2 built anyway). FSDP2
@@ -18,8 +18,8 @@ The weights on the loss (``n * b_i / B`` for a sample mean, those of the declare
 micro-batch's share of its window), a declared sum's sample counts (on each group's gradient, and the window's on the
 reduced one) and FSDP2's division before the reduce-scatter (fp16 gradients only) are divided out, so the statistics
 are those of mean gradients with the same group sizes as on the DDP path
-(:class:`~lightning_cannikin.training.grad_stats.GradientNormObserver`, whose exchange, fold and checkpoint this
-reuses).
+(:class:`~lightning_cannikin.training.measurement.grad_stats.GradientNormObserver`, whose exchange, fold and checkpoint
+this reuses).
 
 Adam-family optimizers: as on the DDP path, the noise is that of the preconditioned gradient
 ``g / (sqrt(v_hat) + eps)``, element by element. FSDP2 shards ``v_hat`` like the parameters, so on a measured step
@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_cannikin.training._lightning_compat import fsdp_predivide_factor, fsdp_sharded_parameters
-from lightning_cannikin.training.comm_hook import WeightedAllReduceState
-from lightning_cannikin.training.grad_norms import squared_norm
-from lightning_cannikin.training.grad_stats import GradientNormObserver
+from lightning_cannikin.training.measurement.comm_hook import WeightedAllReduceState
+from lightning_cannikin.training.measurement.grad_norms import squared_norm
+from lightning_cannikin.training.measurement.grad_stats import GradientNormObserver
 
 __all__ = ["NoiseReduceScatter", "ShardedGradientNormObserver"]
 

@@ -13,11 +13,11 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_cannikin.training._lightning_compat import StrategyRegistryType, register_ddp_comm_hook
-from lightning_cannikin.training.cost_aware_sampler import SampleCosts
-from lightning_cannikin.training.grad_ready import GradientReadiness
-from lightning_cannikin.training.launch_checks import check_before_launch, checked_launcher
-from lightning_cannikin.training.strategy_checks import warn_about_sync_batchnorm
-from lightning_cannikin.training.uneven_strategy import UnevenBatchesMixin
+from lightning_cannikin.training.data.cost_aware_sampler import SampleCosts
+from lightning_cannikin.training.frontends.launch_checks import check_before_launch, checked_launcher
+from lightning_cannikin.training.frontends.strategy_checks import warn_about_sync_batchnorm
+from lightning_cannikin.training.frontends.uneven_strategy import UnevenBatchesMixin
+from lightning_cannikin.training.measurement.grad_ready import GradientReadiness
 
 
 class CannikinStrategy(UnevenBatchesMixin, DDPStrategy):

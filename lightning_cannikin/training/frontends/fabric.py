@@ -26,10 +26,10 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_cannikin.core.plan import Plan
-from lightning_cannikin.training.batch_statistics import smallest_local_batch
 from lightning_cannikin.training.collective import StrategyCollective, end_process_group_at_exit
+from lightning_cannikin.training.data.loader import UnevenDataLoader
 from lightning_cannikin.training.engine import BalancingEngine
-from lightning_cannikin.training.loader import UnevenDataLoader
+from lightning_cannikin.training.frontends.batch_statistics import smallest_local_batch
 from lightning_cannikin.training.settings import CannikinSettings, EngineOptions
 
 __all__ = ["CannikinFabricStrategy"]

@@ -1,7 +1,7 @@
 """``LocalEvidence``: what one rank alone measures for rank zero's decisions, kept whole through a checkpoint.
 
 Its step records not yet handed to a re-plan, its compute time over its exact summed cost (a cost-aware sampler's
-:class:`~lightning_cannikin.training.cost_aware_sampler.CostTimeFit`), and its speed-change check with the ranks'
+:class:`~lightning_cannikin.training.data.cost_aware_sampler.CostTimeFit`), and its speed-change check with the ranks'
 one-bit vote on it (:class:`~lightning_cannikin.core.change_vote.ChangeVote`). Lightning writes rank zero's callback
 state, so every rank's part is gathered into it (the engine's ``state_dict``) and each rank takes its own part back.
 """
@@ -14,8 +14,8 @@ from lightning_cannikin.core.change import LocalChangeCheck
 from lightning_cannikin.core.change_vote import ChangeVote
 from lightning_cannikin.core.speed_model import StepRecord
 from lightning_cannikin.training.collective import Collective
-from lightning_cannikin.training.cost_aware_sampler import CostTimeFit
-from lightning_cannikin.training.step_timer import StepTimer
+from lightning_cannikin.training.data.cost_aware_sampler import CostTimeFit
+from lightning_cannikin.training.measurement.step_timer import StepTimer
 
 __all__ = ["LocalEvidence"]
 

@@ -25,7 +25,7 @@ class GradientReadiness:
     Args:
         parameters: the model's parameters (those that do not require a gradient are left alone).
         on_ready: called with no argument each time a hooked parameter's gradient is accumulated (the step timer's
-            :meth:`~lightning_cannikin.training.step_timer.StepTimer.gradient_ready`).
+            :meth:`~lightning_cannikin.training.measurement.step_timer.StepTimer.gradient_ready`).
 
     """
 

@@ -26,8 +26,8 @@ import torch
 from typing_extensions import override
 
 from lightning_cannikin.training._lightning_compat import StrategyRegistryType
-from lightning_cannikin.training.fsdp import CannikinModelParallelStrategy
-from lightning_cannikin.training.strategy import CannikinStrategy
+from lightning_cannikin.training.frontends.fsdp import CannikinModelParallelStrategy
+from lightning_cannikin.training.frontends.strategy import CannikinStrategy
 
 RAY_INSTALL = 'pip install "lightning-cannikin[ray]"'
 
