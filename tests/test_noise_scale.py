@@ -407,6 +407,41 @@ def test_a_4x_fall_of_the_noise_scale_brings_the_lower_bound_back_within_500_bas
     assert min(kept) > 500, kept
 
 
+def _end_of_ramp(start: float, end: float, seed: int) -> tuple[float, float, float, float]:
+    """A run whose true noise scale moves evenly from ``start`` to ``end`` over 1,000 updates at B0 every step: at its
+    last update, ``low / truth`` of :meth:`run_bounds` and of the window's bounds alone, and ``estimate / truth`` of
+    the fit's present and of the average."""
+    rng = np.random.default_rng(seed)
+    dim, sizes, updates = 64, np.array([40.0, 24.0]), 1000
+    truth = np.linspace(start, end, updates)
+    noise = rng.standard_normal((updates, 2, dim)) * np.sqrt(truth[:, None, None] / dim / sizes[None, :, None])
+    groups = np.ones(dim) / 8.0 + noise
+    reduced = (sizes[None, :, None] * groups).sum(axis=1) / sizes.sum()
+    estimator = NoiseScaleEstimator(64)
+    for z, y in zip((groups**2).sum(axis=2), (reduced**2).sum(axis=1), strict=True):
+        estimator.update(z, sizes, float(y))
+    run, window = estimator.run_bounds(), estimator.window_bounds()
+    assert run is not None and window is not None and estimator.present_noise_scale is not None
+    return run[0] / end, window[0] / end, estimator.present_noise_scale / end, estimator.noise_scale / end
+
+
+def test_the_lower_bound_follows_a_3x_drift_of_the_noise_scale_up_and_down() -> None:
+    # a 3x rise of the noise scale (64 to 192) over a run's window holds no step the recent window sees: the average
+    # holds about 0.72 of the current value at the end, its lower bound about 0.66; the straight-line fit reads the
+    # present (1.00 median), and the bound both allow is about 0.83 (benchmarks/results/noise_coverage.json, trends).
+    # In the mirror fall the window's lower bound ends about 1.2x above the truth, the fit's below it
+    rise = np.array([_end_of_ramp(64.0, 192.0, seed) for seed in range(16)])
+    low, window_low, present, average = np.median(rise, axis=0)
+    assert window_low < 0.72 and average < 0.8, (window_low, average)
+    assert low > 0.78 and low > window_low + 0.1, (low, window_low)
+    assert 0.9 < present < 1.1, present
+    fall = np.array([_end_of_ramp(192.0, 64.0, 100 + seed) for seed in range(16)])
+    low, window_low, present, average = np.median(fall, axis=0)
+    assert window_low > 1.1 and average > 1.2, (window_low, average)
+    assert low < 1.0, low
+    assert 0.9 < present < 1.1, present
+
+
 @pytest.mark.parametrize(
     "tail, dof, expected",
     [  # table values (Abramowitz & Stegun 26.10) and, for the far tails, scipy.stats.t.isf to the digits given

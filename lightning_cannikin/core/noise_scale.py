@@ -280,8 +280,8 @@ class NoiseScaleEstimator:
         undisturbed average, and the spread, the effective count and the bounds carry over at once (no gap in
         which the total and the gain would wait)."""
         recent = self._recent
-        ours = self._window_bounds(NOISE_BOUND_LEVEL)
-        theirs = recent._window_bounds(NOISE_BOUND_LEVEL) if recent is not None else None
+        ours = self.window_bounds(NOISE_BOUND_LEVEL)
+        theirs = recent.window_bounds(NOISE_BOUND_LEVEL) if recent is not None else None
         if recent is None or ours is None or theirs is None or (theirs[1] >= ours[0] and theirs[0] <= ours[1]):
             return
         scale = (1.0 - self.decay ** (recent.window_samples / self.base_batch_size)) / recent._weight
@@ -470,7 +470,7 @@ class NoiseScaleEstimator:
         if self._run_bounds is not None and self._run_bounds[0] == key:
             return self._run_bounds[1]
         present = self._present_bounds(level * PRESENT_SHARE) if self.follow_trend else None
-        window = self._window_bounds(level if present is None else level * (1.0 - PRESENT_SHARE))
+        window = self.window_bounds(level if present is None else level * (1.0 - PRESENT_SHARE))
         if present is None or window is None:
             result = window
         else:
@@ -506,8 +506,10 @@ class NoiseScaleEstimator:
         cov = (self._cross_biased / weight - sqr * var) * scale
         return sqr_var, var_var, cov
 
-    def _window_bounds(self, level: float) -> tuple[float, float] | None:
-        """Run-level bounds on the moving average's noise scale at ``level``: the run's average, not its present."""
+    def window_bounds(self, level: float = NOISE_BOUND_LEVEL) -> tuple[float, float] | None:
+        """Run-level bounds on the moving average's noise scale at ``level``, as :meth:`run_bounds` computes them but
+        for the window alone: the run's average, not its present (what :meth:`run_bounds` returned before the fit;
+        ``benchmarks/noise_coverage.py`` compares the two)."""
         if self.standard_errors() is None:
             return None
         share = self._weight_sq / self._weight**2
