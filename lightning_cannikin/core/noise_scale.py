@@ -57,8 +57,10 @@ RECENT_SHARE = 1.0 / 8.0
 PRESENT_SHARE = 0.25
 # the looks per window the fit's share is split over: its reading rests on the newest updates (it weighs old ones
 # negatively), so it moves faster than the average: at half the level, 32 looks let 4.5-5% of 200 stationary runs
-# cross at B0 measured every step where 2.5% was spent; 128 held 1.5-2.5% (benchmarks/noise_coverage.py)
-PRESENT_LOOKS_PER_WINDOW = 128.0
+# cross at B0 measured every step where 2.5% was spent, 128 held 1.5-2.5%; at a quarter, 128 beside the window's
+# 3/4 let 4.8% of 400 runs cross at B0 (the window alone: 3.5%), and 256 leaves room at a cost in lag too small to
+# measure (benchmarks/noise_coverage.py)
+PRESENT_LOOKS_PER_WINDOW = 256.0
 _NORMAL = NormalDist()
 
 
