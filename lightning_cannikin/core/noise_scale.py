@@ -52,14 +52,14 @@ LOOKS_PER_WINDOW = 32.0
 RECENT_SHARE = 1.0 / 8.0
 # the share of NOISE_BOUND_LEVEL that run_bounds() spends on its bound of the *current* noise scale (the straight-line
 # fit read now, lightning_cannikin/core/noise_trend.py), the rest going to the window's: the window's bound, at 3/4 of
-# the level, is barely wider (the quantile of a tail moves slowly), and in 200 stationary runs per cell the two
-# together crossed in 0-4% of runs (benchmarks/noise_coverage.py)
+# the level, is barely wider (the quantile of a tail moves slowly), and in 400 stationary runs a cell the two together
+# crossed in 0-4.5% of runs, the window's alone at the full level in 0-3.75% (benchmarks/noise_coverage.py)
 PRESENT_SHARE = 0.25
 # the looks per window the fit's share is split over: its reading rests on the newest updates (it weighs old ones
 # negatively), so it moves faster than the average: at half the level, 32 looks let 4.5-5% of 200 stationary runs
 # cross at B0 measured every step where 2.5% was spent, 128 held 1.5-2.5%; at a quarter, 128 beside the window's
-# 3/4 let 4.8% of 400 runs cross at B0 (the window alone: 3.5%), and 256 leaves room at a cost in lag too small to
-# measure (benchmarks/noise_coverage.py)
+# 3/4 let 4.8% of 400 runs cross at B0 (the window alone: 3.5%), 256 4.25% (4.5% over 6,000 updates), at a cost in
+# lag of about 1% of low (benchmarks/noise_coverage.py)
 PRESENT_LOOKS_PER_WINDOW = 256.0
 _NORMAL = NormalDist()
 
