@@ -502,6 +502,31 @@ def test_the_run_level_state_round_trips_and_an_old_state_loads() -> None:
         estimator.run_bounds(1.5)
 
 
+def test_a_state_saved_before_the_fit_is_bounded_by_its_window_until_a_restart() -> None:
+    # the ages of what a state saved without the fit's sums averages are unknown: it reads no present, and its
+    # bounds are the window's at the full level; a restart (a 4x fall of the noise scale) takes over the recent
+    # window's fit, and the present returns
+    rng = np.random.default_rng(5)
+    dim, sizes = 64, np.array([40.0, 24.0])
+
+    def feed(estimator: NoiseScaleEstimator, noise_scale: float, updates: int) -> None:
+        noise = rng.standard_normal((updates, 2, dim)) * np.sqrt(noise_scale / dim / sizes)[:, None]
+        groups = np.ones(dim) / 8.0 + noise
+        reduced = (sizes[None, :, None] * groups).sum(axis=1) / sizes.sum()
+        for z, y in zip((groups**2).sum(axis=2), (reduced**2).sum(axis=1), strict=True):
+            estimator.update(z, sizes, float(y))
+
+    estimator = NoiseScaleEstimator(64)
+    feed(estimator, 1000.0, 1500)
+    assert estimator.present_noise_scale is not None and estimator.restarts == 0
+    legacy = NoiseScaleEstimator(64)
+    legacy.load_state_dict({key: value for key, value in estimator.state_dict().items() if key != "trend"})
+    assert legacy.present_noise_scale is None
+    assert legacy.run_bounds() == legacy.window_bounds() == estimator.window_bounds() is not None
+    feed(legacy, 250.0, 1000)
+    assert legacy.restarts >= 1 and legacy.present_noise_scale is not None
+
+
 def test_one_heavy_update_leaves_bounds_as_wide_as_one_degree_of_freedom_allows():
     # a total jumping 48 -> 512 measured one step in eight: that one update weighs more than the rest of the average,
     # under two effective steps (the run-level bounds raised `dof must be at least 1` here, in a demo Transformer run)
