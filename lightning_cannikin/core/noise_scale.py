@@ -498,8 +498,8 @@ class NoiseScaleEstimator:
 
     def _spreads(self) -> tuple[float, float, float]:
         """The single-step estimates' variances and covariance around the averages, over the weights' ``n_eff - 1``
-        (the weighted spread is low by ``1 - share``). Around a drifting value they include the drift: too wide, never
-        too narrow, for the fit that reads the present."""
+        (the weighted spread is low by ``1 - share``): the window's; the fit that reads the present takes its own
+        around the fitted line (around a drift, these hold the drift too)."""
         weight, share = self._weight, self._weight_sq / self._weight**2
         sqr, var = self._sqr_biased / weight, self._var_biased / weight
         scale = 1.0 / (1.0 - share)
@@ -521,8 +521,9 @@ class NoiseScaleEstimator:
 
     def _present_bounds(self, level: float) -> tuple[float, float] | None:
         """Run-level bounds on the *current* noise scale at ``level``: Fieller's bounds on the straight-line fit's
-        readings at age 0 (:class:`~lightning_cannikin.core.noise_trend.TrendFit`), with the spread around the fit
-        (around a drift, the spread around the average holds the drift too); the same width as the window's."""
+        readings at age 0 (:class:`~lightning_cannikin.core.noise_trend.TrendFit`), with the spread around the fitted
+        line, once the fit spans ``MIN_EFFECTIVE_STEPS`` (``1 / C``); the tail split over
+        :data:`PRESENT_LOOKS_PER_WINDOW` looks a window, on two fitted parameters."""
         present = self._present()
         if present is None or self.standard_errors() is None or present.squares * MIN_EFFECTIVE_STEPS > 1.0:
             return None
@@ -537,6 +538,7 @@ class NoiseScaleEstimator:
         )
 
     def _present(self) -> Present | None:
+        """The fit read now from the window's sums; ``None`` where the ages are unknown or tell no slope yet."""
         if self._trend is None:
             return None
         sqr_sq, var_sq, cross = self._sqr_sq_biased, self._var_sq_biased, self._cross_biased
