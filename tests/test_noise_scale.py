@@ -407,6 +407,41 @@ def test_a_4x_fall_of_the_noise_scale_brings_the_lower_bound_back_within_500_bas
     assert min(kept) > 500, kept
 
 
+def _end_of_ramp(start: float, end: float, seed: int) -> tuple[float, float, float, float]:
+    """A run whose true noise scale moves evenly from ``start`` to ``end`` over 1,000 updates at B0 every step: at its
+    last update, ``low / truth`` of :meth:`run_bounds` and of the window's bounds alone, and ``estimate / truth`` of
+    the fit's present and of the average."""
+    rng = np.random.default_rng(seed)
+    dim, sizes, updates = 64, np.array([40.0, 24.0]), 1000
+    truth = np.linspace(start, end, updates)
+    noise = rng.standard_normal((updates, 2, dim)) * np.sqrt(truth[:, None, None] / dim / sizes[None, :, None])
+    groups = np.ones(dim) / 8.0 + noise
+    reduced = (sizes[None, :, None] * groups).sum(axis=1) / sizes.sum()
+    estimator = NoiseScaleEstimator(64)
+    for z, y in zip((groups**2).sum(axis=2), (reduced**2).sum(axis=1), strict=True):
+        estimator.update(z, sizes, float(y))
+    run, window = estimator.run_bounds(), estimator.window_bounds()
+    assert run is not None and window is not None and estimator.present_noise_scale is not None
+    return run[0] / end, window[0] / end, estimator.present_noise_scale / end, estimator.noise_scale / end
+
+
+def test_the_lower_bound_follows_a_3x_drift_of_the_noise_scale_up_and_down() -> None:
+    # a 3x rise of the noise scale (64 to 192) over a run's window holds no step the recent window sees: the average
+    # holds about 0.72 of the current value at the end, its lower bound about 0.66; the straight-line fit reads the
+    # present (1.00 median), and the bound both allow is about 0.83 (benchmarks/results/noise_coverage.json, trends).
+    # In the mirror fall the window's lower bound ends about 1.2x above the truth, the fit's below it
+    rise = np.array([_end_of_ramp(64.0, 192.0, seed) for seed in range(16)])
+    low, window_low, present, average = np.median(rise, axis=0)
+    assert window_low < 0.72 and average < 0.8, (window_low, average)
+    assert low > 0.78 and low > window_low + 0.1, (low, window_low)
+    assert 0.9 < present < 1.1, present
+    fall = np.array([_end_of_ramp(192.0, 64.0, 100 + seed) for seed in range(16)])
+    low, window_low, present, average = np.median(fall, axis=0)
+    assert window_low > 1.1 and average > 1.2, (window_low, average)
+    assert low < 1.0, low
+    assert 0.9 < present < 1.1, present
+
+
 @pytest.mark.parametrize(
     "tail, dof, expected",
     [  # table values (Abramowitz & Stegun 26.10) and, for the far tails, scipy.stats.t.isf to the digits given
@@ -465,6 +500,31 @@ def test_the_run_level_state_round_trips_and_an_old_state_loads() -> None:
     assert estimator.run_bounds(0.05)[0] <= estimator.bounds(2.0)[0], "wider than the per-look bound"
     with pytest.raises(ValueError, match="level"):
         estimator.run_bounds(1.5)
+
+
+def test_a_state_saved_before_the_fit_is_bounded_by_its_window_until_a_restart() -> None:
+    # the ages of what a state saved without the fit's sums averages are unknown: it reads no present, and its
+    # bounds are the window's at the full level; a restart (a 4x fall of the noise scale) takes over the recent
+    # window's fit, and the present returns
+    rng = np.random.default_rng(5)
+    dim, sizes = 64, np.array([40.0, 24.0])
+
+    def feed(estimator: NoiseScaleEstimator, noise_scale: float, updates: int) -> None:
+        noise = rng.standard_normal((updates, 2, dim)) * np.sqrt(noise_scale / dim / sizes)[:, None]
+        groups = np.ones(dim) / 8.0 + noise
+        reduced = (sizes[None, :, None] * groups).sum(axis=1) / sizes.sum()
+        for z, y in zip((groups**2).sum(axis=2), (reduced**2).sum(axis=1), strict=True):
+            estimator.update(z, sizes, float(y))
+
+    estimator = NoiseScaleEstimator(64)
+    feed(estimator, 1000.0, 1500)
+    assert estimator.present_noise_scale is not None and estimator.restarts == 0
+    legacy = NoiseScaleEstimator(64)
+    legacy.load_state_dict({key: value for key, value in estimator.state_dict().items() if key != "trend"})
+    assert legacy.present_noise_scale is None
+    assert legacy.run_bounds() == legacy.window_bounds() == estimator.window_bounds() is not None
+    feed(legacy, 250.0, 1000)
+    assert legacy.restarts >= 1 and legacy.present_noise_scale is not None
 
 
 def test_one_heavy_update_leaves_bounds_as_wide_as_one_degree_of_freedom_allows():

@@ -35,6 +35,8 @@ from statistics import NormalDist
 
 import numpy as np
 
+from lightning_cannikin.core.noise_trend import Present, TrendFit
+
 __all__ = ["NoiseScaleEstimator", "pooled_moments", "t_quantile"]
 
 MIN_EFFECTIVE_STEPS = 10.0  # steps the moving average must span before its spread is estimated
@@ -48,6 +50,17 @@ LOOKS_PER_WINDOW = 32.0
 # a 4x fall about 300 base batches after it (1/4: about 540; 1/16: about 210, but at 16x B0 a 1/16 window spans under
 # ten updates and never has bounds); how often it fires without a change: benchmarks/noise_coverage.py
 RECENT_SHARE = 1.0 / 8.0
+# the share of NOISE_BOUND_LEVEL that run_bounds() spends on its bound of the *current* noise scale (the straight-line
+# fit read now, lightning_cannikin/core/noise_trend.py), the rest going to the window's: the window's bound, at 3/4 of
+# the level, is barely wider (the quantile of a tail moves slowly), and in 400 stationary runs a cell the two together
+# crossed in 0-4.5% of runs, the window's alone at the full level in 0-3.75% (benchmarks/noise_coverage.py)
+PRESENT_SHARE = 0.25
+# the looks per window the fit's share is split over: its reading rests on the newest updates (it weighs old ones
+# negatively), so it moves faster than the average: at half the level, 32 looks let 4.5-5% of 200 stationary runs
+# cross at B0 measured every step where 2.5% was spent, 128 held 1.5-2.5%; at a quarter, 128 beside the window's
+# 3/4 let 4.8% of 400 runs cross at B0 (the window alone: 3.5%), 256 4.25% (4.5% over 6,000 updates), at a cost in
+# lag of about 1% of low (benchmarks/noise_coverage.py)
+PRESENT_LOOKS_PER_WINDOW = 256.0
 _NORMAL = NormalDist()
 
 
@@ -162,15 +175,24 @@ class NoiseScaleEstimator:
     its own spread), the statistics changed: the run's averages restart from the recent window's, weighted as the
     samples it spans weigh in the run's window (:attr:`restarts` counts these).
 
+    A change that is a drift (the noise scale of a run rises as the loss falls, some 3x over a run) never makes the
+    windows disjoint, and the run's average holds a past value all along. So a straight-line fit over the run's window
+    (:class:`~lightning_cannikin.core.noise_trend.TrendFit`) reads the statistics *now*, and :meth:`run_bounds` holds
+    what both its bounds and the window's allow (:data:`PRESENT_SHARE` of the level spent on the fit's).
+
     Args:
         base_batch_size: B0, the total batch whose update gets decay ``decay``; a B-sample update decays the
             averages by ``decay ** (B / B0)``.
         decay: per-B0-batch decay of the moving averages, in (0, 1).
         follow_changes: keep the recent window and restart on a change (the recent window itself does not).
+        follow_trend: bound the current value too (:class:`~lightning_cannikin.core.noise_trend.TrendFit`), and let
+            :meth:`run_bounds` hold what both bounds allow (the recent window's own bounds do not).
 
     """
 
-    def __init__(self, base_batch_size: int, decay: float = 0.999, follow_changes: bool = True) -> None:
+    def __init__(
+        self, base_batch_size: int, decay: float = 0.999, follow_changes: bool = True, follow_trend: bool = True
+    ) -> None:
         if base_batch_size <= 0:
             raise ValueError(f"`base_batch_size` must be positive, got {base_batch_size}.")
         if not 0.0 < decay < 1.0:
@@ -193,6 +215,10 @@ class NoiseScaleEstimator:
         self._bounds: tuple[tuple[int, float], tuple[float, float] | None] | None = None  # kept until the next update
         self._run_bounds: tuple[tuple[int, float], tuple[float, float] | None] | None = None
         self._recent = self._new_recent() if follow_changes else None
+        self.follow_trend = follow_trend
+        # the ages of what the averages hold, for the fit that reads them at the present (kept by the recent window
+        # too: a restart takes them over); None after loading a state saved without them, whose ages are unknown
+        self._trend: TrendFit | None = TrendFit(2)
         self.restarts = 0  # the changes of the statistics followed (:meth:`_follow_change`)
 
     def update(
@@ -226,6 +252,8 @@ class NoiseScaleEstimator:
         _check(z, b)
         grad_sqr, grad_var = _moments(z, b, float(global_sqr_norm))
         factor = self.decay ** (steps * sum(b) / self.base_batch_size)
+        if self._trend is not None:
+            self._trend.update(factor, steps * sum(b) / self.base_batch_size, (self._sqr_biased, self._var_biased))
         self._sqr_biased = factor * self._sqr_biased + (1.0 - factor) * grad_sqr
         self._var_biased = factor * self._var_biased + (1.0 - factor) * grad_var
         self._weight = factor * self._weight + (1.0 - factor)
@@ -243,7 +271,9 @@ class NoiseScaleEstimator:
 
     def _new_recent(self) -> NoiseScaleEstimator:
         """An empty recent window: the same base batch, :data:`RECENT_SHARE` of this window's samples."""
-        return NoiseScaleEstimator(self.base_batch_size, self.decay ** (1.0 / RECENT_SHARE), follow_changes=False)
+        return NoiseScaleEstimator(
+            self.base_batch_size, self.decay ** (1.0 / RECENT_SHARE), follow_changes=False, follow_trend=False
+        )
 
     def _follow_change(self) -> None:
         """Restart the averages from the recent window's where the two windows' run-level bounds are disjoint: the
@@ -252,7 +282,8 @@ class NoiseScaleEstimator:
         undisturbed average, and the spread, the effective count and the bounds carry over at once (no gap in
         which the total and the gain would wait)."""
         recent = self._recent
-        ours, theirs = self.run_bounds(), recent.run_bounds() if recent is not None else None
+        ours = self.window_bounds(NOISE_BOUND_LEVEL)
+        theirs = recent.window_bounds(NOISE_BOUND_LEVEL) if recent is not None else None
         if recent is None or ours is None or theirs is None or (theirs[1] >= ours[0] and theirs[0] <= ours[1]):
             return
         scale = (1.0 - self.decay ** (recent.window_samples / self.base_batch_size)) / recent._weight
@@ -261,8 +292,25 @@ class NoiseScaleEstimator:
         self._cross_biased = recent._cross_biased * scale
         self._weight, self._weight_sq = recent._weight * scale, recent._weight_sq * scale * scale
         self._spread_known = recent._spread_known
+        if recent._trend is not None:
+            self._trend = self._trend or TrendFit(2)
+            self._trend.copy_from(recent._trend, scale)
         self._bounds = self._run_bounds = None
         self.restarts += 1
+
+    @property
+    def present_noise_scale(self) -> float | None:
+        """The straight-line fit's reading of the noise scale now (:class:`~.noise_trend.TrendFit`), ``None`` until
+        the ages tell a slope or where the ages are unknown; ``inf`` when its ``|G|^2`` is not
+        positive but its variance is, 0.0 when the variance is not positive. The decisions read it only through
+        :meth:`run_bounds`."""
+        present = self._present()
+        if present is None:
+            return None
+        sqr, var = present.values
+        if var <= 0.0:
+            return 0.0
+        return math.inf if sqr <= 0.0 else var / sqr
 
     @property
     def grad_sqr(self) -> float | None:
@@ -401,6 +449,13 @@ class NoiseScaleEstimator:
         The width grows slowly with the run's length (the quantile of a tail shrinking as ``1 / k**2``): that is the
         price of a guarantee for runs of any length. ``high`` is the mirror image, not calibrated on its own.
 
+        Both the window's average and the present (the straight-line fit's reading now, :class:`~.noise_trend.TrendFit`,
+        once it spans ``MIN_EFFECTIVE_STEPS``, with :data:`PRESENT_SHARE` of the level over
+        :data:`PRESENT_LOOKS_PER_WINDOW` looks) are bounded, and the bounds are what both allow: without a drift both
+        hold the truth, so ``low`` is crossed in at most ``level`` of runs still; in a rise the present's ``low`` is
+        the higher. Where the present's bounds leave out the average's point estimate (or the two are disjoint), the
+        average is stale and the present's bounds are returned alone: in a fall, ``low`` then comes down with it.
+
         Args:
             level: the fraction of runs in which the bound may ever be crossed, in (0, 1).
 
@@ -416,44 +471,78 @@ class NoiseScaleEstimator:
         key = (self.num_updates, level)
         if self._run_bounds is not None and self._run_bounds[0] == key:
             return self._run_bounds[1]
-        result = None
-        if self.standard_errors() is not None:
-            share = self._weight_sq / self._weight**2
-            k = self.windows_seen
-            # one update at a large total measured one step in several can weigh more than the rest of the average:
-            # below two effective steps the spread holds less than one degree of freedom, and one (the widest
-            # quantile, continuous with the count) is all it may claim
-            width = t_quantile(level / (LOOKS_PER_WINDOW * k * k), max(1.0 / share - 1.0, 1.0))
-            result = self._fieller(width)
+        present = self._present_bounds(level * PRESENT_SHARE) if self.follow_trend else None
+        window = self.window_bounds(level if present is None else level * (1.0 - PRESENT_SHARE))
+        if present is None or window is None:
+            result = window
+        else:
+            low, high = max(window[0], present[0]), min(window[1], present[1])
+            average = self.noise_scale
+            # where the present's bounds leave out the average, the average is stale (a drift, or a change the recent
+            # window has not yet proven): the window's bounds then hold a past value, and the present is what the
+            # decisions are for; else both hold the present, and so does what they share
+            stale = average is not None and not present[0] <= average <= present[1]
+            result = present if stale or low > high else (low, high)
         self._run_bounds = key, result
         return result
 
-    def _fieller(self, width: float) -> tuple[float, float]:
-        """Fieller's bounds on ``phi = tr / |G|^2``: ``low`` is the least ``phi >= 0`` at which ``D = tr - phi |G|^2``
-        (averages) is no longer ``width`` standard errors above 0, with ``se(D)^2 = e_tr^2 - 2 phi c + phi^2 e_G^2``
-        and ``c`` the two averages' covariance; ``high`` the largest at which it is not ``width`` below 0. Adding the
-        two errors, as :meth:`bounds` does, is wider than the ratio needs wherever both count."""
+    def _width(self, level: float, looks: float = LOOKS_PER_WINDOW, fitted: int = 1) -> float:
+        """The Student-t width of one look at ``level`` over the run (:meth:`run_bounds`), ``looks`` per window, on a
+        spread around ``fitted`` fitted parameters."""
+        share = self._weight_sq / self._weight**2
+        k = self.windows_seen
+        # one update at a large total measured one step in several can weigh more than the rest of the average:
+        # below two effective steps the spread holds less than one degree of freedom, and one (the widest
+        # quantile, continuous with the count) is all it may claim
+        return t_quantile(level / (looks * k * k), max(1.0 / share - fitted, 1.0))
+
+    def _spreads(self) -> tuple[float, float, float]:
+        """The single-step estimates' variances and covariance around the averages, over the weights' ``n_eff - 1``
+        (the weighted spread is low by ``1 - share``): the window's; the fit that reads the present takes its own
+        around the fitted line (around a drift, these hold the drift too)."""
         weight, share = self._weight, self._weight_sq / self._weight**2
         sqr, var = self._sqr_biased / weight, self._var_biased / weight
-        # spreads of the single-step estimates, over the weights' n_eff - 1 (the weighted spread is low by 1 - share)
-        scale = share / (1.0 - share)
+        scale = 1.0 / (1.0 - share)
         sqr_var = max(self._sqr_sq_biased / weight - sqr * sqr, 0.0) * scale
         var_var = max(self._var_sq_biased / weight - var * var, 0.0) * scale
         cov = (self._cross_biased / weight - sqr * var) * scale
-        w2 = width * width
-        # D(phi) = w se(phi), squared: a phi^2 - 2 b phi + c0 = 0, solved in the form that stays exact when a ~ 0
-        c0 = var * var - w2 * var_var
-        top = max(sqr, 0.0)  # a negative average is noise: it must not tighten the lower bound
-        low = 0.0
-        if var > 0.0 and c0 > 0.0:  # else D(0) is within the noise: no phi > 0 is proven
-            a, b = top * top - w2 * sqr_var, var * top - w2 * cov
-            root = b + math.sqrt(max(b * b - a * c0, 0.0))
-            low = c0 / root if root > 0.0 else 0.0
-        high = math.inf
-        a, b = sqr * sqr - w2 * sqr_var, var * sqr - w2 * cov
-        if sqr > 0.0 and a > 0.0:  # |G|^2 is clearly above 0: D turns clearly negative at a finite phi
-            high = (b + math.sqrt(max(b * b - a * c0, 0.0))) / a
-        return low, max(high, low)
+        return sqr_var, var_var, cov
+
+    def window_bounds(self, level: float = NOISE_BOUND_LEVEL) -> tuple[float, float] | None:
+        """Run-level bounds on the moving average's noise scale at ``level``, as :meth:`run_bounds` computes them but
+        for the window alone: the run's average, not its present (what :meth:`run_bounds` returned before the fit;
+        ``benchmarks/noise_coverage.py`` compares the two)."""
+        if self.standard_errors() is None:
+            return None
+        share = self._weight_sq / self._weight**2
+        sqr_var, var_var, cov = self._spreads()
+        sqr, var = self._sqr_biased / self._weight, self._var_biased / self._weight
+        return _fieller(self._width(level), sqr, var, sqr_var * share, var_var * share, cov * share)
+
+    def _present_bounds(self, level: float) -> tuple[float, float] | None:
+        """Run-level bounds on the *current* noise scale at ``level``: Fieller's bounds on the straight-line fit's
+        readings at age 0 (:class:`~lightning_cannikin.core.noise_trend.TrendFit`), with the spread around the fitted
+        line, once the fit spans ``MIN_EFFECTIVE_STEPS`` (``1 / C``); the tail split over
+        :data:`PRESENT_LOOKS_PER_WINDOW` looks a window, on two fitted parameters."""
+        present = self._present()
+        if present is None or self.standard_errors() is None or present.squares * MIN_EFFECTIVE_STEPS > 1.0:
+            return None
+        (sqr, var), squares, cov = present.values, present.squares, present.covariance
+        return _fieller(
+            self._width(level, PRESENT_LOOKS_PER_WINDOW, 2),
+            sqr,
+            var,
+            cov[0][0] * squares,
+            cov[1][1] * squares,
+            cov[0][1] * squares,
+        )
+
+    def _present(self) -> Present | None:
+        """The fit read now from the window's sums; ``None`` where the ages are unknown or tell no slope yet."""
+        if self._trend is None:
+            return None
+        sqr_sq, var_sq, cross = self._sqr_sq_biased, self._var_sq_biased, self._cross_biased
+        return self._trend.present((self._sqr_biased, self._var_biased), ((sqr_sq, cross), (cross, var_sq)))
 
     def _compute_bounds(self, sigmas: float) -> tuple[float, float] | None:
         if sigmas == 0:
@@ -489,6 +578,7 @@ class NoiseScaleEstimator:
             "cross_biased": self._cross_biased,
             "recent": None if self._recent is None else self._recent.state_dict(),
             "restarts": self.restarts,
+            "trend": None if self._trend is None else self._trend.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -513,6 +603,11 @@ class NoiseScaleEstimator:
         else:
             self._samples = self._samples_from_weight()
         self.restarts = int(state_dict.get("restarts", 0))
+        # a state saved before the fit holds averages of unknown ages: only the window bounds them, until a restart
+        trend = state_dict.get("trend")
+        self._trend = None if trend is None else TrendFit(2)
+        if self._trend is not None:
+            self._trend.load_state_dict(trend)
         if self._recent is not None:  # a state saved before the recent window starts one afresh
             recent, self._recent = state_dict.get("recent"), self._new_recent()
             if recent is not None:
@@ -537,3 +632,26 @@ class NoiseScaleEstimator:
         default decay) only that many are known: a lower bound, so the spending resumes a little early."""
         remaining = max(1.0 - self._weight, 2.0**-53)
         return self.base_batch_size * math.log(remaining) / math.log(self.decay)
+
+
+def _fieller(width: float, sqr: float, var: float, sqr_var: float, var_var: float, cov: float) -> tuple[float, float]:
+    """Fieller's bounds on ``phi = tr / |G|^2`` from estimates ``sqr`` of ``|G|^2`` and ``var`` of ``tr`` with
+    variances ``sqr_var``, ``var_var`` and covariance ``cov``: ``low`` is the least ``phi >= 0`` at which
+    ``D = tr - phi |G|^2`` is no longer ``width`` standard errors above 0, with
+    ``se(D)^2 = var_var - 2 phi cov + phi^2 sqr_var``; ``high`` the largest at which it is not ``width`` below 0.
+    Adding the two errors, as :meth:`NoiseScaleEstimator.bounds` does, is wider than the ratio needs wherever both
+    count."""
+    w2 = width * width
+    # D(phi) = w se(phi), squared: a phi^2 - 2 b phi + c0 = 0, solved in the form that stays exact when a ~ 0
+    c0 = var * var - w2 * var_var
+    top = max(sqr, 0.0)  # a negative average is noise: it must not tighten the lower bound
+    low = 0.0
+    if var > 0.0 and c0 > 0.0:  # else D(0) is within the noise: no phi > 0 is proven
+        a, b = top * top - w2 * sqr_var, var * top - w2 * cov
+        root = b + math.sqrt(max(b * b - a * c0, 0.0))
+        low = c0 / root if root > 0.0 else 0.0
+    high = math.inf
+    a, b = sqr * sqr - w2 * sqr_var, var * sqr - w2 * cov
+    if sqr > 0.0 and a > 0.0:  # |G|^2 is clearly above 0: D turns clearly negative at a finite phi
+        high = (b + math.sqrt(max(b * b - a * c0, 0.0))) / a
+    return low, max(high, low)
