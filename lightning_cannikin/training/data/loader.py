@@ -46,7 +46,7 @@ class UnevenDataLoader(DataLoader):
     Attributes:
         pending_steps: ``(global batch index, every rank's sizes)`` of batches handed out but not yet trained on,
             oldest first; the engine pops one per training step
-            (:meth:`~lightning_cannikin.training.engine.BalancingEngine.begin_next_step`).
+            (:meth:`~lightning_cannikin.training.engine.BalancingEngine.begin_step`).
         on_fetch: called when the loop asks for a batch after the epoch's first (set by the engine's
             :meth:`~lightning_cannikin.training.engine.BalancingEngine.training_loader`: the input's share of a step
             is timed from here).
