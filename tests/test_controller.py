@@ -8,9 +8,10 @@ import numpy as np
 from benchmarks.replay import replay
 from lightning_cannikin.core.controller import Controller, NoiseReading, NoiseRule
 from lightning_cannikin.core.noise_scale import NoiseScaleEstimator
-from lightning_cannikin.core.plan import Plan
+from lightning_cannikin.core.plan import BatchBounds, Plan
 from lightning_cannikin.core.policy import PolicySettings
 from lightning_cannikin.core.replanner import Replanner
+from lightning_cannikin.core.speed_model import StepRecord
 from lightning_cannikin.simulation.emulated_devices import EmulatedDevices
 
 FAST = [0.5, 1.0, 2.0]  # ms per sample, 10 ms fixed
@@ -95,3 +96,35 @@ def test_the_noise_is_read_once_a_fold_and_every_decision_until_the_next_reads_t
     assert controller.noise is reading and controller.scale(64) == controller.scale(64)
     controller.noise_folded()
     assert controller.noise != reading and controller.noise == NoiseRule().read(controller.estimator)
+
+
+def test_a_mid_epoch_reconsideration_with_no_total_in_reach_waits_for_the_epoch_end():
+    # 4 micro-steps under max_batch_size 256 leave 64 samples a micro-step, below the 90 the lower bounds need: no total
+    # is in reach until the accumulation may change (an epoch's end), and without remembering that the total would be
+    # reconsidered (a gather and rank zero's fit) at every step of the epoch
+    controller = Controller(PolicySettings(max_batch_size=256), Replanner(adaptive=True))
+    controller.configure(3, BatchBounds((30, 30, 30)))
+    current = Plan((40, 30, 30), 4)
+    controller.start(current)
+    records = [
+        StepRecord(step, rank, size, 0.001 * (rank + 1) * size, 0.2)
+        for step in range(12)
+        for rank, size in enumerate((40, 30, 30) if step % 2 else (30, 40, 40))
+    ]
+    controller.speed_model.add(records)
+    assert controller.speed_model.identified, "every rank timed at two sizes"
+    controller.replanner.identified = True
+    controller.noise = NoiseReading((500.0, 900.0), 700.0)
+    reconsidered = []
+    for _ in range(20):
+        controller.step_done()
+        due, adapt = controller.after_step(False)
+        if due:
+            decision, _ = controller.decide([], current, mid_epoch=True, adapt_total=adapt)
+            assert decision is not None and decision.total_options is None, "no total within reach mid-epoch"
+            controller.adopt(current, decision, adapt)
+            reconsidered += [controller.step] if adapt else []
+    assert reconsidered == [1], reconsidered
+    assert controller.epoch_end()[1], "the epoch's end reconsiders: the accumulation may change there"
+    state = controller.replanner.state_dict()
+    assert state["unreachable"] and Replanner(adaptive=True).state_dict()["unreachable"] is False

@@ -78,6 +78,9 @@ class Replanner:
     # a rescale not confirmed yet (a passing stall may have been taken for a change) moved the split: re-plan every
     # warm-up until it is confirmed or undone, so that a rank is not left at the share a stall gave it
     unconfirmed_moved: bool = False
+    # the last reconsideration, on evidence, found no total the accumulation in force reaches (a mid-epoch one, whose
+    # accumulation is fixed): the next waits for an epoch's end, instead of one re-plan at every step until then
+    unreachable: bool = False
 
     def __post_init__(self) -> None:
         if int(self.warmup_steps) < 1:
@@ -146,6 +149,8 @@ class Replanner:
             return False
         if self.settle_at is not None and step < self.settle_at:
             return False  # some rank runs sizes its model has not timed yet: the settling re-plan reconsiders
+        if self.unreachable and not epoch_end:
+            return False  # no total within reach until the accumulation may change
         if self.total_options is None:
             return True
         return self.total_options.moves(bounds)
@@ -155,6 +160,7 @@ class Replanner:
         (:attr:`~lightning_cannikin.core.policy.Decision.total_options`, for :meth:`total_due`)."""
         self.last_adapt_step = step
         self.adapted = self.adapted or ready
+        self.unreachable = ready and options is None
         if options is not None:
             self.total_options = options
 
@@ -245,6 +251,7 @@ class Replanner:
             "total_options": None if options is None else options.to_dict(),
             "routine_gap": self.routine_gap,
             "unconfirmed_moved": self.unconfirmed_moved,
+            "unreachable": self.unreachable,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -261,3 +268,4 @@ class Replanner:
         self.total_options = None if options is None else TotalOptions.from_dict(options)
         self.routine_gap = int(state["routine_gap"])
         self.unconfirmed_moved = bool(state.get("unconfirmed_moved", False))
+        self.unreachable = bool(state.get("unreachable", False))
