@@ -81,7 +81,7 @@ class PlanMidEpoch(Callback):
         if trainer.current_epoch != 0 or batch_idx != 0:
             return
         every = [None] * trainer.world_size
-        torch.distributed.all_gather_object(every, trainer.strategy.engine._batches_yielded)
+        torch.distributed.all_gather_object(every, trainer.strategy.engine.data.batches_yielded)
         trainer.strategy.set_plan(Plan(MID_PLAN), from_batch=max(every))
         if trainer.global_rank == 0:
             (self.record_dir / "changed_at.json").write_text(json.dumps(max(every)))
