@@ -49,13 +49,6 @@ class NoiseReading:
     bounds: Bounds = None
     estimate: float | None = None
 
-    @classmethod
-    def known(cls, noise_scale: float | None) -> NoiseReading:
-        """A noise scale known exactly (a replay's): both bounds and the estimate."""
-        if noise_scale is None:
-            return cls()
-        return cls((float(noise_scale), float(noise_scale)), float(noise_scale))
-
 
 @dataclass(frozen=True)
 class NoiseRule:
