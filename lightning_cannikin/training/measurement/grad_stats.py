@@ -40,17 +40,10 @@ from lightning_cannikin.training.measurement.comm_hook import WeightedAllReduceS
 from lightning_cannikin.training.measurement.grad_norms import GradientNorms
 from lightning_cannikin.training.measurement.host_transfer import HostTransfer, PinnedTransfer
 
-__all__ = ["FOLD_DELAY", "GradientNormObserver", "check_every"]
+__all__ = ["FOLD_DELAY", "GradientNormObserver"]
 
 READ_LAG = 1  # exchanges left unread when a step ends: the newest one is read a step later
 FOLD_DELAY = READ_LAG + 1  # a step's statistics reach the estimator at the end of the step this many steps later
-
-
-def check_every(name: str, value: object) -> int:
-    """A step interval ``name`` as given, or a clear error (before any process group exists)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
-    return value
 
 
 class GradientNormObserver:
@@ -85,8 +78,9 @@ class GradientNormObserver:
         exchange_every: int = 1,
         measure_every: int = 1,
     ) -> None:
-        self.exchange_every = check_every("noise_exchange_every", exchange_every)
-        self.measure_every = check_every("noise_every_n_steps", measure_every)
+        # positive integers: CannikinSettings checks them (``noise_exchange_every``, ``noise_every_n_steps``)
+        self.exchange_every = exchange_every
+        self.measure_every = measure_every
         self.rank = rank
         self.world_size = world_size
         self.norms = GradientNorms()
