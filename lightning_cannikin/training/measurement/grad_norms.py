@@ -42,20 +42,35 @@ def _with_gradients(parameters: Sequence[torch.Tensor]) -> tuple[list[torch.Tens
 
 
 class GradientNorms:
-    """Squared norms of buckets and of accumulation micro-batches.
-
-    Attributes:
-        optimizer: an Adam-family optimizer to precondition by (``None``: raw gradients). Parameters without second
-            moments yet (the first step) are measured raw.
-
-    """
+    """Squared norms of buckets and of accumulation micro-batches."""
 
     def __init__(self) -> None:
-        self.optimizer: torch.optim.Optimizer | None = None
-        self._groups: dict[int, dict] | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._groups: dict[int, dict] = {}
         # the accumulated gradient after the window's last micro-batch, flat, by parameter (buffers reused)
         self._previous: dict[int, torch.Tensor] = {}
         self._previous_valid = False
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """An Adam-family optimizer to precondition by (``None``: raw gradients). Parameters without second moments yet
+        (the first step) are measured raw."""
+        return self._optimizer
+
+    @optimizer.setter
+    def optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
+        self._optimizer = optimizer
+        # built once: a lookup per parameter per step must not scan every group
+        self._groups = {id(p): g for g in optimizer.param_groups for p in g["params"]} if optimizer else {}
+
+    def second_moment(self, parameter: torch.Tensor) -> tuple[torch.Tensor, float, float] | None:
+        """Adam's ``(v, sqrt(1 - beta2^t), eps)`` for ``parameter``, whose denominator is ``sqrt(v) / sqrt(1 - beta2^t)
+        + eps`` (``None`` without an optimizer, or before the parameter's first step)."""
+        state = self._optimizer.state.get(parameter) if self._optimizer is not None else None
+        if not state or "exp_avg_sq" not in state or "step" not in state:
+            return None
+        group = self._groups[id(parameter)]
+        return state["exp_avg_sq"], math.sqrt(1.0 - group["betas"][1] ** float(state["step"])), group["eps"]
 
     def new_window(self) -> None:
         """An optimizer step ended: the next micro-batch starts from zero."""
@@ -121,19 +136,14 @@ class GradientNorms:
         return squared if weight == 1.0 else squared / weight**2
 
     def _preconditioned(self, parameters: Sequence[torch.Tensor], pieces: list[torch.Tensor]) -> list[torch.Tensor]:
-        assert self.optimizer is not None
-        if self._groups is None:  # built once: a lookup per parameter per step must not scan every group
-            self._groups = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
         chosen, second_moments, corrections, eps = [], [], [], []
         for index, parameter in enumerate(parameters):
-            state = self.optimizer.state.get(parameter)
-            if not state or "exp_avg_sq" not in state or "step" not in state:
-                continue
-            group = self._groups[id(parameter)]
-            chosen.append(index)
-            second_moments.append(state["exp_avg_sq"].reshape(-1).float())
-            corrections.append(math.sqrt(1.0 - group["betas"][1] ** float(state["step"])))
-            eps.append(group["eps"])
+            moment = self.second_moment(parameter)
+            if moment is not None:
+                chosen.append(index)
+                second_moments.append(moment[0].reshape(-1).float())
+                corrections.append(moment[1])
+                eps.append(moment[2])
         if not chosen:
             return pieces
         # sqrt(v / (1 - beta2^t)) + eps, for all of them at once

@@ -55,19 +55,7 @@ class ShardedGradientNormObserver(GradientNormObserver):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._backward: torch.Tensor | None = None  # this backward's reduce-scatter inputs, squared and summed
-        self._adam: torch.optim.Optimizer | None = None
-        self._groups: dict[int, dict] = {}
         self.blocked: Callable[[float], None] | None = None  # told the host's wait in a collective (the step timer)
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer | None:
-        """An Adam-family optimizer to precondition by (``None``: raw gradients), as on the DDP path."""
-        return self._adam
-
-    @optimizer.setter
-    def optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
-        self._adam = optimizer
-        self._groups = {id(p): g for g in optimizer.param_groups for p in g["params"]} if optimizer else {}
 
     def reduce_scatter_input(self, tensor: torch.Tensor, group: Any, parameters: Parameters | None = None) -> None:
         """A parameter group's local gradient, about to be reduce-scattered (before the collective: it may reuse it);
@@ -75,7 +63,7 @@ class ShardedGradientNormObserver(GradientNormObserver):
         if not self.measuring:
             return
         tensor = tensor.detach()
-        if self._adam is not None and parameters is not None:
+        if self.optimizer is not None and parameters is not None:
             squared = self._preconditioned(tensor, group, parameters())
         else:
             squared = squared_norm(tensor)
@@ -86,12 +74,11 @@ class ShardedGradientNormObserver(GradientNormObserver):
 
     def _denominator(self, parameter: torch.Tensor) -> torch.Tensor | None:
         """This rank's shard of ``sqrt(v_hat) + eps`` for ``parameter``, flat (``None`` before its first step)."""
-        state = self._adam.state.get(parameter) if self._adam is not None else None
-        if not state or "exp_avg_sq" not in state or "step" not in state:
+        moment = self.norms.second_moment(parameter)
+        if moment is None:
             return None
-        group = self._groups[id(parameter)]
-        correction = math.sqrt(1.0 - group["betas"][1] ** float(state["step"]))
-        return (_local_tensor(state["exp_avg_sq"]).reshape(-1).float().sqrt() / correction).add_(group["eps"])
+        second, correction, eps = moment
+        return (_local_tensor(second).reshape(-1).float().sqrt() / correction).add_(eps)
 
     def _preconditioned(
         self, tensor: torch.Tensor, group: Any, parameters: Sequence[tuple[torch.Tensor, int]]
