@@ -14,7 +14,7 @@ import torch
 
 from lightning_cannikin.core.lr_scaling import optimizer_family
 
-__all__ = ["FamilyWatch", "optimizer_family_of", "scaled_learning_rates", "unwrapped"]
+__all__ = ["FamilyWatch", "scaled_learning_rates", "unwrapped"]
 
 
 def unwrapped(optimizer: Any) -> Any:
@@ -35,12 +35,6 @@ def unwrapped(optimizer: Any) -> Any:
     return optimizer
 
 
-def optimizer_family_of(optimizer: Any) -> str | None:
-    """What the optimizer holds decides its family (``None`` before its first step)."""
-    state = getattr(unwrapped(optimizer), "state", {})
-    return optimizer_family(frozenset(key for value in state.values() for key in value))
-
-
 class FamilyWatch:
     """The training optimizer's family, read once it can be told: Adam-family once the optimizer holds a second
     moment (at once on a resume, else after its first step). Asked every step, it costs nothing once read, and nothing
@@ -58,7 +52,8 @@ class FamilyWatch:
         if self.inner is not None and not getattr(self.inner, "state", None):
             return False  # it still holds nothing: as read last time
         self.inner = unwrapped(self.optimizer)
-        self.family = optimizer_family_of(self.inner)
+        state = getattr(self.inner, "state", {})  # what it holds decides its family (``None`` before its first step)
+        self.family = optimizer_family(frozenset(key for value in state.values() for key in value))
         return True
 
 
