@@ -106,14 +106,6 @@ class EmulatedCluster(Callback):
         self._batch_size: float = 0
         self._step = 0
 
-    @property
-    def per_sample_ms(self) -> tuple[float, ...] | float:
-        return self.devices.per_sample_ms
-
-    @property
-    def fixed_ms(self) -> tuple[float, ...] | float:
-        return self.devices.fixed_ms
-
     def delay_ms(self, rank: int, batch_size: float, step: int = 0) -> float:
         """The emulated extra time of ``rank`` for a local batch of ``batch_size`` samples (or units of cost) at
         training step ``step``."""
