@@ -81,7 +81,8 @@ class GradientNorms:
         params, grads = _with_gradients(parameters)
         if not params:
             return None
-        squared = self._squared(params, self._since_previous(params, grads), weight)
+        pieces = self._minus_previous(params, grads) if self._previous_valid else grads
+        squared = self._squared(params, pieces, weight)
         buffers = [self._previous.get(id(p)) for p in params]
         if all(b is not None and b.shape == g.shape for b, g in zip(buffers, grads, strict=True)):
             foreach_copy_(buffers, grads)
@@ -115,9 +116,6 @@ class GradientNorms:
         if previous:
             pieces = self._minus_previous(parameters, pieces)
         return self._squared(parameters, pieces, weight)
-
-    def _since_previous(self, parameters: Sequence[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        return self._minus_previous(parameters, grads) if self._previous_valid else grads
 
     def _minus_previous(self, parameters: Sequence[torch.Tensor], pieces: list[torch.Tensor]) -> list[torch.Tensor]:
         previous = [self._previous.get(id(p)) for p in parameters]

@@ -91,7 +91,8 @@ class GradientNormObserver:
         self._started: int | None = None  # the optimizer step started last (micro-batches repeat it)
         self._last_measured: int | None = None
         self._transfer = transfer
-        self._last_global: torch.Tensor | float | None = None  # rank zero's Y of the last step, for the next exchange
+        # rank zero's Y of the last step (each rank's part, sharded), for the next exchange
+        self._last_global: torch.Tensor | float | None = None
         self.pending: tuple[list[float], list[int], float, int] | None = None
         # issued exchanges not folded yet, oldest first: [transfer handle or read values, layout, read?], the layout
         # one (values, sizes) pair per step in it
@@ -181,8 +182,8 @@ class GradientNormObserver:
 
         """
         block = self._block
-        if self.rank == 0 and block is not None:  # a step not measured leaves the last Y for the next block
-            self._last_global = self._global
+        if block is not None:  # a step not measured leaves the last Y for the next block
+            self._last_global = self._global  # None on a rank without Y (DDP's ranks but zero)
         self._reset_step()
         self.norms.new_window()
         if block is None:  # not measured, or no gradient was reduced

@@ -139,13 +139,6 @@ class ShardedGradientNormObserver(GradientNormObserver):
         if self.rank != 0 and self._block is not None:  # every rank adds its shards' part of the last step's Y
             self._block[-2] = 0.0 if self._last_global is None else self._last_global
 
-    def fold_into(self, estimator: Any, window: Any) -> bool:
-        part = self._global if self._block is not None else None
-        updated = super().fold_into(estimator, window)
-        if part is not None:
-            self._last_global = part  # every rank's part (the base keeps rank zero's whole Y)
-        return updated
-
     def state_dict(self) -> dict:
         """As :meth:`GradientNormObserver.state_dict`, with the last step's ``Y`` summed over the shards (a checkpoint
         holds rank zero's copy). Every rank calls it, as Lightning's ``save_checkpoint`` does."""
