@@ -143,7 +143,7 @@ class GradientNormObserver:
     def before_reduce(self, state: WeightedAllReduceState, bucket: dist.GradBucket) -> None:
         if not self.measuring:
             return
-        sqr = self.norms.bucket(bucket.buffer(), _Parameters(bucket), state.local_scale, subtract_previous=True)
+        sqr = self.norms.bucket(bucket.buffer(), bucket.parameters, state.local_scale, subtract_previous=True)
         self._local = sqr if self._local is None else self._local + sqr
         if bucket.is_last():
             self._close_block(state)
@@ -165,7 +165,7 @@ class GradientNormObserver:
     def after_reduce(self, state: WeightedAllReduceState, bucket: dist.GradBucket, reduced: torch.Tensor) -> None:
         if self.rank != 0 or not self.measuring:
             return  # the other ranks receive rank zero's Y through the exchange
-        sqr = self.norms.bucket(reduced, _Parameters(bucket), state.global_scale, subtract_previous=False)
+        sqr = self.norms.bucket(reduced, bucket.parameters, state.global_scale, subtract_previous=False)
         self._global = sqr if self._global is None else self._global + sqr
 
     def fold_into(self, estimator: NoiseScaleEstimator, window: Sequence[Sequence[int]]) -> bool:
@@ -310,13 +310,3 @@ def _step(step: Any) -> tuple[int, list[int] | None, list[float] | None, int]:
     """One step of an exchange from a checkpoint: ``[count, sizes, known values or None, weight]``."""
     count, sizes, known, weight = step
     return int(count), _sizes(sizes), known, int(weight)
-
-
-class _Parameters:
-    """A bucket's parameters, listed only when a norm needs them apart (a list per bucket per step costs)."""
-
-    def __init__(self, bucket: dist.GradBucket) -> None:
-        self._bucket = bucket
-
-    def __call__(self) -> list[torch.Tensor]:
-        return self._bucket.parameters()
