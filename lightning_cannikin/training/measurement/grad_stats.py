@@ -156,10 +156,13 @@ class GradientNormObserver:
         count = groups.numel()
         exchange = torch.zeros(self.world_size * count + 2, dtype=torch.float64, device=groups.device)
         exchange[self.rank * count : (self.rank + 1) * count] = groups  # to float64 in the same copy
+        last = self._last_global
         if self.rank == 0:
-            exchange[-2] = math.nan if self._last_global is None else self._last_global
+            exchange[-2] = math.nan if last is None else last
             # the scale this step's gradients carry (the scaler updates it only after the step)
             exchange[-1] = scaler_scale(self.scaler) if self.scaler is not None else 1.0
+        elif last is not None:  # sharded, every rank adds its shards' part of the last step's Y (DDP's have none)
+            exchange[-2] = last
         self._block, self._group = exchange, state.process_group
 
     def after_reduce(self, state: WeightedAllReduceState, bucket: dist.GradBucket, reduced: torch.Tensor) -> None:
@@ -294,7 +297,9 @@ class GradientNormObserver:
         else:
             local, sizes, scale, weight = pending
             self.pending = (list(local), _sizes(sizes), float(scale), int(weight))
-        self._last_global = state["last_global"]
+        last = state["last_global"]
+        # rank zero carries the whole Y (sharded: summed over the shards); the other ranks' parts still sum to it
+        self._last_global = last if self.rank == 0 or last is None else 0.0
         self._in_flight = deque(
             [list(values), [_step(step) for step in layout], True] for values, layout in state["in_flight"]
         )

@@ -134,11 +134,6 @@ class ShardedGradientNormObserver(GradientNormObserver):
         # the reduced gradient over the global mean gradient (a declared sum's: the window's samples), as on DDP's path
         self._global = part / state.global_scale**2 if state.global_scale != 1.0 else part
 
-    def _close_block(self, state: WeightedAllReduceState) -> None:
-        super()._close_block(state)
-        if self.rank != 0 and self._block is not None:  # every rank adds its shards' part of the last step's Y
-            self._block[-2] = 0.0 if self._last_global is None else self._last_global
-
     def state_dict(self) -> dict:
         """As :meth:`GradientNormObserver.state_dict`, with the last step's ``Y`` summed over the shards (a checkpoint
         holds rank zero's copy). Every rank calls it, as Lightning's ``save_checkpoint`` does."""
@@ -151,11 +146,6 @@ class ShardedGradientNormObserver(GradientNormObserver):
             dist.all_reduce(total, group=self._group)
             state["last_global"] = float(total.item())
         return state
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        if self.rank != 0 and self._last_global is not None:
-            self._last_global = 0.0  # rank zero carries the whole Y: the parts still sum to it
 
 
 def _local_tensor(gradient: torch.Tensor) -> torch.Tensor:
