@@ -14,8 +14,8 @@ The rule keeps what made the one-ended rule safe: a move must raise the sure sha
 larger total is a candidate only if, with the noise scale at ``low``, it is within the margin of the best total there
 (a smaller one, at ``high``). So a move costs at most the margin wherever the truth is, and the bound that may be
 infinite never sets how far the total goes: with ``high`` infinite, the sure share still ranks candidates by
-throughput, and ``low`` caps the growth. Where ``low == high`` this is the point rule of
-:func:`~lightning_cannikin.core.goodput.adopted_at` at that noise scale exactly.
+throughput, and ``low`` caps the growth. Where ``low == high`` this is the one-ended point rule at that noise scale
+exactly.
 
 Pure numpy: imports neither torch nor Lightning.
 """
