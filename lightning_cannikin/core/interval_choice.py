@@ -33,6 +33,11 @@ from lightning_cannikin.core.goodput import goodput
 __all__ = ["IntervalChoice", "TotalOptions"]
 
 
+def relative_gain(new: float, old: float) -> float:
+    """``new / old - 1`` (``inf`` where ``old`` is not positive and ``new`` is)."""
+    return new / old - 1.0 if old > 0 else (float("inf") if new > 0 else 0.0)
+
+
 @dataclass(frozen=True)
 class IntervalChoice:
     """The outcome of :meth:`TotalOptions.choose` at one interval of noise scales.
@@ -54,9 +59,7 @@ class IntervalChoice:
     @property
     def gain(self) -> float:
         """The relative gain of the sure share over keeping the current total (``inf`` from a share of 0)."""
-        if self.current_sure_share > 0:
-            return self.sure_share / self.current_sure_share - 1.0
-        return float("inf") if self.sure_share > 0 else 0.0
+        return relative_gain(self.sure_share, self.current_sure_share)
 
 
 @dataclass(frozen=True)
