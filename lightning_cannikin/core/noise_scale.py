@@ -71,12 +71,6 @@ def _floats(values: Sequence[float] | np.ndarray) -> list[float]:
     return [float(v) for v in values]
 
 
-def _as_inputs(local_sqr_norms: Sequence[float], group_sizes: Sequence[float]) -> tuple[list[float], list[float]]:
-    z, b = _floats(local_sqr_norms), _floats(group_sizes)
-    _check(z, b)
-    return z, b
-
-
 def _check(z: list[float], b: list[float]) -> None:
     if len(z) != len(b):
         raise ValueError(f"Got {len(z)} local squared norms for {len(b)} group sizes; give one norm per group.")
@@ -103,7 +97,8 @@ def pooled_moments(
         ValueError: fewer than 2 groups, mismatched lengths or a non-positive group size.
 
     """
-    z, b = _as_inputs(local_sqr_norms, group_sizes)
+    z, b = _floats(local_sqr_norms), _floats(group_sizes)
+    _check(z, b)
     return _moments(z, b, float(global_sqr_norm))
 
 
@@ -305,12 +300,7 @@ class NoiseScaleEstimator:
         positive but its variance is, 0.0 when the variance is not positive. The decisions read it only through
         :meth:`run_bounds`."""
         present = self._present()
-        if present is None:
-            return None
-        sqr, var = present.values
-        if var <= 0.0:
-            return 0.0
-        return math.inf if sqr <= 0.0 else var / sqr
+        return None if present is None else _ratio(*present.values)
 
     @property
     def grad_sqr(self) -> float | None:
@@ -334,13 +324,7 @@ class NoiseScaleEstimator:
         sample is noise), and 0.0 when the variance is 0. :func:`lightning_cannikin.goodput.efficiency` accepts both.
         """
         sqr, var = self.grad_sqr, self.grad_var
-        if sqr is None or var is None:
-            return None
-        if var <= 0.0:
-            return 0.0
-        if sqr <= 0.0:
-            return math.inf
-        return var / sqr
+        return None if sqr is None or var is None else _ratio(sqr, var)
 
     def steps_spanned(self, total_batch_size: int) -> float:
         """The effective number of updates the moving averages span once settled, each update holding
@@ -632,6 +616,14 @@ class NoiseScaleEstimator:
         default decay) only that many are known: a lower bound, so the spending resumes a little early."""
         remaining = max(1.0 - self._weight, 2.0**-53)
         return self.base_batch_size * math.log(remaining) / math.log(self.decay)
+
+
+def _ratio(sqr: float, var: float) -> float:
+    """The noise scale ``var / sqr`` of two averages: 0.0 where the variance is not positive, ``inf`` where only
+    ``|G|^2`` is not."""
+    if var <= 0.0:
+        return 0.0
+    return math.inf if sqr <= 0.0 else var / sqr
 
 
 def _fieller(width: float, sqr: float, var: float, sqr_var: float, var_var: float, cov: float) -> tuple[float, float]:
