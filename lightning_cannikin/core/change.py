@@ -129,17 +129,12 @@ def large_change(ratios: Sequence[float], band: float, window: int = DEFAULT_WIN
 
 def trailing_run(ratios: Sequence[float], band: float) -> int:
     """How many of the latest ratios lie beyond the band on the side of the last one (0 if the last is inside)."""
-    if not len(ratios):
-        return 0
-    high = ratios[-1] > 1.0 + band
-    if not (high or ratios[-1] < 1.0 / (1.0 + band)):
-        return 0
+    high = len(ratios) > 0 and ratios[-1] > 1.0 + band
     count = 0
-    for ratio in reversed(ratios):
-        if (ratio > 1.0 + band) if high else (ratio < 1.0 / (1.0 + band)):
-            count += 1
-        else:
+    for ratio in reversed(ratios):  # the last ratio's own side: inside the band, the run is 0
+        if not ((ratio > 1.0 + band) if high else (ratio < 1.0 / (1.0 + band))):
             break
+        count += 1
     return count
 
 
