@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
+from statistics import median
 from typing import Any
 
 __all__ = [
@@ -97,15 +98,8 @@ def clear_change(ratios: Sequence[float], band: float, window: int = DEFAULT_WIN
     high, low = 1.0 + band, 1.0 / (1.0 + band)
     for beyond in ([r for r in recent if r > high], [r for r in recent if r < low]):
         if len(beyond) >= CLEAR_SHARE * window:
-            return _median(beyond)
+            return median(beyond)
     return None
-
-
-def _median(values: Sequence[float]) -> float:
-    """The median (the mean of the middle two of an even count, as ``numpy.median``) of a non-empty sequence."""
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return float(ordered[middle]) if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2.0
 
 
 def sure_band(band: float) -> float:
@@ -123,7 +117,7 @@ def large_change(ratios: Sequence[float], band: float, window: int = DEFAULT_WIN
         ratio = clear_change(ratios, FAST_BAND * band, min(FAST_WINDOW, window))
     run = min(SURE_RUN, window)
     if ratio is None and trailing_run(ratios, sure_band(band)) >= run:
-        ratio = _median(ratios[-run:])
+        ratio = median(ratios[-run:])
     return ratio
 
 
@@ -272,9 +266,9 @@ class LocalChangeCheck:
         the large band, not yet a change: worth asking again at the next step, not on the usual cadence) or 0."""
         if len(self._reference) < self.reference:
             return self._carried  # no reference at this size yet: a suspicion at the size just left
-        expected = _median(self._reference)
+        expected = median(self._reference)
         ratios = [t / expected for t in self._recent]
-        spread = MAD_TO_SD * _median([abs(t / expected - 1.0) for t in self._reference])
+        spread = MAD_TO_SD * median([abs(t / expected - 1.0) for t in self._reference])
         small = max(self.small_band, SPREAD_FLOOR * spread)
         band = max(self.band, self.noise_floor * spread)  # the large band, never inside the jitter
         large = large_change(ratios, band, self.window)
