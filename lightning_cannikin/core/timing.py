@@ -130,7 +130,6 @@ class _WindowedFitter:
 
     def __init__(self, window: SampleWindow) -> None:
         self._window = window
-        self.half_life, self.max_samples = window.half_life, window.max_samples
 
     @property
     def num_samples(self) -> int:
