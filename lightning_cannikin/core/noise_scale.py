@@ -535,9 +535,7 @@ class NoiseScaleEstimator:
         errors = self.standard_errors()
         if errors is None:
             return None
-        return self._width_bounds(sigmas * errors[0], sigmas * errors[1])
-
-    def _width_bounds(self, sqr_error: float, var_error: float) -> tuple[float, float]:
+        sqr_error, var_error = sigmas * errors[0], sigmas * errors[1]
         sqr, var = self._sqr_biased / self._weight, self._var_biased / self._weight
         top = max(sqr, 0.0) + sqr_error  # a negative average is noise: it must not tighten the bound on |G|^2
         low = max(var - var_error, 0.0) / top if top > 0 else 0.0  # no spread to bound |G|^2 with: proves nothing
