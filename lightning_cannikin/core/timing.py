@@ -126,7 +126,10 @@ def _weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
 
 
 class _WindowedFitter:
-    """What the fitters share: a bounded window of samples, and its size and contents."""
+    """What the fitters share: a bounded window of samples, its size and contents, and their checkpoint form."""
+
+    _keys: tuple[str, str]  # the state_dict's names of a sample's two halves
+    _types: tuple[type, type]  # and their types
 
     def __init__(self, window: SampleWindow) -> None:
         self._window = window
@@ -139,6 +142,15 @@ class _WindowedFitter:
     def samples(self) -> list[tuple]:
         """The samples in the window, oldest first."""
         return self._window.pairs()
+
+    def state_dict(self) -> dict:
+        """The samples as JSON-friendly lists (the settings stay with the constructor)."""
+        pairs = self._window.pairs()
+        return {self._keys[0]: [u for u, _ in pairs], self._keys[1]: [v for _, v in pairs]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Replace the samples with those of :meth:`state_dict`."""
+        self._window.restore(state[self._keys[0]], state[self._keys[1]], self._types)
 
 
 class ComputeTimeFitter(_WindowedFitter):
@@ -155,6 +167,8 @@ class ComputeTimeFitter(_WindowedFitter):
             stays measured however long one plan runs.
 
     """
+
+    _keys, _types = ("batch_sizes", "seconds"), (int, float)
 
     def __init__(self, half_life: float = HALF_LIFE, max_samples: int = 512) -> None:
         super().__init__(BatchSizeWindow(max_samples, half_life))
@@ -196,7 +210,7 @@ class ComputeTimeFitter(_WindowedFitter):
         if not (math.isfinite(factor) and factor > 0):
             raise ValueError(f"`factor` must be finite and > 0, got {factor}.")
         pairs = self._window.pairs()
-        self._window.restore([b for b, _ in pairs], [t * factor for _, t in pairs], (int, float))
+        self._window.restore([b for b, _ in pairs], [t * factor for _, t in pairs], self._types)
 
     def fit(self) -> LinearTimeModel | None:
         """The current model, or ``None`` before the first sample."""
@@ -238,15 +252,6 @@ class ComputeTimeFitter(_WindowedFitter):
         typical = _weighted_median(seconds, weights)
         size = _weighted_median(sizes, weights)
         return LinearTimeModel(0.5 * typical / size, 0.5 * typical)
-
-    def state_dict(self) -> dict:
-        """The samples as JSON-friendly lists (the settings stay with the constructor)."""
-        pairs = self._window.pairs()
-        return {"batch_sizes": [b for b, _ in pairs], "seconds": [t for _, t in pairs]}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Replace the samples with those of :meth:`state_dict`."""
-        self._window.restore(state["batch_sizes"], state["seconds"], (int, float))
 
 
 def _hinge(
@@ -319,6 +324,8 @@ class CommTimeFitter(_WindowedFitter):
 
     """
 
+    _keys, _types = ("allreduce", "exposed"), (float, float)
+
     def __init__(self, half_life: float = HALF_LIFE, max_samples: int = 512) -> None:
         super().__init__(SampleWindow(max_samples, half_life))
 
@@ -340,15 +347,6 @@ class CommTimeFitter(_WindowedFitter):
         weights = self._window.weights()
         total = _weighted_median(allreduce, weights)
         return CommModel(total, min(_weighted_median(exposed, weights), total))
-
-    def state_dict(self) -> dict:
-        """The samples as JSON-friendly lists (the settings stay with the constructor)."""
-        pairs = self._window.pairs()
-        return {"allreduce": [c for c, _ in pairs], "exposed": [e for _, e in pairs]}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Replace the samples with those of :meth:`state_dict`."""
-        self._window.restore(state["allreduce"], state["exposed"], (float, float))
 
 
 def step_time_pieces(
