@@ -71,15 +71,6 @@ def _floats(values: Sequence[float] | np.ndarray) -> list[float]:
     return [float(v) for v in values]
 
 
-def _check(z: list[float], b: list[float]) -> None:
-    if len(z) != len(b):
-        raise ValueError(f"Got {len(z)} local squared norms for {len(b)} group sizes; give one norm per group.")
-    if len(z) < 2:
-        raise ValueError(f"The noise scale needs at least 2 gradient groups per step, got {len(z)}.")
-    if not all(math.isfinite(size) and size > 0 for size in b):
-        raise ValueError(f"Group sizes must be positive and finite, got {b}.")
-
-
 def pooled_moments(
     local_sqr_norms: Sequence[float], group_sizes: Sequence[float], global_sqr_norm: float
 ) -> tuple[float, float]:
@@ -97,12 +88,13 @@ def pooled_moments(
         ValueError: fewer than 2 groups, mismatched lengths or a non-positive group size.
 
     """
-    z, b = _floats(local_sqr_norms), _floats(group_sizes)
-    _check(z, b)
-    return _moments(z, b, float(global_sqr_norm))
-
-
-def _moments(z: list[float], b: list[float], y: float) -> tuple[float, float]:
+    z, b, y = _floats(local_sqr_norms), _floats(group_sizes), float(global_sqr_norm)
+    if len(z) != len(b):
+        raise ValueError(f"Got {len(z)} local squared norms for {len(b)} group sizes; give one norm per group.")
+    if len(z) < 2:
+        raise ValueError(f"The noise scale needs at least 2 gradient groups per step, got {len(z)}.")
+    if not all(math.isfinite(size) and size > 0 for size in b):
+        raise ValueError(f"Group sizes must be positive and finite, got {b}.")
     m, total = len(z), sum(b)
     weighted = sum(size * norm for size, norm in zip(b, z, strict=True))  # sum_j b_j Z_j
     grad_sqr = (m * y - weighted / total) / (m - 1)
@@ -244,8 +236,7 @@ class NoiseScaleEstimator:
         if len(z) < 2 or not (all(math.isfinite(v) for v in z) and math.isfinite(float(global_sqr_norm))):
             return False
         b = _floats(group_sizes)
-        _check(z, b)
-        grad_sqr, grad_var = _moments(z, b, float(global_sqr_norm))
+        grad_sqr, grad_var = pooled_moments(z, b, global_sqr_norm)
         factor = self.decay ** (steps * sum(b) / self.base_batch_size)
         if self._trend is not None:
             self._trend.update(factor, steps * sum(b) / self.base_batch_size, (self._sqr_biased, self._var_biased))
