@@ -178,10 +178,6 @@ class Replanner:
         self.changed = False
         self.identified = decision.identified
 
-    def nothing_adopted(self, step: int) -> None:
-        """A re-plan after ``step`` steps adopted nothing (some rank has no timing yet): the next waits as after any."""
-        self.replanned(step, total_changed=False)
-
     def due(self, step: int) -> bool:
         """Whether the ranks re-plan after ``step`` steps whatever the total does: the vote said a device's speed moved
         clearly (:attr:`changed`), a warm-up step while some speed is unmeasured, the cadence, or a plan to settle."""
