@@ -195,15 +195,15 @@ class ComputeTimeFitter(_WindowedFitter):
         weights = self._window.weights()
         return tuple(int(b) for b in np.unique(sizes) if weights[sizes == b].sum() >= min_weight)
 
-    def typical(self, batch_size: int) -> tuple[float, int] | None:
-        """The recency-weighted median time at one batch size and how many samples hold it (``None``: none)."""
+    def typical(self, batch_size: int) -> float | None:
+        """The recency-weighted median time at one batch size (``None``: no sample there)."""
         if not len(self._window):
             return None
         sizes, seconds = self._window.columns()
         at = sizes == batch_size
         if not at.any():
             return None
-        return _weighted_median(seconds[at], self._window.weights()[at]), int(at.sum())
+        return _weighted_median(seconds[at], self._window.weights()[at])
 
     def rescale(self, factor: float) -> None:
         """Multiply every sample's time by ``factor``: a device whose speed changed by that much, kept identified."""
