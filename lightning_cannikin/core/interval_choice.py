@@ -30,7 +30,7 @@ import numpy as np
 
 from lightning_cannikin.core.goodput import goodput
 
-__all__ = ["IntervalChoice", "TotalOptions"]
+__all__ = ["IntervalChoice", "TotalOptions", "relative_gain"]
 
 
 def relative_gain(new: float, old: float) -> float:
