@@ -9,17 +9,14 @@ from numpy.typing import ArrayLike
 
 from lightning_cannikin.core.goodput import (
     ADAPT_MARGIN,
-    _choices,
     adascale_gain,
-    adopted_at,
     candidate_batch_sizes,
     efficiency,
     goodput,
 )
 
 
-# the point rule of one noise scale, on the library's own comparison (`_choices`, which `adopted_at` and the
-# interval rule share): only these tests call it
+# the point rule of one noise scale (the interval rule's at low == high): only these tests call it
 @dataclass(frozen=True)
 class GoodputChoice:
     """The outcome of :func:`choose_batch_size`.
@@ -95,6 +92,41 @@ def choose_batch_size(
         sizes, times, phi, base_batch_size, current_batch_size, current_time, margin
     )
     return GoodputChoice(int(size[0]), float(best[0]), float(current[0]), bool(adopted[0]), int(current_batch_size))
+
+
+def adopted_at(
+    candidates: ArrayLike,
+    step_times: ArrayLike,
+    noise_scales: ArrayLike,
+    base_batch_size: float,
+    current_batch_size: int,
+    current_step_time: float,
+    margin: float = ADAPT_MARGIN,
+) -> np.ndarray:
+    """:func:`choose_batch_size`'s ``adopted`` at each of many noise scales, in one pass (where a choice holds)."""
+    sizes = np.asarray(candidates, dtype=np.int64).reshape(-1)
+    times = np.asarray(step_times, dtype=np.float64).reshape(-1)
+    phis = np.asarray(noise_scales, dtype=np.float64).reshape(-1)
+    return _choices(sizes, times, phis, base_batch_size, current_batch_size, current_step_time, margin)[3]
+
+
+def _choices(
+    sizes: np.ndarray,
+    times: np.ndarray,
+    phis: np.ndarray,
+    base_batch_size: float,
+    current_batch_size: int,
+    current_time: float,
+    margin: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per noise scale in ``phis``: the best candidate (the smallest of equal goodputs), its goodput, the current
+    batch's goodput, and whether the best is adopted (it differs and beats the current one by more than ``margin``)."""
+    values = np.asarray(goodput(sizes[None, :], times[None, :], phis[:, None], base_batch_size))
+    current = np.asarray(goodput(current_batch_size, current_time, phis, base_batch_size)).reshape(-1)
+    best = values.max(axis=1)
+    best_size = np.where(values == best[:, None], sizes[None, :], np.iinfo(np.int64).max).min(axis=1)
+    adopted = (best_size != int(current_batch_size)) & (best > (1.0 + margin) * current)
+    return best_size, best, current, adopted
 
 
 B0 = 128

@@ -2,18 +2,46 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import pytest
 
 from lightning_cannikin.core.layout import epoch_layout
 from lightning_cannikin.core.plan import Plan
-from lightning_cannikin.core.stream_shares import (
-    global_batches,
-    item_order,
-    replanned_shares,
-    share_key,
-    stream_shares,
-)
+from lightning_cannikin.core.stream_shares import _deal, global_batches, item_order, replanned_shares, share_key
+
+
+# one plan's whole epoch, dealt as replanned_shares deals its first segment: only these tests call it
+def stream_shares(
+    chunk_sizes: Sequence[int],
+    step_sizes: Sequence[Sequence[int]],
+    rank: int,
+    num_workers: int,
+    shuffle: bool = False,
+    seed: int = 0,
+    epoch: int = 0,
+    window: int = 0,
+) -> list[np.ndarray]:
+    """``rank``'s item ids for every step of an epoch run under one plan (see the module's docstring).
+
+    Args:
+        chunk_sizes: items in each chunk, in storage order (``N`` = their sum).
+        step_sizes: every rank's item count in each step of the epoch (``epoch_layout``'s ``local_batch_sizes``);
+            their total may be below ``N`` (a dropped last batch): the items at the end of the order are left out.
+        rank: the rank whose steps are returned.
+        num_workers: the rank's DataLoader workers (0: the main process reads, as one worker).
+        shuffle: permute the chunk order and each worker's block, seeded by ``(seed, epoch)``.
+        seed: the shared seed.
+        epoch: the epoch (a fresh order each).
+        window: the reader's decode window (items of a chunk deserialized together; 0: per item or whole chunks):
+            the shuffle within a chunk keeps each window's items together.
+
+    """
+    items = item_order(chunk_sizes, shuffle, seed, epoch)
+    sizes = np.asarray(chunk_sizes, dtype=np.int64)
+    prefix = [int(seed), int(epoch)] if shuffle else None
+    return _deal(items, sizes, step_sizes, rank, num_workers, prefix, window=window)
 
 
 def _cases(count: int, seed: int = 0):

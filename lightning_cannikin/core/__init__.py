@@ -1,4 +1,4 @@
-"""The maths of Cannikin, pure: numpy and scikit-learn, never torch or Lightning.
+"""The maths of Cannikin, pure: numpy and the standard library, never torch or Lightning.
 
 Plan types and bounds (:mod:`.plan`), the OptPerf solver (:mod:`.optperf`), timing and memory models
 (:mod:`.timing`, :mod:`.memory`, :mod:`.sample_window`), the per-device speed model (:mod:`.speed_model`), the noise

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
+from statistics import median
 from typing import Any
 
 __all__ = [
@@ -97,15 +98,8 @@ def clear_change(ratios: Sequence[float], band: float, window: int = DEFAULT_WIN
     high, low = 1.0 + band, 1.0 / (1.0 + band)
     for beyond in ([r for r in recent if r > high], [r for r in recent if r < low]):
         if len(beyond) >= CLEAR_SHARE * window:
-            return _median(beyond)
+            return median(beyond)
     return None
-
-
-def _median(values: Sequence[float]) -> float:
-    """The median (the mean of the middle two of an even count, as ``numpy.median``) of a non-empty sequence."""
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return float(ordered[middle]) if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2.0
 
 
 def sure_band(band: float) -> float:
@@ -123,23 +117,18 @@ def large_change(ratios: Sequence[float], band: float, window: int = DEFAULT_WIN
         ratio = clear_change(ratios, FAST_BAND * band, min(FAST_WINDOW, window))
     run = min(SURE_RUN, window)
     if ratio is None and trailing_run(ratios, sure_band(band)) >= run:
-        ratio = _median(ratios[-run:])
+        ratio = median(ratios[-run:])
     return ratio
 
 
 def trailing_run(ratios: Sequence[float], band: float) -> int:
     """How many of the latest ratios lie beyond the band on the side of the last one (0 if the last is inside)."""
-    if not len(ratios):
-        return 0
-    high = ratios[-1] > 1.0 + band
-    if not (high or ratios[-1] < 1.0 / (1.0 + band)):
-        return 0
+    high = len(ratios) > 0 and ratios[-1] > 1.0 + band
     count = 0
-    for ratio in reversed(ratios):
-        if (ratio > 1.0 + band) if high else (ratio < 1.0 / (1.0 + band)):
-            count += 1
-        else:
+    for ratio in reversed(ratios):  # the last ratio's own side: inside the band, the run is 0
+        if not ((ratio > 1.0 + band) if high else (ratio < 1.0 / (1.0 + band))):
             break
+        count += 1
     return count
 
 
@@ -277,9 +266,9 @@ class LocalChangeCheck:
         the large band, not yet a change: worth asking again at the next step, not on the usual cadence) or 0."""
         if len(self._reference) < self.reference:
             return self._carried  # no reference at this size yet: a suspicion at the size just left
-        expected = _median(self._reference)
+        expected = median(self._reference)
         ratios = [t / expected for t in self._recent]
-        spread = MAD_TO_SD * _median([abs(t / expected - 1.0) for t in self._reference])
+        spread = MAD_TO_SD * median([abs(t / expected - 1.0) for t in self._reference])
         small = max(self.small_band, SPREAD_FLOOR * spread)
         band = max(self.band, self.noise_floor * spread)  # the large band, never inside the jitter
         large = large_change(ratios, band, self.window)

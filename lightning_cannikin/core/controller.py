@@ -240,8 +240,8 @@ class Controller:
         the ranks' change votes start over (the re-plan took a vote's yes) and, where this controller ``decided`` it
         (rank zero: its speed model holds the fits), what was decided and why."""
         replanner = self.replanner
-        if decision is None or current is None:
-            replanner.nothing_adopted(self.step)
+        if decision is None or current is None:  # some rank has no timing yet: the next re-plan waits as after any
+            replanner.replanned(self.step, total_changed=False)
             return False, []
         took_vote = replanner.changed
         replanner.followed(self.step, current, decision, adapt_total, self.noise.bounds)

@@ -58,15 +58,6 @@ class CostSplit:
     rank_times: np.ndarray
     step_time: float
 
-    def indices(self, rank: int) -> np.ndarray:
-        """Positions (into the batch) of ``rank``'s samples, in batch order."""
-        return np.flatnonzero(self.ranks == rank)
-
-    @property
-    def counts(self) -> tuple[int, ...]:
-        """Samples on each rank."""
-        return tuple(int(c) for c in np.bincount(self.ranks, minlength=len(self.rank_times)))
-
 
 def _vector(value: ArrayLike, name: str, length: int | None = None) -> np.ndarray:
     array = np.asarray(value, dtype=np.float64)

@@ -1,4 +1,4 @@
-"""Statistical efficiency, AdaScale gain and the goodput-maximising total batch size (see docs/architecture.md).
+"""Statistical efficiency, AdaScale gain and goodput of a total batch size (see docs/architecture.md).
 
 With the noise scale ``phi = tr(Sigma) / |G|^2`` (per-sample covariance, in samples) and the initial total batch B0,
 one step at total batch B makes as much progress as ``r(B) = (phi + B0) / (phi + B) * B / B0`` steps at B0 (the
@@ -23,7 +23,6 @@ from numpy.typing import ArrayLike
 __all__ = [
     "ADAPT_MARGIN",
     "adascale_gain",
-    "adopted_at",
     "candidate_batch_sizes",
     "efficiency",
     "goodput",
@@ -165,38 +164,3 @@ def candidate_batch_sizes(lower: int, upper: int, count: int = CANDIDATES) -> np
     # geomspace pins its ends, but clip anyway so float rounding can never step outside [lower, upper].
     values = np.clip(values, lower, upper)
     return np.unique(np.concatenate(([lower], values, [upper])))
-
-
-def adopted_at(
-    candidates: ArrayLike,
-    step_times: ArrayLike,
-    noise_scales: ArrayLike,
-    base_batch_size: float,
-    current_batch_size: int,
-    current_step_time: float,
-    margin: float = ADAPT_MARGIN,
-) -> np.ndarray:
-    """:func:`choose_batch_size`'s ``adopted`` at each of many noise scales, in one pass (where a choice holds)."""
-    sizes = np.asarray(candidates, dtype=np.int64).reshape(-1)
-    times = np.asarray(step_times, dtype=np.float64).reshape(-1)
-    phis = np.asarray(noise_scales, dtype=np.float64).reshape(-1)
-    return _choices(sizes, times, phis, base_batch_size, current_batch_size, current_step_time, margin)[3]
-
-
-def _choices(
-    sizes: np.ndarray,
-    times: np.ndarray,
-    phis: np.ndarray,
-    base_batch_size: float,
-    current_batch_size: int,
-    current_time: float,
-    margin: float,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per noise scale in ``phis``: the best candidate (the smallest of equal goodputs), its goodput, the current
-    batch's goodput, and whether the best is adopted (it differs and beats the current one by more than ``margin``)."""
-    values = np.asarray(goodput(sizes[None, :], times[None, :], phis[:, None], base_batch_size))
-    current = np.asarray(goodput(current_batch_size, current_time, phis, base_batch_size)).reshape(-1)
-    best = values.max(axis=1)
-    best_size = np.where(values == best[:, None], sizes[None, :], np.iinfo(np.int64).max).min(axis=1)
-    adopted = (best_size != int(current_batch_size)) & (best > (1.0 + margin) * current)
-    return best_size, best, current, adopted

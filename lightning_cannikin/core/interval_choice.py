@@ -14,8 +14,8 @@ The rule keeps what made the one-ended rule safe: a move must raise the sure sha
 larger total is a candidate only if, with the noise scale at ``low``, it is within the margin of the best total there
 (a smaller one, at ``high``). So a move costs at most the margin wherever the truth is, and the bound that may be
 infinite never sets how far the total goes: with ``high`` infinite, the sure share still ranks candidates by
-throughput, and ``low`` caps the growth. Where ``low == high`` this is the point rule of
-:func:`~lightning_cannikin.core.goodput.adopted_at` at that noise scale exactly.
+throughput, and ``low`` caps the growth. Where ``low == high`` this is the one-ended point rule at that noise scale
+exactly.
 
 Pure numpy: imports neither torch nor Lightning.
 """
@@ -30,7 +30,12 @@ import numpy as np
 
 from lightning_cannikin.core.goodput import goodput
 
-__all__ = ["IntervalChoice", "TotalOptions"]
+__all__ = ["IntervalChoice", "TotalOptions", "relative_gain"]
+
+
+def relative_gain(new: float, old: float) -> float:
+    """``new / old - 1`` (``inf`` where ``old`` is not positive and ``new`` is)."""
+    return new / old - 1.0 if old > 0 else (float("inf") if new > 0 else 0.0)
 
 
 @dataclass(frozen=True)
@@ -54,9 +59,7 @@ class IntervalChoice:
     @property
     def gain(self) -> float:
         """The relative gain of the sure share over keeping the current total (``inf`` from a share of 0)."""
-        if self.current_sure_share > 0:
-            return self.sure_share / self.current_sure_share - 1.0
-        return float("inf") if self.sure_share > 0 else 0.0
+        return relative_gain(self.sure_share, self.current_sure_share)
 
 
 @dataclass(frozen=True)

@@ -71,21 +71,6 @@ def _floats(values: Sequence[float] | np.ndarray) -> list[float]:
     return [float(v) for v in values]
 
 
-def _as_inputs(local_sqr_norms: Sequence[float], group_sizes: Sequence[float]) -> tuple[list[float], list[float]]:
-    z, b = _floats(local_sqr_norms), _floats(group_sizes)
-    _check(z, b)
-    return z, b
-
-
-def _check(z: list[float], b: list[float]) -> None:
-    if len(z) != len(b):
-        raise ValueError(f"Got {len(z)} local squared norms for {len(b)} group sizes; give one norm per group.")
-    if len(z) < 2:
-        raise ValueError(f"The noise scale needs at least 2 gradient groups per step, got {len(z)}.")
-    if not all(math.isfinite(size) and size > 0 for size in b):
-        raise ValueError(f"Group sizes must be positive and finite, got {b}.")
-
-
 def pooled_moments(
     local_sqr_norms: Sequence[float], group_sizes: Sequence[float], global_sqr_norm: float
 ) -> tuple[float, float]:
@@ -103,11 +88,13 @@ def pooled_moments(
         ValueError: fewer than 2 groups, mismatched lengths or a non-positive group size.
 
     """
-    z, b = _as_inputs(local_sqr_norms, group_sizes)
-    return _moments(z, b, float(global_sqr_norm))
-
-
-def _moments(z: list[float], b: list[float], y: float) -> tuple[float, float]:
+    z, b, y = _floats(local_sqr_norms), _floats(group_sizes), float(global_sqr_norm)
+    if len(z) != len(b):
+        raise ValueError(f"Got {len(z)} local squared norms for {len(b)} group sizes; give one norm per group.")
+    if len(z) < 2:
+        raise ValueError(f"The noise scale needs at least 2 gradient groups per step, got {len(z)}.")
+    if not all(math.isfinite(size) and size > 0 for size in b):
+        raise ValueError(f"Group sizes must be positive and finite, got {b}.")
     m, total = len(z), sum(b)
     weighted = sum(size * norm for size, norm in zip(b, z, strict=True))  # sum_j b_j Z_j
     grad_sqr = (m * y - weighted / total) / (m - 1)
@@ -249,8 +236,7 @@ class NoiseScaleEstimator:
         if len(z) < 2 or not (all(math.isfinite(v) for v in z) and math.isfinite(float(global_sqr_norm))):
             return False
         b = _floats(group_sizes)
-        _check(z, b)
-        grad_sqr, grad_var = _moments(z, b, float(global_sqr_norm))
+        grad_sqr, grad_var = pooled_moments(z, b, global_sqr_norm)
         factor = self.decay ** (steps * sum(b) / self.base_batch_size)
         if self._trend is not None:
             self._trend.update(factor, steps * sum(b) / self.base_batch_size, (self._sqr_biased, self._var_biased))
@@ -305,12 +291,7 @@ class NoiseScaleEstimator:
         positive but its variance is, 0.0 when the variance is not positive. The decisions read it only through
         :meth:`run_bounds`."""
         present = self._present()
-        if present is None:
-            return None
-        sqr, var = present.values
-        if var <= 0.0:
-            return 0.0
-        return math.inf if sqr <= 0.0 else var / sqr
+        return None if present is None else _ratio(*present.values)
 
     @property
     def grad_sqr(self) -> float | None:
@@ -334,13 +315,7 @@ class NoiseScaleEstimator:
         sample is noise), and 0.0 when the variance is 0. :func:`lightning_cannikin.goodput.efficiency` accepts both.
         """
         sqr, var = self.grad_sqr, self.grad_var
-        if sqr is None or var is None:
-            return None
-        if var <= 0.0:
-            return 0.0
-        if sqr <= 0.0:
-            return math.inf
-        return var / sqr
+        return None if sqr is None or var is None else _ratio(sqr, var)
 
     def steps_spanned(self, total_batch_size: int) -> float:
         """The effective number of updates the moving averages span once settled, each update holding
@@ -551,9 +526,7 @@ class NoiseScaleEstimator:
         errors = self.standard_errors()
         if errors is None:
             return None
-        return self._width_bounds(sigmas * errors[0], sigmas * errors[1])
-
-    def _width_bounds(self, sqr_error: float, var_error: float) -> tuple[float, float]:
+        sqr_error, var_error = sigmas * errors[0], sigmas * errors[1]
         sqr, var = self._sqr_biased / self._weight, self._var_biased / self._weight
         top = max(sqr, 0.0) + sqr_error  # a negative average is noise: it must not tighten the bound on |G|^2
         low = max(var - var_error, 0.0) / top if top > 0 else 0.0  # no spread to bound |G|^2 with: proves nothing
@@ -632,6 +605,14 @@ class NoiseScaleEstimator:
         default decay) only that many are known: a lower bound, so the spending resumes a little early."""
         remaining = max(1.0 - self._weight, 2.0**-53)
         return self.base_batch_size * math.log(remaining) / math.log(self.decay)
+
+
+def _ratio(sqr: float, var: float) -> float:
+    """The noise scale ``var / sqr`` of two averages: 0.0 where the variance is not positive, ``inf`` where only
+    ``|G|^2`` is not."""
+    if var <= 0.0:
+        return 0.0
+    return math.inf if sqr <= 0.0 else var / sqr
 
 
 def _fieller(width: float, sqr: float, var: float, sqr_var: float, var_var: float, cov: float) -> tuple[float, float]:

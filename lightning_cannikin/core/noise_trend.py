@@ -58,16 +58,12 @@ class TrendFit:
         self._q = [f2 * q0 + (1.0 - factor) ** 2, f2 * (q1 + d * q0), f2 * (q2 + 2.0 * d * q1 + d * d * q0)]
         self._aged = [factor * (aged + d * total) for aged, total in zip(self._aged, old_sums, strict=True)]
 
-    def scale(self, weight_scale: float) -> None:
-        """Multiply every weight by ``weight_scale`` (the caller restarts its averages from scaled sums)."""
-        self._m = [weight_scale * m for m in self._m]
-        self._q = [weight_scale * weight_scale * q for q in self._q]
-        self._aged = [weight_scale * a for a in self._aged]
-
     def copy_from(self, other: TrendFit, weight_scale: float) -> None:
-        """Take ``other``'s sums, every weight multiplied by ``weight_scale``."""
-        self._m, self._q, self._aged = list(other._m), list(other._q), list(other._aged)
-        self.scale(weight_scale)
+        """Take ``other``'s sums, every weight multiplied by ``weight_scale`` (the caller restarts its averages from
+        scaled sums)."""
+        self._m = [weight_scale * m for m in other._m]
+        self._q = [weight_scale * weight_scale * q for q in other._q]
+        self._aged = [weight_scale * a for a in other._aged]
 
     def present(self, sums: Sequence[float], products: Sequence[Sequence[float]]) -> Present | None:
         """The fit read now, from the caller's weighted sums ``sum w x`` (``sums``, one per value) and ``sum w x y``

@@ -21,7 +21,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from lightning_cannikin.core.goodput import ADAPT_MARGIN, CANDIDATES, adascale_gain, candidate_batch_sizes
-from lightning_cannikin.core.interval_choice import IntervalChoice, TotalOptions
+from lightning_cannikin.core.interval_choice import IntervalChoice, TotalOptions, relative_gain
 from lightning_cannikin.core.lr_scaling import lr_factor, validate_rule
 from lightning_cannikin.core.optperf import most_even_split
 from lightning_cannikin.core.plan import Plan, even_split
@@ -264,7 +264,9 @@ def decide(
     candidates = _candidates(model, current, settings, base_batch_size) if adapt else None
     options = _options(candidates, current.total_batch_size, settings, base_batch_size)
     if adapt:
-        reachable = _reachable(model, settings)
+        # the largest micro-step global batch whose split keeps every rank within the model's upper bounds: for a
+        # speed model its caps and ``evidence_reach`` times the largest batch each rank has run
+        reachable = _held(model.upper, model.world_size, settings.balance)
         global_batch, accumulation, choice = _choose_total(options, candidates, current, bounds, reachable)  # type: ignore[arg-type]
     if settings.balance and not model.identified:
         # a slope guessed from one batch size can be far off (AdaptDL's prior puts half the time in the intercept):
@@ -314,11 +316,6 @@ def _upper(model: StepTimeModel, total_batch_size: int) -> Sequence[int] | None:
     return model.upper if upper_for is None else upper_for(total_batch_size)
 
 
-def _relative_gain(new: float, old: float) -> float:
-    """``new / old - 1`` (``inf`` where ``old`` is not positive and ``new`` is)."""
-    return new / old - 1.0 if old > 0 else (float("inf") if new > 0 else 0.0)
-
-
 def _split(
     model: StepTimeModel, current: Plan, global_batch: int, margin: float
 ) -> tuple[tuple[int, ...], float | None]:
@@ -344,7 +341,7 @@ def _split(
         if not inside or (supports is not None and not supports(sizes)):
             continue
         time = float(model.predict(sizes))
-        gains.append(_relative_gain(time, best_time))
+        gains.append(relative_gain(time, best_time))
         if time <= limit:
             return tuple(sizes), gains[-1]
     return tuple(best), min(gains, default=None)
@@ -374,7 +371,7 @@ def _choose_total(
     interval rule sees them: ``options``), or the current ones, and the choice over the noise interval that decided it
     (``None`` when no candidate fits).
 
-    A larger total whose micro-step global batch lies beyond ``reachable`` (:func:`_reachable`) is the target, not the
+    A larger total whose micro-step global batch lies beyond ``reachable`` (``None``: no bound) is the target, not the
     move: the move goes to the largest candidate on the way that lies within it (none: the total is kept), and the
     choice's options call for the next move once that one is timed."""
     if options is None or candidates is None:
@@ -393,13 +390,6 @@ def _choose_total(
             return current.global_batch_size, current.accumulation_steps, choice
         index = int(on_the_way[np.argmax(totals[on_the_way])])
     return int(micro[index]), int(steps[index]), choice
-
-
-def _reachable(model: StepTimeModel, settings: PolicySettings) -> int | None:
-    """The largest micro-step global batch whose split keeps every rank within the model's upper bounds: for a speed
-    model its caps and ``evidence_reach`` times the largest batch each rank has run
-    (:attr:`~lightning_cannikin.core.speed_model.SpeedModel.upper`); ``None``: no bound."""
-    return _held(model.upper, model.world_size, settings.balance)
 
 
 def _held(upper: Sequence[int] | None, n: int, balance: bool) -> int | None:

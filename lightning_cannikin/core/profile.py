@@ -74,7 +74,6 @@ _REQUIRED = (
     "noise_scale_history",
     "balancer_state",
 )
-_DEFAULT_MAX_SAMPLES = SpeedModelSettings().max_samples
 
 
 def build_profile(
@@ -165,8 +164,9 @@ def save_profile(path: str | os.PathLike[str], profile: Mapping[str, Any]) -> Pa
 
     """
     path = Path(path)
-    _parse(_jsonable(dict(profile)), path)  # refuse to write something load_profile would reject
-    text = json.dumps(_jsonable(dict(profile)), indent=1, allow_nan=False)
+    data = _jsonable(dict(profile))
+    _parse(data, path)  # refuse to write something load_profile would reject
+    text = json.dumps(data, indent=1, allow_nan=False)
     path.parent.mkdir(parents=True, exist_ok=True)
     # The temporary file lives beside the target so os.replace is a same-filesystem rename, which is atomic. It is
     # created with mode 0666 less the umask, like any log file (mkstemp's 0600 would hide it from teammates).
@@ -245,7 +245,7 @@ class Profile:
         settings = SpeedModelSettings(
             half_life=math.inf if half_life is None else float(half_life),
             tail_window=int(self.settings["tail_window"]),
-            max_samples=int(self.settings.get("max_samples", _DEFAULT_MAX_SAMPLES)),
+            max_samples=int(self.settings.get("max_samples", defaults.max_samples)),
             # profiles written before these settings existed were made with the defaults of their time
             drift_tolerance=float(self.settings.get("drift_tolerance", defaults.drift_tolerance)),
             warmup_samples=int(self.settings.get("warmup_samples", 0)),

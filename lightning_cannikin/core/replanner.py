@@ -112,10 +112,6 @@ class Replanner:
         """Every rank's speed is measured, or the split is even (nothing to measure)."""
         return self.identified or not self.balance
 
-    def adapt_ready(self, bounds: Bounds) -> bool:
-        """A total chosen now would be chosen on evidence: the noise scale has ``bounds`` and the speeds are known."""
-        return bounds is not None and self.speeds_known
-
     def voted(self, changed: bool) -> None:
         """The ranks' change vote after this step (read on every step, true only at a :meth:`check_due` step): a yes
         is kept until a re-plan takes it (an epoch's last step hands it to the epoch's end)."""
@@ -170,8 +166,8 @@ class Replanner:
         the options the total was chosen among (:meth:`adapted_at`), what the next re-plans wait for
         (:meth:`replanned`) and whether the speeds are measured; the change vote it answered is spent."""
         plan = decision.plan
-        if adapted:
-            self.adapted_at(step, self.adapt_ready(bounds), decision.total_options)
+        if adapted:  # chosen on evidence where the noise scale has bounds and the speeds are known
+            self.adapted_at(step, bounds is not None and self.speeds_known, decision.total_options)
         total_changed = plan.total_batch_size != previous.total_batch_size
         # a new total, a walk to a device's knee, a split moved by a rescale that may be a passing stall, or a change of
         # speed the model followed: re-split once timed (a check fired by what the model does not see settles nothing)
@@ -181,10 +177,6 @@ class Replanner:
         self.replanned(step, timing, changed, kept, decision.unconfirmed)
         self.changed = False
         self.identified = decision.identified
-
-    def nothing_adopted(self, step: int) -> None:
-        """A re-plan after ``step`` steps adopted nothing (some rank has no timing yet): the next waits as after any."""
-        self.replanned(step, total_changed=False)
 
     def due(self, step: int) -> bool:
         """Whether the ranks re-plan after ``step`` steps whatever the total does: the vote said a device's speed moved

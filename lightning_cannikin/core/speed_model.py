@@ -529,7 +529,7 @@ class SpeedModel:
         speeds = []
         for i, b in enumerate(sizes):
             typical = self.fitters[i].typical(b)
-            seconds = typical[0] if typical is not None else float(models[i](b))
+            seconds = typical if typical is not None else float(models[i](b))
             speeds.append(b / seconds if seconds > 0 else 1.0)
         upper = self.upper_for(sum(sizes))
         return probe_split(sizes, speeds, unmeasured, self.lower, upper, self.settings.probe_lever)

@@ -36,7 +36,7 @@ import numpy as np
 from lightning_cannikin.core.layout import epoch_layout
 from lightning_cannikin.core.plan import Plan, proportional_sizes
 
-__all__ = ["global_batches", "item_order", "rank_span", "replanned_shares", "share_key", "stream_shares"]
+__all__ = ["global_batches", "item_order", "rank_span", "replanned_shares", "share_key"]
 
 
 def item_order(chunk_sizes: Sequence[int], shuffle: bool, seed: int, epoch: int) -> np.ndarray:
@@ -62,37 +62,6 @@ def rank_span(step_sizes: Sequence[Sequence[int]], rank: int) -> tuple[int, int]
     return int(totals[:rank].sum()), int(totals[rank])
 
 
-def stream_shares(
-    chunk_sizes: Sequence[int],
-    step_sizes: Sequence[Sequence[int]],
-    rank: int,
-    num_workers: int,
-    shuffle: bool = False,
-    seed: int = 0,
-    epoch: int = 0,
-    window: int = 0,
-) -> list[np.ndarray]:
-    """``rank``'s item ids for every step of an epoch run under one plan (see the module's docstring).
-
-    Args:
-        chunk_sizes: items in each chunk, in storage order (``N`` = their sum).
-        step_sizes: every rank's item count in each step of the epoch (``epoch_layout``'s ``local_batch_sizes``);
-            their total may be below ``N`` (a dropped last batch): the items at the end of the order are left out.
-        rank: the rank whose steps are returned.
-        num_workers: the rank's DataLoader workers (0: the main process reads, as one worker).
-        shuffle: permute the chunk order and each worker's block, seeded by ``(seed, epoch)``.
-        seed: the shared seed.
-        epoch: the epoch (a fresh order each).
-        window: the reader's decode window (items of a chunk deserialized together; 0: per item or whole chunks):
-            the shuffle within a chunk keeps each window's items together.
-
-    """
-    items = item_order(chunk_sizes, shuffle, seed, epoch)
-    sizes = np.asarray(chunk_sizes, dtype=np.int64)
-    prefix = [int(seed), int(epoch)] if shuffle else None
-    return _deal(items, sizes, step_sizes, rank, num_workers, prefix, window=window)
-
-
 def replanned_shares(
     chunk_sizes: Sequence[int],
     schedule: Mapping[int, Plan],
@@ -107,7 +76,7 @@ def replanned_shares(
 ) -> list[np.ndarray]:
     """``rank``'s item ids for every step of an epoch whose plan changes at the steps ``schedule`` names.
 
-    The epoch is cut into segments where the plan changes. The first is dealt as :func:`stream_shares` deals a whole
+    The epoch is cut into segments where the plan changes. The first is dealt as the module's docstring deals a whole
     epoch under its plan. At a change at step ``k``, every rank knows which items the steps before ``k`` took (each
     rank's ids are a function of the same rank-independent inputs), so the items left, in the epoch's item order, are
     dealt afresh under the new plan for the rest of the epoch (runs per rank, blocks per worker, as for a whole epoch;
@@ -126,7 +95,8 @@ def replanned_shares(
         seed: the shared seed.
         epoch: the epoch.
         drop_last: drop the epoch's last, partial global batch.
-        window: the reader's decode window (:func:`stream_shares`').
+        window: the reader's decode window (items of a chunk deserialized together; 0: per item or whole chunks):
+            the shuffle within a chunk keeps each window's items together.
         cache: a dict kept between calls for the same data, epoch and settings: segments already dealt are reused
             (a change mid-epoch then deals the items left once, not the epoch again).
 

@@ -126,11 +126,13 @@ def _weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
 
 
 class _WindowedFitter:
-    """What the fitters share: a bounded window of samples, and its size and contents."""
+    """What the fitters share: a bounded window of samples, its size and contents, and their checkpoint form."""
+
+    _keys: tuple[str, str]  # the state_dict's names of a sample's two halves
+    _types: tuple[type, type]  # and their types
 
     def __init__(self, window: SampleWindow) -> None:
         self._window = window
-        self.half_life, self.max_samples = window.half_life, window.max_samples
 
     @property
     def num_samples(self) -> int:
@@ -140,6 +142,15 @@ class _WindowedFitter:
     def samples(self) -> list[tuple]:
         """The samples in the window, oldest first."""
         return self._window.pairs()
+
+    def state_dict(self) -> dict:
+        """The samples as JSON-friendly lists (the settings stay with the constructor)."""
+        pairs = self._window.pairs()
+        return {self._keys[0]: [u for u, _ in pairs], self._keys[1]: [v for _, v in pairs]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Replace the samples with those of :meth:`state_dict`."""
+        self._window.restore(state[self._keys[0]], state[self._keys[1]], self._types)
 
 
 class ComputeTimeFitter(_WindowedFitter):
@@ -156,6 +167,8 @@ class ComputeTimeFitter(_WindowedFitter):
             stays measured however long one plan runs.
 
     """
+
+    _keys, _types = ("batch_sizes", "seconds"), (int, float)
 
     def __init__(self, half_life: float = HALF_LIFE, max_samples: int = 512) -> None:
         super().__init__(BatchSizeWindow(max_samples, half_life))
@@ -182,22 +195,22 @@ class ComputeTimeFitter(_WindowedFitter):
         weights = self._window.weights()
         return tuple(int(b) for b in np.unique(sizes) if weights[sizes == b].sum() >= min_weight)
 
-    def typical(self, batch_size: int) -> tuple[float, int] | None:
-        """The recency-weighted median time at one batch size and how many samples hold it (``None``: none)."""
+    def typical(self, batch_size: int) -> float | None:
+        """The recency-weighted median time at one batch size (``None``: no sample there)."""
         if not len(self._window):
             return None
         sizes, seconds = self._window.columns()
         at = sizes == batch_size
         if not at.any():
             return None
-        return _weighted_median(seconds[at], self._window.weights()[at]), int(at.sum())
+        return _weighted_median(seconds[at], self._window.weights()[at])
 
     def rescale(self, factor: float) -> None:
         """Multiply every sample's time by ``factor``: a device whose speed changed by that much, kept identified."""
         if not (math.isfinite(factor) and factor > 0):
             raise ValueError(f"`factor` must be finite and > 0, got {factor}.")
         pairs = self._window.pairs()
-        self._window.restore([b for b, _ in pairs], [t * factor for _, t in pairs], (int, float))
+        self._window.restore([b for b, _ in pairs], [t * factor for _, t in pairs], self._types)
 
     def fit(self) -> LinearTimeModel | None:
         """The current model, or ``None`` before the first sample."""
@@ -239,15 +252,6 @@ class ComputeTimeFitter(_WindowedFitter):
         typical = _weighted_median(seconds, weights)
         size = _weighted_median(sizes, weights)
         return LinearTimeModel(0.5 * typical / size, 0.5 * typical)
-
-    def state_dict(self) -> dict:
-        """The samples as JSON-friendly lists (the settings stay with the constructor)."""
-        pairs = self._window.pairs()
-        return {"batch_sizes": [b for b, _ in pairs], "seconds": [t for _, t in pairs]}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Replace the samples with those of :meth:`state_dict`."""
-        self._window.restore(state["batch_sizes"], state["seconds"], (int, float))
 
 
 def _hinge(
@@ -320,6 +324,8 @@ class CommTimeFitter(_WindowedFitter):
 
     """
 
+    _keys, _types = ("allreduce", "exposed"), (float, float)
+
     def __init__(self, half_life: float = HALF_LIFE, max_samples: int = 512) -> None:
         super().__init__(SampleWindow(max_samples, half_life))
 
@@ -341,15 +347,6 @@ class CommTimeFitter(_WindowedFitter):
         weights = self._window.weights()
         total = _weighted_median(allreduce, weights)
         return CommModel(total, min(_weighted_median(exposed, weights), total))
-
-    def state_dict(self) -> dict:
-        """The samples as JSON-friendly lists (the settings stay with the constructor)."""
-        pairs = self._window.pairs()
-        return {"allreduce": [c for c, _ in pairs], "exposed": [e for _, e in pairs]}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Replace the samples with those of :meth:`state_dict`."""
-        self._window.restore(state["allreduce"], state["exposed"], (float, float))
 
 
 def step_time_pieces(

@@ -2,7 +2,7 @@
 
 The user's ``StreamingDataset`` and ``StreamingDataLoader`` stay as they are; the strategy rebuilds the training loader
 around them as it does for map-style data. Which items a rank reads in each step is
-:func:`~lightning_cannikin.core.stream_shares.stream_shares`' (every item once per epoch, steps of the plan, the same
+:mod:`~lightning_cannikin.core.stream_shares`' (every item once per epoch, steps of the plan, the same
 number of steps on every rank); the loader's workers read them through the data set's own ``dataset[i]`` (LitData's
 chunk reader, its ``transform`` and cache), and the user's collate function batches them. LitData's shuffler and its
 resume state are not used: its ``get_chunks_and_intervals_per_workers`` gives every rank an even share, and its
