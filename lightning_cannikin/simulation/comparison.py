@@ -10,12 +10,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lightning_cannikin.core.goodput import adascale_gain
 from lightning_cannikin.simulation.engine import (
     POLICIES,
     ClusterModel,
     PolicyResult,
-    _progress_grid,
+    _NoiseGrid,
     candidate_grid,
     default_batch_size,
     simulate,
@@ -40,11 +39,8 @@ def best_fixed_batch_time(
     cap = job.max_validated_batch if max_batch_size is None else int(max_batch_size)
     grid = candidate_grid(model, "ddp", cap, candidates)
     totals = np.asarray([model.effective_total("ddp", int(t)) for t in grid])
-    edges, mids = _progress_grid(job, cells)
-    widths = np.diff(edges)
-    steps = np.asarray(
-        [np.sum(widths / adascale_gain(job.noise(mids, int(t)), int(t), job.base_batch_size)) for t in totals]
-    )
+    progress = _NoiseGrid(job, cells)
+    steps = np.asarray([progress.steps(int(t)) for t in totals])
     times = np.asarray([model.true_step_time(model.plan("ddp", int(t))) for t in totals]) * steps
     best = int(np.argmin(times))
     return int(totals[best]), float(times[best])

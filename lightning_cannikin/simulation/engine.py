@@ -97,8 +97,8 @@ class ClusterModel:
             raise ValueError(f"Job {job.name!r} has no compute model for {', '.join(missing)}.")
         self.job = job
         self.cluster = cluster
-        self.n = self.world_size = cluster.num_devices
-        fitted = float(job.network.time(self.n, cluster.multi_node))
+        self.world_size = cluster.num_devices
+        fitted = float(job.network.time(self.world_size, cluster.multi_node))
         self.network_time = fitted if network_time is None else float(network_time)
         counts = [g.count for g in cluster.groups]
         models = [job.compute[g.gpu] for g in cluster.groups]
@@ -153,13 +153,13 @@ class ClusterModel:
         """Largest total batch of one micro-step (an even split is bound by the smallest memory cap)."""
         if policy in BALANCED:
             return int(self.upper.sum())
-        return self.n * int(self.upper.min())
+        return self.world_size * int(self.upper.min())
 
     def minimum(self, policy: str) -> int:
         """Smallest total batch of one micro-step (an even split is bound by the largest lower bound)."""
         if policy in BALANCED:
             return int(self.lower.sum())
-        return self.n * int(self.lower.max())
+        return self.world_size * int(self.lower.max())
 
     def accumulation(self, policy: str, total: np.ndarray | int) -> tuple[np.ndarray, np.ndarray]:
         """Micro-steps and micro-batch total for each requested total batch.
@@ -176,7 +176,7 @@ class ClusterModel:
     def plan(self, policy: str, total: int) -> Plan:
         """The plan a fixed-batch policy runs at total batch ``total``."""
         steps, micro = (int(x) for x in self.accumulation(policy, total))
-        sizes = self.plan_split(micro).local_batch_sizes if policy in BALANCED else even_split(micro, self.n)
+        sizes = self.plan_split(micro).local_batch_sizes if policy in BALANCED else even_split(micro, self.world_size)
         return Plan(sizes, steps)
 
     # --------------------------------------------------------------------------- the policy's step-time model
@@ -249,12 +249,6 @@ class PolicyResult:
         return {gpu: float(np.mean(v)) for gpu, v in out.items()}
 
 
-def _progress_grid(job: JobModel, cells: int) -> tuple[np.ndarray, np.ndarray]:
-    """Cell edges and midpoints over [0, target progress]."""
-    edges = np.linspace(0.0, job.target_progress, cells + 1)
-    return edges, 0.5 * (edges[1:] + edges[:-1])
-
-
 def candidate_grid(model: ClusterModel, policy: str, max_batch_size: int, count: int = 50) -> np.ndarray:
     """Candidate total batches of an adaptive policy.
 
@@ -280,7 +274,7 @@ def default_batch_size(model: ClusterModel, max_batch_size: int | None = None) -
     job = model.job
     cap = job.max_validated_batch if max_batch_size is None else int(max_batch_size)
     per_device = min(max(job.base_batch_size, int(model.lower.max())), int(model.upper.min()))
-    return max(min(model.n * per_device, cap), model.minimum("ddp"))
+    return max(min(model.world_size * per_device, cap), model.minimum("ddp"))
 
 
 def replan(
@@ -383,7 +377,7 @@ def simulate(
     # a fixed total never re-plans: the truth gives the same plan at every step
     true_time = model.true_step_time(plan)
     total = plan.total_batch_size
-    steps = float(np.sum(grid.widths / grid.gains(total)))
+    steps = grid.steps(total)
     predicted = model.predicted_step_time(plan)
     return PolicyResult(
         policy=policy,
@@ -404,7 +398,8 @@ class _NoiseGrid:
     def __init__(self, job: JobModel, cells: int) -> None:
         self.job = job
         self.cells = cells
-        self.edges, self.mids = _progress_grid(job, cells)
+        self.edges = np.linspace(0.0, job.target_progress, cells + 1)
+        self.mids = 0.5 * (self.edges[1:] + self.edges[:-1])
         self.widths = np.diff(self.edges)
         self._by_total: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
@@ -422,6 +417,10 @@ class _NoiseGrid:
     def noise(self, total: int) -> np.ndarray:
         """The known noise scale of each cell at ``total``."""
         return self._at(total)[0]
+
+    def steps(self, total: int) -> float:
+        """Optimizer steps to the target at a fixed ``total``."""
+        return float(np.sum(self.widths / self.gains(total)))
 
 
 def _adaptive_run(
