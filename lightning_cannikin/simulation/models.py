@@ -25,22 +25,18 @@ import numpy as np
 
 from lightning_cannikin.core.timing import ComputeTimeFitter, LinearTimeModel
 from lightning_cannikin.simulation.gpu_profiles import ComputeProfile, ProfileStore, canonical_gpu
-from lightning_cannikin.simulation.noise import NoiseModel, NoiseTrajectory, noise_model, noise_trajectory
+from lightning_cannikin.simulation.noise import NoiseModel, noise_model
 
 __all__ = [
     "ComputeModel",
     "JobModel",
     "NetworkModel",
-    "NoiseModel",
-    "NoiseTrajectory",
     "fit_compute_model",
     "fit_library_model",
     "fit_network_model",
     "library_step_time",
     "load_job",
-    "noise_model",
-    "noise_trajectory",
-]  # the noise-scale models live in :mod:`.noise` and are re-exported here for the job model's users
+]
 
 NETWORK_SCALINGS = ("linear", "log")
 """How the all-reduce cost grows with replicas: Pollux's fitted linear term, or a logarithmic (tree/hierarchical)
@@ -169,10 +165,6 @@ class NetworkModel:
         )
 
 
-def _network_features(replicas: np.ndarray, scaling: str) -> np.ndarray:
-    return NetworkModel(0.0, 0.0, 0.0, 0.0, 1.0, scaling).replica_term(replicas)
-
-
 def fit_network_model(
     replicas: np.ndarray,
     nodes: np.ndarray,
@@ -199,15 +191,11 @@ def fit_network_model(
         raise ValueError(f"`scaling` must be one of {NETWORK_SCALINGS}, got {scaling!r}.")
     replicas = np.asarray(replicas, dtype=np.float64)
     multi = np.asarray(nodes) > 1
-    x = _network_features(replicas, scaling)
     log_obs = np.log(step_time)
 
-    def predict(p: np.ndarray) -> np.ndarray:
-        net = np.where(multi, p[2] + p[3] * x, p[0] + p[1] * x)
-        return NetworkModel(p[0], p[1], p[2], p[3], p[4], scaling).combine(compute, net)
-
     def residuals(p: np.ndarray) -> np.ndarray:
-        return np.log(np.maximum(predict(p), 1e-9)) - log_obs
+        model = NetworkModel(p[0], p[1], p[2], p[3], p[4], scaling)
+        return np.log(np.maximum(model.combine(compute, model.time(replicas, multi)), 1e-9)) - log_obs
 
     excess = np.maximum(step_time - compute, 0.0)
     guess_r = float(np.median(excess[~multi])) if np.any(~multi) else 0.01
@@ -285,11 +273,6 @@ class JobModel:
     def target_progress(self) -> float:
         """Progress (in B0-steps) that ends training."""
         return self.noise.target_progress
-
-    @property
-    def epochs(self) -> int:
-        """Effective epochs to the target."""
-        return self.noise.epochs
 
 
 def t4_network_data(store: ProfileStore, job: str, compute: ComputeModel, table: str = "placements") -> dict:

@@ -26,14 +26,13 @@ import numpy as np
 
 from lightning_cannikin.simulation.gpu_profiles import JOBS, ComputeProfile, ProfileStore
 from lightning_cannikin.simulation.models import (
-    NoiseModel,
     fit_compute_model,
     fit_library_model,
     fit_network_model,
     library_step_time,
-    noise_model,
     t4_network_data,
 )
+from lightning_cannikin.simulation.noise import NoiseModel, noise_model
 
 __all__ = [
     "TOLERANCE",
