@@ -100,16 +100,6 @@ class Cluster:
             raise ValueError(f"`factor` must be >= 1, got {factor}.")
         return Cluster(tuple(DeviceGroup(g.gpu, g.count * factor, g.gpus_per_node) for g in self.groups))
 
-    def plus(self, gpu: str, count: int = 1) -> Cluster:
-        """This cluster with ``count`` more GPUs of type ``gpu`` (added to an existing group of that type if any)."""
-        gpu = canonical_gpu(gpu)
-        groups = list(self.groups)
-        for i, g in enumerate(groups):
-            if g.gpu == gpu:
-                groups[i] = DeviceGroup(gpu, g.count + count, g.gpus_per_node)
-                return Cluster(tuple(groups))
-        return Cluster((*groups, DeviceGroup(gpu, count, GPU_TYPES[gpu].gpus_per_node)))
-
     def spec(self) -> str:
         """The compact form, e.g. ``"4xA100,4xV100,8xT4"``."""
         return ",".join(f"{g.count}x{g.gpu}" for g in self.groups)
