@@ -318,15 +318,9 @@ class ProfileStore:
         Preference: Pollux (T4, same code as the noise traces), then Sia (same AdaptDL code as Pollux, when found),
         then Zeus (another code base; only for jobs with the same model and data set).
         """
-        found = {"T4": "pollux"}
-        if self.sia_root is not None:
-            for gpu in GPU_TYPES.values():
-                if gpu.sia_label and gpu.name not in found:
-                    found[gpu.name] = "sia"
-        if job in ZEUS_WORKLOADS:
-            for gpu in GPU_TYPES.values():
-                if gpu.zeus_file and gpu.name not in found:
-                    found[gpu.name] = "zeus"
+        found: dict[str, str] = {}
+        for gpu, source in self.all_profiles(job):  # in order of preference
+            found.setdefault(gpu, source)
         return found
 
     def all_profiles(self, job: str) -> list[tuple[str, str]]:
