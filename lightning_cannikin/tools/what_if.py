@@ -17,6 +17,7 @@ Pure: numpy and the project's maths modules only (no torch, no Lightning).
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -114,23 +115,12 @@ class WhatIfCluster:
         self.slopes, self.offsets = slopes[index], offsets[index]
         micro_slopes, micro_offsets = step_time_pieces(speed.models(), None)  # a micro-step: the ranks' compute alone
         self.micro_slopes, self.micro_offsets = micro_slopes[index], micro_offsets[index]
-        self._lower = [int(speed.lower[r]) for r in self.devices]
+        self.lower = [int(speed.lower[r]) for r in self.devices]
         upper = speed.upper
-        self._upper = None if upper is None else [int(upper[r]) for r in self.devices]
+        self.upper = None if upper is None else [int(upper[r]) for r in self.devices]
         self.measured_identified = speed.identified
 
-    @property
-    def lower(self) -> list[int]:
-        return self._lower
-
-    @property
-    def upper(self) -> list[int] | None:
-        return self._upper
-
-    @property
-    def identified(self) -> bool:
-        # the profile is all there is to learn from: decide on its models as they are, never probe
-        return True
+    identified = True  # the profile is all there is to learn from: decide on its models as they are, never probe
 
     def optperf(self, total_batch_sizes: Sequence[int], accumulation_steps: ArrayLike = 1) -> np.ndarray:
         totals = np.asarray(total_batch_sizes)
@@ -283,10 +273,7 @@ def run(profile: Profile, args: argparse.Namespace) -> tuple[dict[str, Any], lis
 
 def describe(devices: Sequence[int]) -> str:
     """``"rank 0 x3, rank 1, rank 2"``: how many devices copy each measured rank."""
-    counts: dict[int, int] = {}
-    for rank in devices:
-        counts[rank] = counts.get(rank, 0) + 1
-    return ", ".join(f"rank {r}" + (f" x{c}" if c > 1 else "") for r, c in counts.items())
+    return ", ".join(f"rank {r}" + (f" x{c}" if c > 1 else "") for r, c in Counter(devices).items())
 
 
 def _ms(key: str) -> Callable[[Mapping[str, Any]], str]:
