@@ -145,8 +145,7 @@ class ClusterModel:
 
     def predicted_step_time(self, plan: Plan) -> float:
         """The planner's prediction for a plan."""
-        compute = planner.step_time(self.slopes, self.offsets, plan.local_batch_sizes)
-        return float(self._step(compute, plan.accumulation_steps, planned=True))
+        return float(self.predict(plan.local_batch_sizes, plan.accumulation_steps))
 
     # ------------------------------------------------------------------------------------------------ policies
     def capacity(self, policy: str) -> int:
