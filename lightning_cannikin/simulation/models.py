@@ -89,11 +89,6 @@ class ComputeModel:
         """The linear model ``a*b + a0``."""
         return self.linear(np.asarray(batch_size, dtype=np.float64))
 
-    def relative_errors(self) -> np.ndarray:
-        """``|predicted - measured| / measured`` at every measured batch size (in-sample)."""
-        x, y = self.profile.batch_sizes, self.profile.seconds
-        return np.abs(self.predicted(x) - y) / y
-
     def r2(self) -> float:
         """Coefficient of determination of the linear fit on the measured points."""
         y = self.profile.seconds

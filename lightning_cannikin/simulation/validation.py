@@ -87,7 +87,7 @@ def single_gpu_fits(store: ProfileStore, jobs: Iterable[str] = JOBS, leave_one_o
         for gpu, source in store.all_profiles(job):
             profile = store.compute_profile(job, gpu, source)
             model = fit_compute_model(profile)
-            errors = model.relative_errors()
+            errors = _relative(model.predicted(profile.batch_sizes), profile.seconds)  # in-sample
             row = {
                 "job": job,
                 "gpu": gpu,
