@@ -85,13 +85,9 @@ class Comparison:
             return self.ddp_tuned[1]
         return self.results[policy].time_to_target
 
-    def ratio(self, numerator: str, denominator: str) -> float:
-        """``time(numerator) / time(denominator)``."""
-        return self.time(numerator) / self.time(denominator)
-
     def reduction(self, baseline: str, policy: str = "cannikin") -> float:
         """Fraction of the baseline's time-to-target that ``policy`` saves (0.4 = 40% less time)."""
-        return 1.0 - self.ratio(policy, baseline)
+        return 1.0 - self.time(policy) / self.time(baseline)
 
     def to_dict(self) -> dict:
         """JSON-friendly summary (trajectories downsampled to about 20 points)."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -247,7 +247,6 @@ class JobModel:
         compute: per-GPU-type compute models.
         network: all-reduce cost and overlap (fitted on T4).
         noise: noise-scale model.
-        notes: caveats about the sources used.
         library_overlap: ``(share, exposed)`` of the library's two-regime step model
             (:func:`library_step_time`), fitted on the same T4 runs as ``network``: what the simulator *plans* with,
             as the library does (``None``: plan with ``network`` too).
@@ -261,7 +260,6 @@ class JobModel:
     compute: Mapping[str, ComputeModel]
     network: NetworkModel
     noise: NoiseModel
-    notes: tuple[str, ...] = field(default=())
     library_overlap: tuple[float, float] | None = None
 
     @property
@@ -309,7 +307,6 @@ def _load_job_cached(job: str, gpus: tuple[str, ...] | None, shipped: str, sia: 
     rows = t4_network_data(store, job, t4)
     network = fit_network_model(rows["replicas"], rows["nodes"], rows["compute"], rows["step_time"], scaling)
     overlap = fit_library_model(rows["compute"], network.time(rows["replicas"], rows["nodes"] > 1), rows["step_time"])
-    notes = tuple(f"{model.gpu}: {model.profile.caveat}" for model in compute.values() if model.profile.caveat)
     return JobModel(
         name=job,
         base_batch_size=int(base),
@@ -318,7 +315,6 @@ def _load_job_cached(job: str, gpus: tuple[str, ...] | None, shipped: str, sia: 
         compute=compute,
         network=network,
         noise=noise,
-        notes=notes,
         library_overlap=overlap,
     )
 
