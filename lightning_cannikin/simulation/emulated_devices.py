@@ -109,11 +109,6 @@ class EmulatedDevices:
         if outside:
             raise ValueError(f"`contention` names ranks {outside} but the world size is {world_size}.")
 
-    def stall(self, rank: int, step: int) -> float:
-        """The contention factor of ``rank`` at ``step`` (1: no stall)."""
-        factor, every = self.contention.get(rank, (1.0, 1))
-        return factor if step % every == 0 else 1.0
-
     def clean_ms(self, rank: int, batch_size: int, step: int = 0) -> float:
         """The cost without jitter or warm-up, contention included: what a perfect model of the device predicts."""
         per_sample = self.per_sample_ms
@@ -121,7 +116,9 @@ class EmulatedDevices:
             if change_step <= step:
                 per_sample = self.speed_changes[change_step]
         samples = max(float(batch_size), _of(self.saturation_batch, rank))
-        return (_of(self.fixed_ms, rank) + _of(per_sample, rank) * samples) * self.stall(rank, step)
+        factor, every = self.contention.get(rank, (1.0, 1))
+        stall = factor if step % every == 0 else 1.0
+        return (_of(self.fixed_ms, rank) + _of(per_sample, rank) * samples) * stall
 
     def delay_ms(self, rank: int, batch_size: int, step: int = 0) -> float:
         """The emulated extra time of ``rank`` for a local batch of ``batch_size`` samples at training step ``step``."""
