@@ -14,6 +14,7 @@ import math
 import os
 import re
 import reprlib
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,10 +90,7 @@ class Cluster:
 
     def counts(self) -> dict[str, int]:
         """GPUs per type."""
-        out: dict[str, int] = {}
-        for g in self.groups:
-            out[g.gpu] = out.get(g.gpu, 0) + g.count
-        return out
+        return dict(Counter(self.device_types()))
 
     def scaled(self, factor: int) -> Cluster:
         """The same mix with every group ``factor`` times larger."""
