@@ -144,7 +144,7 @@ class WhatIfCluster:
         return tuple(local_batch_sizes)
 
 
-def _row(cluster: WhatIfCluster, plan: Plan) -> dict[str, Any]:
+def _row(plan: Plan) -> dict[str, Any]:
     seconds = float(plan.predicted_step_time)  # type: ignore[arg-type]
     return {
         "total_batch_size": plan.total_batch_size,
@@ -183,7 +183,7 @@ def evaluate(
                 plan = cluster.plan_split(total)
             except ValueError as err:
                 raise ValueError(f"batch size {total} cannot be split on the {name} cluster: {err}") from None
-            row = {"cluster": name, **_row(cluster, plan)}
+            row = {"cluster": name, **_row(plan)}
             even = most_even_split(total, cluster.world_size, cluster.lower, cluster.upper).local_batch_sizes
             row["even_step_time"] = float(cluster.predict(even))
             row["optperf_speedup"] = row["even_step_time"] / row["predicted_step_time"]
@@ -193,7 +193,7 @@ def evaluate(
             assert noise_scale is not None and base_batch_size is not None
             settings = PolicySettings(max_batch_size=max_batch_size, margin=margin, split_margin=0.0)
             decision = decide(cluster, plan, settings, noise_scale, base_batch_size)
-            chosen = {"cluster": name, "from_batch_size": total, **_row(cluster, decision.plan)}
+            chosen = {"cluster": name, "from_batch_size": total, **_row(decision.plan)}
             chosen["lr_factor"] = decision.lr_factor
             chosen["efficiency"] = float(efficiency(noise_scale, chosen["total_batch_size"], base_batch_size))
             chosen["goodput"] = chosen["throughput"] * chosen["efficiency"]
