@@ -51,7 +51,7 @@ from numpy.typing import ArrayLike
 from lightning_cannikin.core import optperf as planner
 from lightning_cannikin.core.goodput import ADAPT_MARGIN, adascale_gain, candidate_batch_sizes
 from lightning_cannikin.core.plan import Plan, even_split
-from lightning_cannikin.core.policy import Decision, PolicySettings, decide
+from lightning_cannikin.core.policy import Decision, PolicySettings, accumulated, decide
 from lightning_cannikin.core.replanner import Replanner
 from lightning_cannikin.simulation.cluster import Cluster
 from lightning_cannikin.simulation.models import JobModel, library_step_time
@@ -161,16 +161,10 @@ class ClusterModel:
         return self.world_size * int(self.lower.max())
 
     def accumulation(self, policy: str, total: np.ndarray | int) -> tuple[np.ndarray, np.ndarray]:
-        """Micro-steps and micro-batch total for each requested total batch.
-
-        The fewest micro-steps that fit the caps; the micro-batch total is rounded up, so the effective total batch
-        ``steps * micro`` can exceed the request by less than ``steps``. A request below the policy's smallest
-        feasible batch is raised to it (the candidate grids never ask for one).
-        """
-        t = np.asarray(total, dtype=np.int64)
-        steps = np.maximum(1, -(-t // self.capacity(policy)))
-        micro = np.maximum(-(-t // steps), self.minimum(policy))
-        return steps, micro
+        """Micro-steps and micro-batch total for each requested total batch, within the policy's caps, as the policy
+        accumulates (:func:`~lightning_cannikin.core.policy.accumulated`). A request below the policy's smallest
+        feasible batch is raised to it (the candidate grids never ask for one)."""
+        return accumulated(total, self.minimum(policy), self.capacity(policy))
 
     def plan(self, policy: str, total: int) -> Plan:
         """The plan a fixed-batch policy runs at total batch ``total``."""
