@@ -67,11 +67,6 @@ class ComputeModel:
         return self.linear.intercept
 
     @property
-    def gpu(self) -> str:
-        """Canonical GPU name."""
-        return self.profile.gpu
-
-    @property
     def lower(self) -> int:
         """Smallest measured local batch (the simulator's lower bound per device)."""
         return int(self.profile.batch_sizes[0])
@@ -135,17 +130,10 @@ class NetworkModel:
     gamma: float
     scaling: str = "linear"
 
-    def replica_term(self, replicas: np.ndarray | float) -> np.ndarray:
-        """``x(N)``: zero at two replicas, growing with N."""
-        n = np.asarray(replicas, dtype=np.float64)
-        if self.scaling == "linear":
-            return np.maximum(n - 2.0, 0.0)
-        return np.log2(np.maximum(n, 2.0) / 2.0)
-
     def time(self, replicas: np.ndarray | float, multi_node: np.ndarray | bool) -> np.ndarray:
         """``T_net``: zero for one replica, otherwise the intra- or inter-node cost."""
         n = np.asarray(replicas, dtype=np.float64)
-        x = self.replica_term(n)
+        x = np.maximum(n - 2.0, 0.0) if self.scaling == "linear" else np.log2(np.maximum(n, 2.0) / 2.0)
         cost = np.where(multi_node, self.alpha_n + self.beta_n * x, self.alpha_r + self.beta_r * x)
         return np.where(n > 1, cost, 0.0)
 
