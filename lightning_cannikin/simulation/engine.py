@@ -479,13 +479,10 @@ def _adaptive_run(
         decision = replan(model, policy, plan, phi, cap, margin, candidates, adapt, mid_epoch=not epoch_end)
         replan_seconds.append(time.perf_counter() - tick)
         replanner.followed(step, plan, decision, adapt, bounds)
-        new = decision.plan
-        moved = new.local_batch_sizes != plan.local_batch_sizes or new.accumulation_steps != plan.accumulation_steps
-        plan = new
-        if moved:
-            total = plan.total_batch_size
-            gains, noise = grid.gains(total), grid.noise(total)
-            true_time = model.true_step_time(plan)
+        plan = decision.plan
+        total = plan.total_batch_size
+        gains, noise = grid.gains(total), grid.noise(total)  # cached per total
+        true_time = model.true_step_time(plan)
         trajectory.append((float(progress), int(total), true_time))
         errors.append(abs(model.predicted_step_time(plan) - true_time) / true_time)
     return PolicyResult(
