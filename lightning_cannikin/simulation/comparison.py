@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lightning_cannikin.core.goodput import CANDIDATES
 from lightning_cannikin.simulation.engine import (
     POLICIES,
     ClusterModel,
@@ -24,7 +25,7 @@ __all__ = ["Comparison", "best_fixed_batch_time", "compare"]
 
 
 def best_fixed_batch_time(
-    model: ClusterModel, max_batch_size: int | None = None, cells: int = 1000, candidates: int = 50
+    model: ClusterModel, max_batch_size: int | None = None, cells: int = 1000, candidates: int = CANDIDATES
 ) -> tuple[int, float]:
     """Hindsight-tuned DDP: the fixed total batch (even split) with the shortest time to target.
 

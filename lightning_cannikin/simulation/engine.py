@@ -49,7 +49,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from lightning_cannikin.core import optperf as planner
-from lightning_cannikin.core.goodput import ADAPT_MARGIN, adascale_gain, candidate_batch_sizes
+from lightning_cannikin.core.goodput import ADAPT_MARGIN, CANDIDATES, adascale_gain, candidate_batch_sizes
 from lightning_cannikin.core.plan import Plan, even_split
 from lightning_cannikin.core.policy import Decision, PolicySettings, accumulated, decide
 from lightning_cannikin.core.replanner import Replanner
@@ -242,7 +242,7 @@ class PolicyResult:
         return {gpu: float(np.mean(v)) for gpu, v in out.items()}
 
 
-def candidate_grid(model: ClusterModel, policy: str, max_batch_size: int, count: int = 50) -> np.ndarray:
+def candidate_grid(model: ClusterModel, policy: str, max_batch_size: int, count: int = CANDIDATES) -> np.ndarray:
     """Candidate total batches of an adaptive policy.
 
     A geometric grid from B0 to the cap that depends only on the job (so clusters are compared on the same grid),
@@ -277,7 +277,7 @@ def replan(
     noise_scale: float,
     max_batch_size: int,
     margin: float = ADAPT_MARGIN,
-    candidates: int = 50,
+    candidates: int = CANDIDATES,
     adapt_total: bool = True,
     mid_epoch: bool = False,
 ) -> Decision:
@@ -320,7 +320,7 @@ def simulate(
     max_batch_size: int | None = None,
     replans: int = 100,
     cells_per_replan: int = 10,
-    candidates: int = 50,
+    candidates: int = CANDIDATES,
     margin: float = ADAPT_MARGIN,
 ) -> PolicyResult:
     """Run one policy to the job's target.
