@@ -24,23 +24,10 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-__all__ = ["FSDP_REGISTRY_NAMES", "RAY_REGISTRY_NAMES", "REGISTRY_NAMES", "register_when_lightning_is_imported"]
+__all__ = ["RAY_REGISTRY_NAMES", "register_launchers", "register_when_lightning_is_imported"]
 
-# registry name -> launcher start method
-REGISTRY_NAMES: dict[str, str] = {
-    "cannikin": "popen",
-    "cannikin_spawn": "spawn",
-    "cannikin_fork": "fork",
-    "cannikin_notebook": "fork",
-}
-
-# the sharded (FSDP2) strategy's names -> launcher start method
-FSDP_REGISTRY_NAMES: dict[str, str] = {
-    "cannikin_fsdp": "popen",
-    "cannikin_fsdp_spawn": "spawn",
-    "cannikin_fsdp_fork": "fork",
-    "cannikin_fsdp_notebook": "fork",
-}
+# a DDP or FSDP2 strategy's registry names: the base name's suffix -> the launcher's start method
+_LAUNCHERS: tuple[tuple[str, str], ...] = (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork"), ("_notebook", "fork"))
 
 # the Ray Train strategies' names -> their class in `training.frontends.ray_train` and what they are. Ray starts the
 # workers, so there is no launcher variant.
@@ -64,27 +51,22 @@ def _builder(module: str, name: str) -> Callable[..., Any]:
     return build
 
 
+def register_launchers(registry: Any, base: str, factory: Callable[..., Any], kind: str) -> None:
+    """``base`` (the script launcher) and ``base_spawn``, ``base_fork``, ``base_notebook`` in ``registry``, each built
+    by ``factory``; a name already there (a second import, a reload, a registration otherwise) is left alone."""
+    for suffix, start_method in _LAUNCHERS:
+        if base + suffix not in registry:
+            description = f"Cannikin heterogeneity-aware {kind} with `start_method` '{start_method}'"
+            registry.register(base + suffix, factory, description=description, start_method=start_method)
+
+
 def register(registry: Any) -> None:
     """Add the names to ``registry`` (a second call, or a name registered otherwise, is left alone)."""
     training = "lightning_cannikin.training"
-    families = (
-        (REGISTRY_NAMES, _builder(f"{training}.frontends.strategy", "CannikinStrategy"), "DDP"),
-        (
-            FSDP_REGISTRY_NAMES,
-            _builder(f"{training}.frontends.fsdp", "CannikinModelParallelStrategy"),
-            "FSDP2 (sharded data parallel)",
-        ),
-    )
-    for names, factory, kind in families:
-        for name, start_method in names.items():
-            if name in registry:
-                continue
-            registry.register(
-                name,
-                factory,
-                description=f"Cannikin heterogeneity-aware {kind} with `start_method` '{start_method}'",
-                start_method=start_method,
-            )
+    ddp = _builder(f"{training}.frontends.strategy", "CannikinStrategy")
+    register_launchers(registry, "cannikin", ddp, "DDP")
+    fsdp = _builder(f"{training}.frontends.fsdp", "CannikinModelParallelStrategy")
+    register_launchers(registry, "cannikin_fsdp", fsdp, "FSDP2 (sharded data parallel)")
     for name, (cls, kind) in RAY_REGISTRY_NAMES.items():
         if name not in registry:
             factory = _builder(f"{training}.frontends.ray_train", cls)

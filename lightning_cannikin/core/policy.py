@@ -35,6 +35,7 @@ __all__ = [
     "Decision",
     "PolicySettings",
     "StepTimeModel",
+    "accumulated",
     "decide",
     "gain_noise_scale",
     "learning_rate_scale",
@@ -400,6 +401,15 @@ def _held(upper: Sequence[int] | None, n: int, balance: bool) -> int | None:
     return int(sum(upper)) if balance else n * int(min(upper))
 
 
+def accumulated(totals: ArrayLike, lowest: int, highest: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """The fewest micro-steps that run each total with at most ``highest`` samples each (``None``: no bound), and the
+    micro-step global batch, rounded up and at least ``lowest``: ``steps * micro`` exceeds a total by less than
+    ``steps``."""
+    totals = np.asarray(totals, dtype=np.int64)
+    steps = np.ones_like(totals) if highest is None else np.maximum(1, -(-totals // highest))
+    return steps, np.maximum(-(-totals // steps), lowest)
+
+
 def _candidates(
     model: StepTimeModel, current: Plan, settings: PolicySettings, base_batch_size: int
 ) -> Candidates | None:
@@ -423,8 +433,7 @@ def _candidates(
     steps_now = current.accumulation_steps
     if settings.accumulate:
         totals = candidate_batch_sizes(max(base_batch_size, lowest), max(cap, lowest), settings.candidates)
-        steps = np.ones_like(totals) if highest is None else np.maximum(1, -(-totals // highest))
-        micro = np.maximum(-(-totals // steps), lowest)
+        steps, micro = accumulated(totals, lowest, highest)
     else:
         lower = max(-(-base_batch_size // steps_now), lowest)
         upper = cap // steps_now if highest is None else min(cap // steps_now, highest)

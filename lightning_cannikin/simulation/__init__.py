@@ -32,11 +32,11 @@ from lightning_cannikin.simulation.models import (
     ComputeModel,
     JobModel,
     NetworkModel,
-    NoiseTrajectory,
     fit_compute_model,
     fit_network_model,
     load_job,
 )
+from lightning_cannikin.simulation.noise import NoiseTrajectory
 
 __all__ = [
     "GPU_TYPES",

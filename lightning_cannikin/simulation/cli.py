@@ -85,10 +85,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _store(mode: str) -> ProfileStore:
-    return ProfileStore(use_sia={"auto": None, "shipped": False, "sia": True}[mode])
-
-
 def run(
     cluster: Cluster,
     jobs: Sequence[str],
@@ -193,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as stop:  # argparse exits on --help and on usage errors; report the code instead
         return stop.code if isinstance(stop.code, int) else 2
     try:
-        store = _store(args.profiles)
+        store = ProfileStore(use_sia={"auto": None, "shipped": False, "sia": True}[args.profiles])
         if args.validate:
             _print_validation(store, args.network_scaling)
             return 0

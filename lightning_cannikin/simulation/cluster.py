@@ -14,6 +14,7 @@ import math
 import os
 import re
 import reprlib
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,26 +90,13 @@ class Cluster:
 
     def counts(self) -> dict[str, int]:
         """GPUs per type."""
-        out: dict[str, int] = {}
-        for g in self.groups:
-            out[g.gpu] = out.get(g.gpu, 0) + g.count
-        return out
+        return dict(Counter(self.device_types()))
 
     def scaled(self, factor: int) -> Cluster:
         """The same mix with every group ``factor`` times larger."""
         if factor < 1:
             raise ValueError(f"`factor` must be >= 1, got {factor}.")
         return Cluster(tuple(DeviceGroup(g.gpu, g.count * factor, g.gpus_per_node) for g in self.groups))
-
-    def plus(self, gpu: str, count: int = 1) -> Cluster:
-        """This cluster with ``count`` more GPUs of type ``gpu`` (added to an existing group of that type if any)."""
-        gpu = canonical_gpu(gpu)
-        groups = list(self.groups)
-        for i, g in enumerate(groups):
-            if g.gpu == gpu:
-                groups[i] = DeviceGroup(gpu, g.count + count, g.gpus_per_node)
-                return Cluster(tuple(groups))
-        return Cluster((*groups, DeviceGroup(gpu, count, GPU_TYPES[gpu].gpus_per_node)))
 
     def spec(self) -> str:
         """The compact form, e.g. ``"4xA100,4xV100,8xT4"``."""

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lightning_cannikin.core.goodput import adascale_gain
+from lightning_cannikin.core.goodput import CANDIDATES
 from lightning_cannikin.simulation.engine import (
     POLICIES,
     ClusterModel,
     PolicyResult,
-    _progress_grid,
+    _NoiseGrid,
     candidate_grid,
     default_batch_size,
     simulate,
@@ -25,7 +25,7 @@ __all__ = ["Comparison", "best_fixed_batch_time", "compare"]
 
 
 def best_fixed_batch_time(
-    model: ClusterModel, max_batch_size: int | None = None, cells: int = 1000, candidates: int = 50
+    model: ClusterModel, max_batch_size: int | None = None, cells: int = 1000, candidates: int = CANDIDATES
 ) -> tuple[int, float]:
     """Hindsight-tuned DDP: the fixed total batch (even split) with the shortest time to target.
 
@@ -40,11 +40,8 @@ def best_fixed_batch_time(
     cap = job.max_validated_batch if max_batch_size is None else int(max_batch_size)
     grid = candidate_grid(model, "ddp", cap, candidates)
     totals = np.asarray([model.effective_total("ddp", int(t)) for t in grid])
-    edges, mids = _progress_grid(job, cells)
-    widths = np.diff(edges)
-    steps = np.asarray(
-        [np.sum(widths / adascale_gain(job.noise(mids, int(t)), int(t), job.base_batch_size)) for t in totals]
-    )
+    progress = _NoiseGrid(job, cells)
+    steps = np.asarray([progress.steps(int(t)) for t in totals])
     times = np.asarray([model.true_step_time(model.plan("ddp", int(t))) for t in totals]) * steps
     best = int(np.argmin(times))
     return int(totals[best]), float(times[best])
@@ -89,13 +86,9 @@ class Comparison:
             return self.ddp_tuned[1]
         return self.results[policy].time_to_target
 
-    def ratio(self, numerator: str, denominator: str) -> float:
-        """``time(numerator) / time(denominator)``."""
-        return self.time(numerator) / self.time(denominator)
-
     def reduction(self, baseline: str, policy: str = "cannikin") -> float:
         """Fraction of the baseline's time-to-target that ``policy`` saves (0.4 = 40% less time)."""
-        return 1.0 - self.ratio(policy, baseline)
+        return 1.0 - self.time(policy) / self.time(baseline)
 
     def to_dict(self) -> dict:
         """JSON-friendly summary (trajectories downsampled to about 20 points)."""

@@ -26,6 +26,10 @@ import numpy as np
 __all__ = ["EmulatedDevices"]
 
 
+# the options that take one value per rank or one for all
+_PER_RANK = ("per_sample_ms", "fixed_ms", "saturation_batch", "host_per_sample_ms", "host_fixed_ms", "optimizer_ms")
+
+
 def _per_rank(name: str, value: float | Sequence[float]) -> tuple[float, ...] | float:
     if isinstance(value, (int, float)):
         if not (value >= 0 and math.isfinite(value)):
@@ -81,12 +85,8 @@ class EmulatedDevices:
     optimizer_ms: tuple[float, ...] | float = 0.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "host_per_sample_ms", _per_rank("host_per_sample_ms", self.host_per_sample_ms))
-        object.__setattr__(self, "host_fixed_ms", _per_rank("host_fixed_ms", self.host_fixed_ms))
-        object.__setattr__(self, "optimizer_ms", _per_rank("optimizer_ms", self.optimizer_ms))
-        object.__setattr__(self, "per_sample_ms", _per_rank("per_sample_ms", self.per_sample_ms))
-        object.__setattr__(self, "fixed_ms", _per_rank("fixed_ms", self.fixed_ms))
-        object.__setattr__(self, "saturation_batch", _per_rank("saturation_batch", self.saturation_batch))
+        for name in _PER_RANK:
+            object.__setattr__(self, name, _per_rank(name, getattr(self, name)))
         changes = {int(step): _per_rank("speed_changes", value) for step, value in dict(self.speed_changes).items()}
         object.__setattr__(self, "speed_changes", changes)
         _per_rank("jitter_ms", self.jitter_ms)
@@ -96,17 +96,10 @@ class EmulatedDevices:
         if not self.warmup_factor >= 1.0:
             raise ValueError(f"`warmup_factor` must be >= 1, got {self.warmup_factor}.")
 
-    def per_rank_values(self) -> list[tuple[str, tuple[float, ...] | float]]:
-        """Every option that may hold one value per rank, by name (to check against the world size)."""
-        values = [("per_sample_ms", self.per_sample_ms), ("fixed_ms", self.fixed_ms)]
-        values += [("saturation_batch", self.saturation_batch)]
-        values += [("host_per_sample_ms", self.host_per_sample_ms), ("host_fixed_ms", self.host_fixed_ms)]
-        values += [("optimizer_ms", self.optimizer_ms)]
-        return values + [("speed_changes", value) for value in self.speed_changes.values()]
-
     def check_world_size(self, world_size: int) -> None:
         """Raise if an option holds one value per rank for another world size, or names a rank outside it."""
-        for name, value in self.per_rank_values():
+        values = [(name, getattr(self, name)) for name in _PER_RANK]
+        for name, value in values + [("speed_changes", value) for value in self.speed_changes.values()]:
             if isinstance(value, tuple) and len(value) != world_size:
                 raise ValueError(
                     f"`{name}` has {len(value)} entries but the world size is {world_size}."
@@ -116,16 +109,6 @@ class EmulatedDevices:
         if outside:
             raise ValueError(f"`contention` names ranks {outside} but the world size is {world_size}.")
 
-    def stall(self, rank: int, step: int) -> float:
-        """The contention factor of ``rank`` at ``step`` (1: no stall)."""
-        factor, every = self.contention.get(rank, (1.0, 1))
-        return factor if step % every == 0 else 1.0
-
-    def expected_ms(self, rank: int, batch_size: int, step: int = 0) -> float:
-        """The clean cost averaged over a contention period: what the rank costs per step in the long run."""
-        _, every = self.contention.get(rank, (1.0, 1))
-        return sum(self.clean_ms(rank, batch_size, step - step % every + k) for k in range(every)) / every
-
     def clean_ms(self, rank: int, batch_size: int, step: int = 0) -> float:
         """The cost without jitter or warm-up, contention included: what a perfect model of the device predicts."""
         per_sample = self.per_sample_ms
@@ -133,7 +116,9 @@ class EmulatedDevices:
             if change_step <= step:
                 per_sample = self.speed_changes[change_step]
         samples = max(float(batch_size), _of(self.saturation_batch, rank))
-        return (_of(self.fixed_ms, rank) + _of(per_sample, rank) * samples) * self.stall(rank, step)
+        factor, every = self.contention.get(rank, (1.0, 1))
+        stall = factor if step % every == 0 else 1.0
+        return (_of(self.fixed_ms, rank) + _of(per_sample, rank) * samples) * stall
 
     def delay_ms(self, rank: int, batch_size: int, step: int = 0) -> float:
         """The emulated extra time of ``rank`` for a local batch of ``batch_size`` samples at training step ``step``."""

@@ -49,9 +49,9 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from lightning_cannikin.core import optperf as planner
-from lightning_cannikin.core.goodput import ADAPT_MARGIN, adascale_gain, candidate_batch_sizes
+from lightning_cannikin.core.goodput import ADAPT_MARGIN, CANDIDATES, adascale_gain, candidate_batch_sizes
 from lightning_cannikin.core.plan import Plan, even_split
-from lightning_cannikin.core.policy import Decision, PolicySettings, decide
+from lightning_cannikin.core.policy import Decision, PolicySettings, accumulated, decide
 from lightning_cannikin.core.replanner import Replanner
 from lightning_cannikin.simulation.cluster import Cluster
 from lightning_cannikin.simulation.models import JobModel, library_step_time
@@ -97,8 +97,8 @@ class ClusterModel:
             raise ValueError(f"Job {job.name!r} has no compute model for {', '.join(missing)}.")
         self.job = job
         self.cluster = cluster
-        self.n = self.world_size = cluster.num_devices
-        fitted = float(job.network.time(self.n, cluster.multi_node))
+        self.world_size = cluster.num_devices
+        fitted = float(job.network.time(self.world_size, cluster.multi_node))
         self.network_time = fitted if network_time is None else float(network_time)
         counts = [g.count for g in cluster.groups]
         models = [job.compute[g.gpu] for g in cluster.groups]
@@ -145,38 +145,31 @@ class ClusterModel:
 
     def predicted_step_time(self, plan: Plan) -> float:
         """The planner's prediction for a plan."""
-        compute = planner.step_time(self.slopes, self.offsets, plan.local_batch_sizes)
-        return float(self._step(compute, plan.accumulation_steps, planned=True))
+        return float(self.predict(plan.local_batch_sizes, plan.accumulation_steps))
 
     # ------------------------------------------------------------------------------------------------ policies
     def capacity(self, policy: str) -> int:
         """Largest total batch of one micro-step (an even split is bound by the smallest memory cap)."""
         if policy in BALANCED:
             return int(self.upper.sum())
-        return self.n * int(self.upper.min())
+        return self.world_size * int(self.upper.min())
 
     def minimum(self, policy: str) -> int:
         """Smallest total batch of one micro-step (an even split is bound by the largest lower bound)."""
         if policy in BALANCED:
             return int(self.lower.sum())
-        return self.n * int(self.lower.max())
+        return self.world_size * int(self.lower.max())
 
     def accumulation(self, policy: str, total: np.ndarray | int) -> tuple[np.ndarray, np.ndarray]:
-        """Micro-steps and micro-batch total for each requested total batch.
-
-        The fewest micro-steps that fit the caps; the micro-batch total is rounded up, so the effective total batch
-        ``steps * micro`` can exceed the request by less than ``steps``. A request below the policy's smallest
-        feasible batch is raised to it (the candidate grids never ask for one).
-        """
-        t = np.asarray(total, dtype=np.int64)
-        steps = np.maximum(1, -(-t // self.capacity(policy)))
-        micro = np.maximum(-(-t // steps), self.minimum(policy))
-        return steps, micro
+        """Micro-steps and micro-batch total for each requested total batch, within the policy's caps, as the policy
+        accumulates (:func:`~lightning_cannikin.core.policy.accumulated`). A request below the policy's smallest
+        feasible batch is raised to it (the candidate grids never ask for one)."""
+        return accumulated(total, self.minimum(policy), self.capacity(policy))
 
     def plan(self, policy: str, total: int) -> Plan:
         """The plan a fixed-batch policy runs at total batch ``total``."""
         steps, micro = (int(x) for x in self.accumulation(policy, total))
-        sizes = self.plan_split(micro).local_batch_sizes if policy in BALANCED else even_split(micro, self.n)
+        sizes = self.plan_split(micro).local_batch_sizes if policy in BALANCED else even_split(micro, self.world_size)
         return Plan(sizes, steps)
 
     # --------------------------------------------------------------------------- the policy's step-time model
@@ -249,13 +242,7 @@ class PolicyResult:
         return {gpu: float(np.mean(v)) for gpu, v in out.items()}
 
 
-def _progress_grid(job: JobModel, cells: int) -> tuple[np.ndarray, np.ndarray]:
-    """Cell edges and midpoints over [0, target progress]."""
-    edges = np.linspace(0.0, job.target_progress, cells + 1)
-    return edges, 0.5 * (edges[1:] + edges[:-1])
-
-
-def candidate_grid(model: ClusterModel, policy: str, max_batch_size: int, count: int = 50) -> np.ndarray:
+def candidate_grid(model: ClusterModel, policy: str, max_batch_size: int, count: int = CANDIDATES) -> np.ndarray:
     """Candidate total batches of an adaptive policy.
 
     A geometric grid from B0 to the cap that depends only on the job (so clusters are compared on the same grid),
@@ -280,7 +267,7 @@ def default_batch_size(model: ClusterModel, max_batch_size: int | None = None) -
     job = model.job
     cap = job.max_validated_batch if max_batch_size is None else int(max_batch_size)
     per_device = min(max(job.base_batch_size, int(model.lower.max())), int(model.upper.min()))
-    return max(min(model.n * per_device, cap), model.minimum("ddp"))
+    return max(min(model.world_size * per_device, cap), model.minimum("ddp"))
 
 
 def replan(
@@ -290,7 +277,7 @@ def replan(
     noise_scale: float,
     max_batch_size: int,
     margin: float = ADAPT_MARGIN,
-    candidates: int = 50,
+    candidates: int = CANDIDATES,
     adapt_total: bool = True,
     mid_epoch: bool = False,
 ) -> Decision:
@@ -333,7 +320,7 @@ def simulate(
     max_batch_size: int | None = None,
     replans: int = 100,
     cells_per_replan: int = 10,
-    candidates: int = 50,
+    candidates: int = CANDIDATES,
     margin: float = ADAPT_MARGIN,
 ) -> PolicyResult:
     """Run one policy to the job's target.
@@ -383,7 +370,7 @@ def simulate(
     # a fixed total never re-plans: the truth gives the same plan at every step
     true_time = model.true_step_time(plan)
     total = plan.total_batch_size
-    steps = float(np.sum(grid.widths / grid.gains(total)))
+    steps = grid.steps(total)
     predicted = model.predicted_step_time(plan)
     return PolicyResult(
         policy=policy,
@@ -404,7 +391,8 @@ class _NoiseGrid:
     def __init__(self, job: JobModel, cells: int) -> None:
         self.job = job
         self.cells = cells
-        self.edges, self.mids = _progress_grid(job, cells)
+        self.edges = np.linspace(0.0, job.target_progress, cells + 1)
+        self.mids = 0.5 * (self.edges[1:] + self.edges[:-1])
         self.widths = np.diff(self.edges)
         self._by_total: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
@@ -422,6 +410,10 @@ class _NoiseGrid:
     def noise(self, total: int) -> np.ndarray:
         """The known noise scale of each cell at ``total``."""
         return self._at(total)[0]
+
+    def steps(self, total: int) -> float:
+        """Optimizer steps to the target at a fixed ``total``."""
+        return float(np.sum(self.widths / self.gains(total)))
 
 
 def _adaptive_run(
@@ -487,13 +479,10 @@ def _adaptive_run(
         decision = replan(model, policy, plan, phi, cap, margin, candidates, adapt, mid_epoch=not epoch_end)
         replan_seconds.append(time.perf_counter() - tick)
         replanner.followed(step, plan, decision, adapt, bounds)
-        new = decision.plan
-        moved = new.local_batch_sizes != plan.local_batch_sizes or new.accumulation_steps != plan.accumulation_steps
-        plan = new
-        if moved:
-            total = plan.total_batch_size
-            gains, noise = grid.gains(total), grid.noise(total)
-            true_time = model.true_step_time(plan)
+        plan = decision.plan
+        total = plan.total_batch_size
+        gains, noise = grid.gains(total), grid.noise(total)  # cached per total
+        true_time = model.true_step_time(plan)
         trajectory.append((float(progress), int(total), true_time))
         errors.append(abs(model.predicted_step_time(plan) - true_time) / true_time)
     return PolicyResult(

@@ -188,7 +188,6 @@ class ComputeProfile:
         batch_sizes: local batch sizes, ascending, unique.
         seconds: compute seconds per step at each batch size (``step_time - sync_time`` for Pollux/Sia; epoch time
             scaled to one step for Zeus).
-        caveat: how this source differs from the Pollux job, or ``""``.
 
     """
 
@@ -197,7 +196,6 @@ class ComputeProfile:
     source: str
     batch_sizes: np.ndarray
     seconds: np.ndarray
-    caveat: str = ""
 
 
 def _sorted_unique(batch: np.ndarray, seconds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -318,15 +316,9 @@ class ProfileStore:
         Preference: Pollux (T4, same code as the noise traces), then Sia (same AdaptDL code as Pollux, when found),
         then Zeus (another code base; only for jobs with the same model and data set).
         """
-        found = {"T4": "pollux"}
-        if self.sia_root is not None:
-            for gpu in GPU_TYPES.values():
-                if gpu.sia_label and gpu.name not in found:
-                    found[gpu.name] = "sia"
-        if job in ZEUS_WORKLOADS:
-            for gpu in GPU_TYPES.values():
-                if gpu.zeus_file and gpu.name not in found:
-                    found[gpu.name] = "zeus"
+        found: dict[str, str] = {}
+        for gpu, source in self.all_profiles(job):  # in order of preference
+            found.setdefault(gpu, source)
         return found
 
     def all_profiles(self, job: str) -> list[tuple[str, str]]:
@@ -364,7 +356,6 @@ class ProfileStore:
             single = data["placement"] == "1"
             batch = data["local_bsz"][single]
             seconds = data["step_time"][single] - data["sync_time"][single]
-            caveat = ""
         elif source == "sia":
             label = GPU_TYPES[gpu].sia_label
             if self.sia_root is None or label is None:
@@ -373,13 +364,12 @@ class ProfileStore:
             rows = np.asarray(raw["gpu_type"]) == label
             batch = _floats(raw["local_bsz"])[rows]
             seconds = _floats(raw["step_time"])[rows] - _floats(raw["sync_time"])[rows]
-            caveat = "Sia artifact (no licence; read locally, never shipped)"
         elif source == "zeus":
-            batch, seconds, caveat = self._zeus(job, gpu)
+            batch, seconds = self._zeus(job, gpu)
         else:
             raise ValueError(f"Unknown source {source!r}.")
         batch, seconds = _sorted_unique(batch, seconds)
-        return ComputeProfile(job, gpu, source, batch, seconds, caveat)
+        return ComputeProfile(job, gpu, source, batch, seconds)
 
     def samples_per_epoch(self, job: str) -> float:
         """N of the Pollux job, derived from its base run: progress per effective epoch (in B0-steps) times B0."""
@@ -387,7 +377,7 @@ class ProfileStore:
         base = min(runs)
         return float(runs[base]["progress"][0]) * base
 
-    def _zeus(self, job: str, gpu: str) -> tuple[np.ndarray, np.ndarray, str]:
+    def _zeus(self, job: str, gpu: str) -> tuple[np.ndarray, np.ndarray]:
         workload = ZEUS_WORKLOADS.get(job)
         suffix = GPU_TYPES[gpu].zeus_file
         if workload is None or suffix is None:
@@ -405,4 +395,4 @@ class ProfileStore:
         batch = _floats(raw["batch_size"])[rows][top]
         epoch = _floats(raw["time_per_epoch"])[rows][top]
         samples = workload.samples_per_epoch or self.samples_per_epoch(job)
-        return batch, epoch * batch / samples, f"Zeus artifact: {workload.caveat}"
+        return batch, epoch * batch / samples

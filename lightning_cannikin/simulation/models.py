@@ -19,28 +19,24 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from lightning_cannikin.core.timing import ComputeTimeFitter, LinearTimeModel
 from lightning_cannikin.simulation.gpu_profiles import ComputeProfile, ProfileStore, canonical_gpu
-from lightning_cannikin.simulation.noise import NoiseModel, NoiseTrajectory, noise_model, noise_trajectory
+from lightning_cannikin.simulation.noise import NoiseModel, noise_model
 
 __all__ = [
     "ComputeModel",
     "JobModel",
     "NetworkModel",
-    "NoiseModel",
-    "NoiseTrajectory",
     "fit_compute_model",
     "fit_library_model",
     "fit_network_model",
     "library_step_time",
     "load_job",
-    "noise_model",
-    "noise_trajectory",
-]  # the noise-scale models live in :mod:`.noise` and are re-exported here for the job model's users
+]
 
 NETWORK_SCALINGS = ("linear", "log")
 """How the all-reduce cost grows with replicas: Pollux's fitted linear term, or a logarithmic (tree/hierarchical)
@@ -71,11 +67,6 @@ class ComputeModel:
         return self.linear.intercept
 
     @property
-    def gpu(self) -> str:
-        """Canonical GPU name."""
-        return self.profile.gpu
-
-    @property
     def lower(self) -> int:
         """Smallest measured local batch (the simulator's lower bound per device)."""
         return int(self.profile.batch_sizes[0])
@@ -92,11 +83,6 @@ class ComputeModel:
     def predicted(self, batch_size: np.ndarray | float) -> np.ndarray:
         """The linear model ``a*b + a0``."""
         return self.linear(np.asarray(batch_size, dtype=np.float64))
-
-    def relative_errors(self) -> np.ndarray:
-        """``|predicted - measured| / measured`` at every measured batch size (in-sample)."""
-        x, y = self.profile.batch_sizes, self.profile.seconds
-        return np.abs(self.predicted(x) - y) / y
 
     def r2(self) -> float:
         """Coefficient of determination of the linear fit on the measured points."""
@@ -144,17 +130,10 @@ class NetworkModel:
     gamma: float
     scaling: str = "linear"
 
-    def replica_term(self, replicas: np.ndarray | float) -> np.ndarray:
-        """``x(N)``: zero at two replicas, growing with N."""
-        n = np.asarray(replicas, dtype=np.float64)
-        if self.scaling == "linear":
-            return np.maximum(n - 2.0, 0.0)
-        return np.log2(np.maximum(n, 2.0) / 2.0)
-
     def time(self, replicas: np.ndarray | float, multi_node: np.ndarray | bool) -> np.ndarray:
         """``T_net``: zero for one replica, otherwise the intra- or inter-node cost."""
         n = np.asarray(replicas, dtype=np.float64)
-        x = self.replica_term(n)
+        x = np.maximum(n - 2.0, 0.0) if self.scaling == "linear" else np.log2(np.maximum(n, 2.0) / 2.0)
         cost = np.where(multi_node, self.alpha_n + self.beta_n * x, self.alpha_r + self.beta_r * x)
         return np.where(n > 1, cost, 0.0)
 
@@ -167,10 +146,6 @@ class NetworkModel:
         return np.where(
             top > 0, safe * ((c / safe) ** self.gamma + (t / safe) ** self.gamma) ** (1.0 / self.gamma), 0.0
         )
-
-
-def _network_features(replicas: np.ndarray, scaling: str) -> np.ndarray:
-    return NetworkModel(0.0, 0.0, 0.0, 0.0, 1.0, scaling).replica_term(replicas)
 
 
 def fit_network_model(
@@ -199,15 +174,11 @@ def fit_network_model(
         raise ValueError(f"`scaling` must be one of {NETWORK_SCALINGS}, got {scaling!r}.")
     replicas = np.asarray(replicas, dtype=np.float64)
     multi = np.asarray(nodes) > 1
-    x = _network_features(replicas, scaling)
     log_obs = np.log(step_time)
 
-    def predict(p: np.ndarray) -> np.ndarray:
-        net = np.where(multi, p[2] + p[3] * x, p[0] + p[1] * x)
-        return NetworkModel(p[0], p[1], p[2], p[3], p[4], scaling).combine(compute, net)
-
     def residuals(p: np.ndarray) -> np.ndarray:
-        return np.log(np.maximum(predict(p), 1e-9)) - log_obs
+        model = NetworkModel(p[0], p[1], p[2], p[3], p[4], scaling)
+        return np.log(np.maximum(model.combine(compute, model.time(replicas, multi)), 1e-9)) - log_obs
 
     excess = np.maximum(step_time - compute, 0.0)
     guess_r = float(np.median(excess[~multi])) if np.any(~multi) else 0.01
@@ -264,7 +235,6 @@ class JobModel:
         compute: per-GPU-type compute models.
         network: all-reduce cost and overlap (fitted on T4).
         noise: noise-scale model.
-        notes: caveats about the sources used.
         library_overlap: ``(share, exposed)`` of the library's two-regime step model
             (:func:`library_step_time`), fitted on the same T4 runs as ``network``: what the simulator *plans* with,
             as the library does (``None``: plan with ``network`` too).
@@ -278,18 +248,12 @@ class JobModel:
     compute: Mapping[str, ComputeModel]
     network: NetworkModel
     noise: NoiseModel
-    notes: tuple[str, ...] = field(default=())
     library_overlap: tuple[float, float] | None = None
 
     @property
     def target_progress(self) -> float:
         """Progress (in B0-steps) that ends training."""
         return self.noise.target_progress
-
-    @property
-    def epochs(self) -> int:
-        """Effective epochs to the target."""
-        return self.noise.epochs
 
 
 def t4_network_data(store: ProfileStore, job: str, compute: ComputeModel, table: str = "placements") -> dict:
@@ -331,7 +295,6 @@ def _load_job_cached(job: str, gpus: tuple[str, ...] | None, shipped: str, sia: 
     rows = t4_network_data(store, job, t4)
     network = fit_network_model(rows["replicas"], rows["nodes"], rows["compute"], rows["step_time"], scaling)
     overlap = fit_library_model(rows["compute"], network.time(rows["replicas"], rows["nodes"] > 1), rows["step_time"])
-    notes = tuple(f"{model.gpu}: {model.profile.caveat}" for model in compute.values() if model.profile.caveat)
     return JobModel(
         name=job,
         base_batch_size=int(base),
@@ -340,7 +303,6 @@ def _load_job_cached(job: str, gpus: tuple[str, ...] | None, shipped: str, sia: 
         compute=compute,
         network=network,
         noise=noise,
-        notes=notes,
         library_overlap=overlap,
     )
 

@@ -100,11 +100,6 @@ class NoiseModel:
         """The job's training target: the smallest final progress over its runs (Pollux's definition)."""
         return float(min(run.progress[-1] for run in self.runs))
 
-    @property
-    def epochs(self) -> int:
-        """Effective epochs to the target."""
-        return int(min(len(run.progress) for run in self.runs))
-
     def __call__(self, progress: np.ndarray | float, batch_size: float | None = None) -> np.ndarray:
         """Noise scale in samples at ``progress`` (B0-steps) for a run at total batch ``batch_size`` (default B0)."""
         sizes = np.asarray([run.batch_size for run in self.runs], dtype=np.float64)

@@ -26,14 +26,13 @@ import numpy as np
 
 from lightning_cannikin.simulation.gpu_profiles import JOBS, ComputeProfile, ProfileStore
 from lightning_cannikin.simulation.models import (
-    NoiseModel,
     fit_compute_model,
     fit_library_model,
     fit_network_model,
     library_step_time,
-    noise_model,
     t4_network_data,
 )
+from lightning_cannikin.simulation.noise import NoiseModel, noise_model
 
 __all__ = [
     "TOLERANCE",
@@ -88,7 +87,7 @@ def single_gpu_fits(store: ProfileStore, jobs: Iterable[str] = JOBS, leave_one_o
         for gpu, source in store.all_profiles(job):
             profile = store.compute_profile(job, gpu, source)
             model = fit_compute_model(profile)
-            errors = model.relative_errors()
+            errors = _relative(model.predicted(profile.batch_sizes), profile.seconds)  # in-sample
             row = {
                 "job": job,
                 "gpu": gpu,
@@ -128,21 +127,15 @@ def network_holdout(
         test = t4_network_data(store, job, t4, "scalability")
         for scaling in scalings:
             net = fit_network_model(train["replicas"], train["nodes"], train["compute"], train["step_time"], scaling)
-
-            def errors(data: dict, compute: np.ndarray, net=net) -> np.ndarray:
-                predicted = net.combine(compute, net.time(data["replicas"], data["nodes"] > 1))
-                return _relative(predicted, data["step_time"])
-
-            fit_err = errors(train, train["compute"])
-            clock = errors(test, test["compute"])
-            plan = errors(test, t4.predicted(test["local_bsz"]))
-            # the library's own two-regime model, with the same network time, fitted on the same runs
             train_net = net.time(train["replicas"], train["nodes"] > 1)
-            share, exposed = fit_library_model(train["compute"], train_net, train["step_time"])
             test_net = net.time(test["replicas"], test["nodes"] > 1)
-            library = _relative(
-                library_step_time(t4.predicted(test["local_bsz"]), test_net, share, exposed), test["step_time"]
-            )
+            linear = t4.predicted(test["local_bsz"])
+            fit_err = _relative(net.combine(train["compute"], train_net), train["step_time"])
+            clock = _relative(net.combine(test["compute"], test_net), test["step_time"])
+            plan = _relative(net.combine(linear, test_net), test["step_time"])
+            # the library's own two-regime model, with the same network time, fitted on the same runs
+            share, exposed = fit_library_model(train["compute"], train_net, train["step_time"])
+            library = _relative(library_step_time(linear, test_net, share, exposed), test["step_time"])
             rows.append(
                 {
                     "job": job,

@@ -100,9 +100,8 @@ def _figure(width: float, height: float) -> Figure:
 
 
 def _no_data(ax: Axes, message: str) -> None:
-    ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes, color="0.4")
+    _empty(ax, message)
     ax.set_xticks([])
-    ax.set_yticks([])
 
 
 def plot_compute_time(profile: Profile) -> Figure:

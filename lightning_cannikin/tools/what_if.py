@@ -17,6 +17,7 @@ Pure: numpy and the project's maths modules only (no torch, no Lightning).
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -114,23 +115,12 @@ class WhatIfCluster:
         self.slopes, self.offsets = slopes[index], offsets[index]
         micro_slopes, micro_offsets = step_time_pieces(speed.models(), None)  # a micro-step: the ranks' compute alone
         self.micro_slopes, self.micro_offsets = micro_slopes[index], micro_offsets[index]
-        self._lower = [int(speed.lower[r]) for r in self.devices]
+        self.lower = [int(speed.lower[r]) for r in self.devices]
         upper = speed.upper
-        self._upper = None if upper is None else [int(upper[r]) for r in self.devices]
+        self.upper = None if upper is None else [int(upper[r]) for r in self.devices]
         self.measured_identified = speed.identified
 
-    @property
-    def lower(self) -> list[int]:
-        return self._lower
-
-    @property
-    def upper(self) -> list[int] | None:
-        return self._upper
-
-    @property
-    def identified(self) -> bool:
-        # the profile is all there is to learn from: decide on its models as they are, never probe
-        return True
+    identified = True  # the profile is all there is to learn from: decide on its models as they are, never probe
 
     def optperf(self, total_batch_sizes: Sequence[int], accumulation_steps: ArrayLike = 1) -> np.ndarray:
         totals = np.asarray(total_batch_sizes)
@@ -154,7 +144,7 @@ class WhatIfCluster:
         return tuple(local_batch_sizes)
 
 
-def _row(cluster: WhatIfCluster, plan: Plan) -> dict[str, Any]:
+def _row(plan: Plan) -> dict[str, Any]:
     seconds = float(plan.predicted_step_time)  # type: ignore[arg-type]
     return {
         "total_batch_size": plan.total_batch_size,
@@ -193,7 +183,7 @@ def evaluate(
                 plan = cluster.plan_split(total)
             except ValueError as err:
                 raise ValueError(f"batch size {total} cannot be split on the {name} cluster: {err}") from None
-            row = {"cluster": name, **_row(cluster, plan)}
+            row = {"cluster": name, **_row(plan)}
             even = most_even_split(total, cluster.world_size, cluster.lower, cluster.upper).local_batch_sizes
             row["even_step_time"] = float(cluster.predict(even))
             row["optperf_speedup"] = row["even_step_time"] / row["predicted_step_time"]
@@ -203,7 +193,7 @@ def evaluate(
             assert noise_scale is not None and base_batch_size is not None
             settings = PolicySettings(max_batch_size=max_batch_size, margin=margin, split_margin=0.0)
             decision = decide(cluster, plan, settings, noise_scale, base_batch_size)
-            chosen = {"cluster": name, "from_batch_size": total, **_row(cluster, decision.plan)}
+            chosen = {"cluster": name, "from_batch_size": total, **_row(decision.plan)}
             chosen["lr_factor"] = decision.lr_factor
             chosen["efficiency"] = float(efficiency(noise_scale, chosen["total_batch_size"], base_batch_size))
             chosen["goodput"] = chosen["throughput"] * chosen["efficiency"]
@@ -283,10 +273,7 @@ def run(profile: Profile, args: argparse.Namespace) -> tuple[dict[str, Any], lis
 
 def describe(devices: Sequence[int]) -> str:
     """``"rank 0 x3, rank 1, rank 2"``: how many devices copy each measured rank."""
-    counts: dict[int, int] = {}
-    for rank in devices:
-        counts[rank] = counts.get(rank, 0) + 1
-    return ", ".join(f"rank {r}" + (f" x{c}" if c > 1 else "") for r, c in counts.items())
+    return ", ".join(f"rank {r}" + (f" x{c}" if c > 1 else "") for r, c in Counter(devices).items())
 
 
 def _ms(key: str) -> Callable[[Mapping[str, Any]], str]:

@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 import torch
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 
+from lightning_cannikin._registration import register_launchers
 from lightning_cannikin.core.plan import Plan
 from lightning_cannikin.training._lightning_compat import uses_distributed_sampler
 from lightning_cannikin.training.collective import StrategyCollective, end_process_group_at_exit
@@ -50,12 +51,9 @@ class UnevenBatchesMixin:
 
     @classmethod
     def _register_names(cls, registry: Any, base: str, kind: str) -> None:
-        """``base`` (the script launcher) and ``base_spawn``, ``base_fork``, ``base_notebook`` in Lightning's
-        registry; a name already there (a second import, a reload) is left alone."""
-        for suffix, start_method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork"), ("_notebook", "fork")):
-            if base + suffix not in registry:
-                description = f"Cannikin heterogeneity-aware {kind} with `start_method` '{start_method}'"
-                registry.register(base + suffix, cls, description=description, start_method=start_method)
+        """``base`` and its launcher variants in Lightning's registry, built by this class
+        (:func:`~lightning_cannikin._registration.register_launchers`)."""
+        register_launchers(registry, base, cls, kind)
 
     def _init_uneven(
         self,
