@@ -75,19 +75,18 @@ def read_cost(data_dir: Path, seed: int, repeats: int = 3) -> dict[str, Any]:
     decode windows (what it does now)."""
     from litdata import StreamingDataset
 
-    from lightning_cannikin.core.layout import epoch_layout
     from lightning_cannikin.core.plan import Plan
-    from lightning_cannikin.core.stream_shares import stream_shares
+    from lightning_cannikin.core.stream_shares import replanned_shares
     from lightning_cannikin.training.data.streaming import read_layout
 
     stream = StreamingDataset(str(data_dir), shuffle=True, seed=seed)
     memory, _, _ = load_dataset("digits", seed=seed)
     chunk_sizes, window = read_layout(stream)
     items = sum(chunk_sizes)
-    steps = [batch.local_batch_sizes for batch in epoch_layout(items, {0: Plan((96,))})]
 
     def shuffled(window: int) -> list[int]:
-        return [int(i) for ids in stream_shares(chunk_sizes, steps, 0, 0, True, seed, 1, window) for i in ids]
+        shares = replanned_shares(chunk_sizes, {0: Plan((96,))}, 0, 0, True, seed, 1, window=window)
+        return [int(i) for ids in shares for i in ids]
 
     orders = {
         "memory": (memory, list(range(items))),
