@@ -14,6 +14,7 @@ from lightning_cannikin.core.goodput import (
     efficiency,
     goodput,
 )
+from lightning_cannikin.core.interval_choice import TotalOptions
 
 
 # the point rule of one noise scale (the interval rule's at low == high): only these tests call it
@@ -92,22 +93,6 @@ def choose_batch_size(
         sizes, times, phi, base_batch_size, current_batch_size, current_time, margin
     )
     return GoodputChoice(int(size[0]), float(best[0]), float(current[0]), bool(adopted[0]), int(current_batch_size))
-
-
-def adopted_at(
-    candidates: ArrayLike,
-    step_times: ArrayLike,
-    noise_scales: ArrayLike,
-    base_batch_size: float,
-    current_batch_size: int,
-    current_step_time: float,
-    margin: float = ADAPT_MARGIN,
-) -> np.ndarray:
-    """:func:`choose_batch_size`'s ``adopted`` at each of many noise scales, in one pass (where a choice holds)."""
-    sizes = np.asarray(candidates, dtype=np.int64).reshape(-1)
-    times = np.asarray(step_times, dtype=np.float64).reshape(-1)
-    phis = np.asarray(noise_scales, dtype=np.float64).reshape(-1)
-    return _choices(sizes, times, phis, base_batch_size, current_batch_size, current_step_time, margin)[3]
 
 
 def _choices(
@@ -292,8 +277,9 @@ def test_plain_numbers_take_the_scalar_path_and_agree_with_the_arrays_bitwise():
         efficiency(float("nan"), 64, 32)
 
 
-def test_adopted_at_many_noise_scales_is_choose_batch_size_at_each():
-    # the band of a goodput choice asks at 97 noise scales in one pass; each answer must be choose_batch_size's
+def test_the_interval_rule_at_one_noise_scale_is_the_point_rule():
+    # TotalOptions.choose at low == high is the point rule at that noise scale (interval_choice's docstring), checked
+    # against choose_batch_size and against the rule written out one candidate at a time, at 97 noise scales a case
     rng = np.random.default_rng(0)
     for _ in range(60):
         sizes = np.unique(rng.integers(1, 2048, size=rng.integers(1, 40)))
@@ -301,16 +287,21 @@ def test_adopted_at_many_noise_scales_is_choose_batch_size_at_each():
         times[rng.random(sizes.size) < 0.1] = np.inf  # infeasible candidates
         if rng.random() < 0.3:
             times[rng.integers(sizes.size)] = times[0]  # equal goodputs happen too: the smallest size wins
-        current = int(rng.choice(sizes)) if rng.random() < 0.7 else int(rng.integers(1, 2048))
-        current_time = float(rng.uniform(0.005, 1.0)) if rng.random() < 0.9 else math.inf
-        phis = float(rng.uniform(10, 20000)) * 2.0 ** (np.arange(-48, 49) / 8.0)
+        if rng.random() < 0.7:  # the total in force is a candidate, at the candidate's own time
+            index = int(rng.integers(sizes.size))
+            current, current_time = int(sizes[index]), float(times[index])
+        else:  # or one outside the candidates
+            current = int(rng.choice(np.setdiff1d(np.arange(1, 2048), sizes)))
+            current_time = float(rng.uniform(0.005, 1.0)) if rng.random() < 0.9 else math.inf
         margin = float(rng.choice([0.0, 0.05, 0.2]))
-        fast = adopted_at(sizes, times, phis, 64, current, current_time, margin)
-        slow = [choose_batch_size(sizes, times, phi, 64, current, current_time, margin).adopted for phi in phis]
-        assert fast.tolist() == slow
-
+        options = TotalOptions(tuple(map(int, sizes)), tuple(map(float, times)), current, current_time, 64, margin)
         case = (sizes, times, current, current_time, margin)
-        assert slow == [_adopted_by_hand(float(phi), *case) for phi in phis]
+        for phi in float(rng.uniform(10, 20000)) * 2.0 ** (np.arange(-48, 49) / 8.0):
+            chosen = options.choose(float(phi), float(phi))
+            point = choose_batch_size(sizes, times, phi, 64, current, current_time, margin)
+            assert chosen.adopted == point.adopted == _adopted_by_hand(float(phi), *case)
+            if chosen.adopted:
+                assert chosen.batch_size == point.batch_size
 
 
 def _adopted_by_hand(
