@@ -39,11 +39,6 @@ class GradientReadiness:
         }
         self.discovered = False
 
-    @property
-    def hooked(self) -> int:
-        """How many parameters carry a hook now (all of them until the first backward ends, then two at most)."""
-        return len(self._handles)
-
     def backward_done(self) -> None:
         """A backward ended: after the first one that produced gradients, keep only the first and last ready hooked."""
         if self.discovered or not self._order:
@@ -51,9 +46,6 @@ class GradientReadiness:
         keep = {self._order[0], self._order[-1]}
         for index in [i for i in self._handles if i not in keep]:
             self._handles.pop(index).remove()
-        for index in keep:  # the same functions, without the bookkeeping of discovery
-            self._handles.pop(index).remove()
-            self._handles[index] = self._parameters[index].register_post_accumulate_grad_hook(self._ready)
         self._order = []
         self.discovered = True
 
@@ -65,10 +57,8 @@ class GradientReadiness:
 
     def _discovering(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(parameter: torch.Tensor) -> None:
-            self._order.append(index)
+            if not self.discovered:  # the two hooks kept after discovery only call on_ready
+                self._order.append(index)
             self._on_ready()
 
         return hook
-
-    def _ready(self, parameter: torch.Tensor) -> None:
-        self._on_ready()
