@@ -174,7 +174,10 @@ class StepTimer:
             marks[INPUT], marks[PREVIOUS_END] = input_mark, previous_end
         else:
             self.clock.release([input_mark, previous_end])
-        self._drop_buckets()
+        # the bucket marks of a step left unfinished (none after finish())
+        self.clock.release(self._bucket_ready + self._bucket_done)
+        self._bucket_ready, self._bucket_done = [], []
+        self._buckets = self._returned = 0
         self._in_step = True
         self._reduced = self._inner_forward_pending = False
         self._blocked = self._blocked_in_compute = 0.0
@@ -294,11 +297,6 @@ class StepTimer:
         """The newest record read and not handed out yet (for logging; on CUDA it may be a few steps old)."""
         return StepRecord(*self._read[-1][:8], None, *self._read[-1][8:]) if self._read else None
 
-    @property
-    def unread(self) -> int:
-        """Finished steps whose marks have not been read yet."""
-        return len(self._pending)
-
     def _read_ready(self, wait: bool) -> None:
         clock = self.clock
         while self._pending:
@@ -367,12 +365,6 @@ class StepTimer:
             last = max(end - began, 0.0)
             busy += last
         return busy, last
-
-    def _drop_buckets(self) -> None:
-        """Forget the bucket marks of a step left unfinished (none after :meth:`finish`)."""
-        self.clock.release(self._bucket_ready + self._bucket_done)
-        self._bucket_ready, self._bucket_done = [], []
-        self._buckets = self._returned = 0
 
     def _clear(self, marks: list[Any]) -> None:
         self.clock.release(marks)
