@@ -252,11 +252,6 @@ class Profile:
         model.load_state_dict(self.balancer_state)
         return model
 
-    @property
-    def ready(self) -> bool:
-        """Every rank has a fitted model."""
-        return all(d.model is not None for d in self.devices)
-
 
 def load_profile(path: str | os.PathLike[str]) -> Profile:
     """Read and validate a profile written by :func:`save_profile`.
