@@ -57,6 +57,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -102,7 +103,7 @@ class CudaEventClock:
     """
 
     def __init__(self, event_factory: Callable[[], Any] | None = None) -> None:
-        self._factory = event_factory or _timing_event
+        self._factory = event_factory or partial(torch.cuda.Event, enable_timing=True)
         self._pool: list[Any] = []
 
     def mark(self, marks: list[Any], point: int) -> None:
@@ -372,10 +373,6 @@ class StepTimer:
 
 
 _NO_MARKS = (None,) * _POINTS
-
-
-def _timing_event() -> torch.cuda.Event:
-    return torch.cuda.Event(enable_timing=True)
 
 
 def step_timer_for(device: torch.device) -> StepTimer:
