@@ -207,7 +207,7 @@ class Profile:
     """A parsed profile (see the module docstring for the file's schema).
 
     Attributes:
-        path: the file it was read from (``None`` if parsed from memory).
+        path: the file it was read from.
         world_size: number of ranks.
         base_batch_size: the total batch the learning rate was tuned for, if known.
         devices: one :class:`DeviceProfile` per rank.
@@ -222,7 +222,7 @@ class Profile:
 
     """
 
-    path: Path | None
+    path: Path
     world_size: int
     base_batch_size: int | None
     devices: tuple[DeviceProfile, ...]
@@ -274,9 +274,9 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
     return _parse(data, path)
 
 
-def _parse(data: Any, path: Path | None) -> Profile:
+def _parse(data: Any, path: Path) -> Profile:
     """Validate a profile's content and build the :class:`Profile`; every error names ``path``."""
-    where = str(path) if path is not None else "<profile>"
+    where = str(path)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(f"{where} is not a Cannikin profile (expected a JSON object with format {FORMAT!r}).")
     version = data.get("version")
