@@ -30,12 +30,11 @@ class GradientReadiness:
     """
 
     def __init__(self, parameters: Iterable[torch.nn.Parameter], on_ready: Callable[[], None]) -> None:
-        self._parameters = [p for p in parameters if p.requires_grad]
+        trainable = [p for p in parameters if p.requires_grad]
         self._on_ready = on_ready
         self._order: list[int] = []  # parameter indices in the order their gradients became ready (discovery)
         self._handles: dict[int, Any] = {
-            index: p.register_post_accumulate_grad_hook(self._discovering(index))
-            for index, p in enumerate(self._parameters)
+            index: p.register_post_accumulate_grad_hook(self._discovering(index)) for index, p in enumerate(trainable)
         }
         self.discovered = False
 
