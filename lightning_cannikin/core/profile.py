@@ -207,8 +207,7 @@ class Profile:
     """A parsed profile (see the module docstring for the file's schema).
 
     Attributes:
-        path: the file it was read from (``None`` if parsed from memory).
-        version: schema version.
+        path: the file it was read from.
         world_size: number of ranks.
         base_batch_size: the total batch the learning rate was tuned for, if known.
         devices: one :class:`DeviceProfile` per rank.
@@ -220,12 +219,10 @@ class Profile:
             ``noise_high`` (``None`` where unknown or infinite).
         settings: the speed model's ``half_life`` (``None``: infinite), ``tail_window`` and ``max_samples``.
         balancer_state: the speed model's ``state_dict()`` (the key keeps the name of schema version 1).
-        created_unix: when the profile was built, if recorded.
 
     """
 
-    path: Path | None
-    version: int
+    path: Path
     world_size: int
     base_batch_size: int | None
     devices: tuple[DeviceProfile, ...]
@@ -236,7 +233,6 @@ class Profile:
     noise_scale_history: tuple[dict[str, Any], ...]
     settings: dict[str, Any]
     balancer_state: dict[str, Any]
-    created_unix: float | None = None
 
     def speed_model(self) -> SpeedModel:
         """A fresh :class:`SpeedModel` with the stored settings and state: same models, same splits."""
@@ -255,11 +251,6 @@ class Profile:
         model = SpeedModel(self.world_size, settings, BatchBounds(self.lower, self.upper))
         model.load_state_dict(self.balancer_state)
         return model
-
-    @property
-    def ready(self) -> bool:
-        """Every rank has a fitted model."""
-        return all(d.model is not None for d in self.devices)
 
 
 def load_profile(path: str | os.PathLike[str]) -> Profile:
@@ -283,9 +274,9 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
     return _parse(data, path)
 
 
-def _parse(data: Any, path: Path | None) -> Profile:
+def _parse(data: Any, path: Path) -> Profile:
     """Validate a profile's content and build the :class:`Profile`; every error names ``path``."""
-    where = str(path) if path is not None else "<profile>"
+    where = str(path)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(f"{where} is not a Cannikin profile (expected a JSON object with format {FORMAT!r}).")
     version = data.get("version")
@@ -305,7 +296,6 @@ def _parse(data: Any, path: Path | None) -> Profile:
         settings = dict(data["settings"])
         profile = Profile(
             path=path,
-            version=VERSION,
             world_size=world_size,
             base_batch_size=None if data["base_batch_size"] is None else int(data["base_batch_size"]),
             devices=devices,
@@ -316,7 +306,6 @@ def _parse(data: Any, path: Path | None) -> Profile:
             noise_scale_history=tuple(dict(entry) for entry in data["noise_scale_history"]),
             settings=settings,
             balancer_state=dict(state),
-            created_unix=data.get("created_unix"),
         )
         int(settings["tail_window"])
         consistent = (

@@ -163,8 +163,8 @@ def _plan(argv: list[str]) -> int:
     profile = _load("plan", args.profile)
     if isinstance(profile, int):
         return profile
-    if not profile.ready:
-        missing = [d.rank for d in profile.devices if d.model is None]
+    missing = [d.rank for d in profile.devices if d.model is None]
+    if missing:
         return _error("plan", f"{args.profile}: no timing samples for rank(s) {missing}; nothing to plan with.")
     balancer = profile.speed_model()
     try:

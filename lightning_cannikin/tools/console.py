@@ -61,10 +61,10 @@ def print_table(title: str, columns: Sequence[tuple[str, bool]], rows: Sequence[
     print()
 
 
-def print_line(text: str, bold: bool = False) -> None:
+def print_line(text: str) -> None:
     """Print one line as is (no markup), unwrapped at any terminal width so scripts can grep it."""
     console = _rich_console()
     if console is None:
         print(text)
     else:
-        console.print(text, style="bold" if bold else None, markup=False, soft_wrap=True)
+        console.print(text, markup=False, soft_wrap=True)

@@ -221,8 +221,8 @@ def run(profile: Profile, args: argparse.Namespace) -> tuple[dict[str, Any], lis
         ValueError: a bad option, or a profile that lacks what the question needs; the message is one line.
 
     """
-    if not profile.ready:
-        missing = [d.rank for d in profile.devices if d.model is None]
+    missing = [d.rank for d in profile.devices if d.model is None]
+    if missing:
         raise ValueError(f"{profile.path}: no timing samples for rank(s) {missing}; nothing to simulate with.")
     devices = parse_devices(args.devices, profile.world_size)
     last_total = _last(profile.history, "total_batch_size")

@@ -16,14 +16,16 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from lightning_cannikin.core.change_vote import Ballot
 from lightning_cannikin.training.measurement.host_transfer import HostTransfer, PinnedTransfer
 
 __all__ = ["Collective", "StrategyCollective", "end_process_group_at_exit"]
 
 
-class Collective(Protocol):
-    """The collectives a re-plan needs, over small picklable Python objects, and one vote that nobody waits for;
-    every rank calls them alike."""
+class Collective(Ballot, Protocol):
+    """The collectives a re-plan needs, over small picklable Python objects, and one vote that nobody waits for
+    (:meth:`max_later`: start finding the largest value over the ranks without waiting; the returned function reads the
+    answer, called a while later, without waiting either); every rank calls them alike."""
 
     @property
     def rank(self) -> int: ...
@@ -43,11 +45,6 @@ class Collective(Protocol):
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Rank ``src``'s ``obj`` on every rank."""
-        ...
-
-    def max_later(self, value: int) -> Callable[[], int]:
-        """Start finding the largest ``value`` over the ranks without waiting; the returned function reads the
-        answer (called a while later, it does not wait either)."""
         ...
 
 

@@ -33,10 +33,6 @@ class DeviceMemory:
         self.device = device
         self._backend = backend if backend is not None else (torch.cuda if device.type == "cuda" else None)
 
-    @property
-    def available(self) -> bool:
-        return self._backend is not None
-
     def peak(self) -> float | None:
         """Peak allocated bytes since the last call (the step's), and restart the counter.
 

@@ -30,19 +30,13 @@ class GradientReadiness:
     """
 
     def __init__(self, parameters: Iterable[torch.nn.Parameter], on_ready: Callable[[], None]) -> None:
-        self._parameters = [p for p in parameters if p.requires_grad]
+        trainable = [p for p in parameters if p.requires_grad]
         self._on_ready = on_ready
         self._order: list[int] = []  # parameter indices in the order their gradients became ready (discovery)
         self._handles: dict[int, Any] = {
-            index: p.register_post_accumulate_grad_hook(self._discovering(index))
-            for index, p in enumerate(self._parameters)
+            index: p.register_post_accumulate_grad_hook(self._discovering(index)) for index, p in enumerate(trainable)
         }
         self.discovered = False
-
-    @property
-    def hooked(self) -> int:
-        """How many parameters carry a hook now (all of them until the first backward ends, then two at most)."""
-        return len(self._handles)
 
     def backward_done(self) -> None:
         """A backward ended: after the first one that produced gradients, keep only the first and last ready hooked."""
@@ -51,9 +45,6 @@ class GradientReadiness:
         keep = {self._order[0], self._order[-1]}
         for index in [i for i in self._handles if i not in keep]:
             self._handles.pop(index).remove()
-        for index in keep:  # the same functions, without the bookkeeping of discovery
-            self._handles.pop(index).remove()
-            self._handles[index] = self._parameters[index].register_post_accumulate_grad_hook(self._ready)
         self._order = []
         self.discovered = True
 
@@ -65,10 +56,8 @@ class GradientReadiness:
 
     def _discovering(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(parameter: torch.Tensor) -> None:
-            self._order.append(index)
+            if not self.discovered:  # the two hooks kept after discovery only call on_ready
+                self._order.append(index)
             self._on_ready()
 
         return hook
-
-    def _ready(self, parameter: torch.Tensor) -> None:
-        self._on_ready()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -105,8 +105,6 @@ class WindowWeights:
         if key is not None and key == self._key and self._weights is not None:
             return self._weights
         weights = step_weights(self.normalisation, window, window_units, rank, micro)
-        if self.normalisation == "sample_sum":
-            weights = replace(weights, global_scale=float(sum(map(sum, window))))
         self._key, self._weights = key, weights
         return weights
 
@@ -160,9 +158,10 @@ def step_weights(
     counted = normalisation != "count_mean" or (unit_array is not None and unit_array.sum() > 0)
     groups = noise_groups(normalisation if counted else "sample_mean", samples, unit_array)
     sizes = groups.sizes.reshape(samples.shape) * groups.samples_per_unit
-    unit_scale = float(samples[rank, micro_index]) if normalisation == "sample_sum" else 1.0
+    summed = normalisation == "sample_sum"
+    unit_scale, global_scale = (float(samples[rank, micro_index]), float(samples.sum())) if summed else (1.0, 1.0)
     noise_sizes = tuple(tuple(float(s) for s in column) for column in sizes.T)
-    return StepWeights(rank_weight, micro, unit_scale, noise_sizes)
+    return StepWeights(rank_weight, micro, unit_scale, noise_sizes, global_scale)
 
 
 def every_ranks_units(units: float, device: torch.device) -> tuple[float, ...]:

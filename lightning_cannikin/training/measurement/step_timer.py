@@ -57,6 +57,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -102,7 +103,7 @@ class CudaEventClock:
     """
 
     def __init__(self, event_factory: Callable[[], Any] | None = None) -> None:
-        self._factory = event_factory or _timing_event
+        self._factory = event_factory or partial(torch.cuda.Event, enable_timing=True)
         self._pool: list[Any] = []
 
     def mark(self, marks: list[Any], point: int) -> None:
@@ -174,7 +175,10 @@ class StepTimer:
             marks[INPUT], marks[PREVIOUS_END] = input_mark, previous_end
         else:
             self.clock.release([input_mark, previous_end])
-        self._drop_buckets()
+        # the bucket marks of a step left unfinished (none after finish())
+        self.clock.release(self._bucket_ready + self._bucket_done)
+        self._bucket_ready, self._bucket_done = [], []
+        self._buckets = self._returned = 0
         self._in_step = True
         self._reduced = self._inner_forward_pending = False
         self._blocked = self._blocked_in_compute = 0.0
@@ -294,11 +298,6 @@ class StepTimer:
         """The newest record read and not handed out yet (for logging; on CUDA it may be a few steps old)."""
         return StepRecord(*self._read[-1][:8], None, *self._read[-1][8:]) if self._read else None
 
-    @property
-    def unread(self) -> int:
-        """Finished steps whose marks have not been read yet."""
-        return len(self._pending)
-
     def _read_ready(self, wait: bool) -> None:
         clock = self.clock
         while self._pending:
@@ -368,22 +367,12 @@ class StepTimer:
             busy += last
         return busy, last
 
-    def _drop_buckets(self) -> None:
-        """Forget the bucket marks of a step left unfinished (none after :meth:`finish`)."""
-        self.clock.release(self._bucket_ready + self._bucket_done)
-        self._bucket_ready, self._bucket_done = [], []
-        self._buckets = self._returned = 0
-
     def _clear(self, marks: list[Any]) -> None:
         self.clock.release(marks)
         marks[:] = _NO_MARKS
 
 
 _NO_MARKS = (None,) * _POINTS
-
-
-def _timing_event() -> torch.cuda.Event:
-    return torch.cuda.Event(enable_timing=True)
 
 
 def step_timer_for(device: torch.device) -> StepTimer:
