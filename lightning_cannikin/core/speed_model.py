@@ -68,14 +68,13 @@ class SpeedModelSettings:
     evidence_reach: float | None = EVIDENCE_REACH
 
     def __post_init__(self) -> None:
-        if not float(self.half_life) > 0:
-            raise ValueError(f"`half_life` must be positive, got {self.half_life}.")
+        # `half_life` and `max_samples` are checked by the sample windows every SpeedModel builds from them
         if int(self.warmup_samples) < 0 or not 0 < self.probe_lever <= 1:
             raise ValueError(f"`warmup_samples` must be >= 0 and `probe_lever` in (0, 1], got {self}.")
         if self.evidence_reach is not None and not self.evidence_reach > 1:
             raise ValueError(f"`evidence_reach` must be > 1 or None, got {self.evidence_reach}.")
-        if int(self.tail_window) < 1 or int(self.max_samples) < 1:
-            raise ValueError(f"`tail_window`, `max_samples` must be >= 1, got {self.tail_window}, {self.max_samples}.")
+        if int(self.tail_window) < 1:
+            raise ValueError(f"`tail_window` must be >= 1, got {self.tail_window}.")
 
 
 class SpeedModel:
@@ -430,10 +429,7 @@ class SpeedModel:
 
     def timed(self, local_batch_sizes: Sequence[int]) -> bool:
         """Whether no rank's size lies beyond the sizes it was timed at lately (fewer samples always count)."""
-        return all(
-            int(b) <= max(f.timed_sizes() or f.distinct_batch_sizes or (0,))
-            for f, b in zip(self.fitters, local_batch_sizes, strict=True)
-        )
+        return all(int(b) <= max(f.timed_sizes() or (0,)) for f, b in zip(self.fitters, local_batch_sizes, strict=True))
 
     def supports(self, local_batch_sizes: Sequence[int]) -> bool:
         """Whether every rank's size lies where its times are evidence (:meth:`trusted_bounds`; ``True`` for a total
