@@ -199,8 +199,8 @@ class NoiseScaleEstimator:
         self.num_updates = 0
         self._samples = 0.0  # samples folded in (``steps * B`` per update): how many windows the run has seen
         self._spread_known = False
-        self._bounds: tuple[tuple[int, float], tuple[float, float] | None] | None = None  # kept until the next update
-        self._run_bounds: tuple[tuple[int, float], tuple[float, float] | None] | None = None
+        # bounds() and run_bounds() answers by (method, argument): asked every step, kept until the next update
+        self._answers: dict[tuple[str, float], tuple[float, float] | None] = {}
         self._recent = self._new_recent() if follow_changes else None
         self.follow_trend = follow_trend
         # the ages of what the averages hold, for the fit that reads them at the present (kept by the recent window
@@ -249,7 +249,7 @@ class NoiseScaleEstimator:
         self._cross_biased = factor * self._cross_biased + (1.0 - factor) * grad_sqr * grad_var
         self.num_updates += 1
         self._samples += steps * sum(b)
-        self._bounds = self._run_bounds = None
+        self._answers = {}
         if self._recent is not None:
             self._recent.update(z, b, global_sqr_norm, steps)
             self._follow_change()
@@ -281,7 +281,7 @@ class NoiseScaleEstimator:
         if recent._trend is not None:
             self._trend = self._trend or TrendFit(2)
             self._trend.copy_from(recent._trend, scale)
-        self._bounds = self._run_bounds = None
+        self._answers = {}
         self.restarts += 1
 
     @property
@@ -399,11 +399,10 @@ class NoiseScaleEstimator:
             with ``sigmas=0``.
 
         """
-        key = (self.num_updates, sigmas)
-        if self._bounds is not None and self._bounds[0] == key:
-            return self._bounds[1]  # asked every step, changed only by updates
-        self._bounds = key, self._compute_bounds(sigmas)
-        return self._bounds[1]
+        key = ("bounds", sigmas)
+        if key not in self._answers:
+            self._answers[key] = self._compute_bounds(sigmas)
+        return self._answers[key]
 
     def run_bounds(self, level: float = NOISE_BOUND_LEVEL) -> tuple[float, float] | None:
         """``(low, high)`` wide enough that over a whole run, however long and however often it is asked, ``low`` ever
@@ -443,9 +442,9 @@ class NoiseScaleEstimator:
         """
         if not 0.0 < level < 1.0:
             raise ValueError(f"`level` must lie in (0, 1), got {level}.")
-        key = (self.num_updates, level)
-        if self._run_bounds is not None and self._run_bounds[0] == key:
-            return self._run_bounds[1]
+        key = ("run", level)
+        if key in self._answers:
+            return self._answers[key]
         present = self._present_bounds(level * PRESENT_SHARE) if self.follow_trend else None
         window = self.window_bounds(level if present is None else level * (1.0 - PRESENT_SHARE))
         if present is None or window is None:
@@ -458,7 +457,7 @@ class NoiseScaleEstimator:
             # decisions are for; else both hold the present, and so does what they share
             stale = average is not None and not present[0] <= average <= present[1]
             result = present if stale or low > high else (low, high)
-        self._run_bounds = key, result
+        self._answers[key] = result
         return result
 
     def _width(self, level: float, looks: float = LOOKS_PER_WINDOW, fitted: int = 1) -> float:
@@ -585,7 +584,7 @@ class NoiseScaleEstimator:
             recent, self._recent = state_dict.get("recent"), self._new_recent()
             if recent is not None:
                 self._recent.load_state_dict(recent)
-        self._bounds = self._run_bounds = None
+        self._answers = {}
 
     def _widest_cross(self) -> float:
         """The products' average for a correlation of -1, where Fieller's bounds are widest (those of :meth:`bounds`).
