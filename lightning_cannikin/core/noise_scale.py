@@ -470,17 +470,15 @@ class NoiseScaleEstimator:
         # quantile, continuous with the count) is all it may claim
         return t_quantile(level / (looks * k * k), max(1.0 / share - fitted, 1.0))
 
-    def _spreads(self) -> tuple[float, float, float]:
-        """The single-step estimates' variances and covariance around the averages, over the weights' ``n_eff - 1``
-        (the weighted spread is low by ``1 - share``): the window's; the fit that reads the present takes its own
-        around the fitted line (around a drift, these hold the drift too)."""
-        weight, share = self._weight, self._weight_sq / self._weight**2
+    def _moments(self) -> tuple[float, float, float, float, float]:
+        """The averages of the single-step estimates of ``|G|^2`` and ``tr(Sigma)``, and the estimates' weighted
+        variances and covariance around them: the window's (the fit that reads the present takes its own around the
+        fitted line; around a drift, these hold the drift too)."""
+        weight = self._weight
         sqr, var = self._sqr_biased / weight, self._var_biased / weight
-        scale = 1.0 / (1.0 - share)
-        sqr_var = max(self._sqr_sq_biased / weight - sqr * sqr, 0.0) * scale
-        var_var = max(self._var_sq_biased / weight - var * var, 0.0) * scale
-        cov = (self._cross_biased / weight - sqr * var) * scale
-        return sqr_var, var_var, cov
+        sqr_var = max(self._sqr_sq_biased / weight - sqr * sqr, 0.0)
+        var_var = max(self._var_sq_biased / weight - var * var, 0.0)
+        return sqr, var, sqr_var, var_var, self._cross_biased / weight - sqr * var
 
     def window_bounds(self, level: float = NOISE_BOUND_LEVEL) -> tuple[float, float] | None:
         """Run-level bounds on the moving average's noise scale at ``level``, as :meth:`run_bounds` computes them but
@@ -489,9 +487,11 @@ class NoiseScaleEstimator:
         if self.standard_errors() is None:
             return None
         share = self._weight_sq / self._weight**2
-        sqr_var, var_var, cov = self._spreads()
-        sqr, var = self._sqr_biased / self._weight, self._var_biased / self._weight
-        return _fieller(self._width(level), sqr, var, sqr_var * share, var_var * share, cov * share)
+        sqr, var, sqr_var, var_var, cov = self._moments()
+        scale = 1.0 / (1.0 - share)  # the weighted spreads are low by 1 - share: over the weights' n_eff - 1
+        return _fieller(
+            self._width(level), sqr, var, sqr_var * scale * share, var_var * scale * share, cov * scale * share
+        )
 
     def _present_bounds(self, level: float) -> tuple[float, float] | None:
         """Run-level bounds on the *current* noise scale at ``level``: Fieller's bounds on the straight-line fit's
@@ -593,9 +593,7 @@ class NoiseScaleEstimator:
         covariance must not be guessed narrower than it can be."""
         if self._weight <= 0:
             return 0.0
-        sqr, var = self._sqr_biased / self._weight, self._var_biased / self._weight
-        sqr_spread = max(self._sqr_sq_biased / self._weight - sqr * sqr, 0.0)
-        var_spread = max(self._var_sq_biased / self._weight - var * var, 0.0)
+        sqr, var, sqr_spread, var_spread, _ = self._moments()
         return self._weight * (sqr * var - math.sqrt(sqr_spread * var_spread))
 
     def _samples_from_weight(self) -> float:
