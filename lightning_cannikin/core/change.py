@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
+from itertools import takewhile
 from statistics import median
 from typing import Any
 
@@ -79,6 +80,11 @@ _PARKED = 3  # other batch sizes whose watch is kept (an epoch's last batch, the
 _NEAR = 1.1
 
 
+def _beyond(ratio: float, band: float, slower: bool) -> bool:
+    """Whether ``ratio`` lies beyond the band on one side: above ``1 + band`` (slower), or below ``1 / (1 + band)``."""
+    return ratio > 1.0 + band if slower else ratio < 1.0 / (1.0 + band)
+
+
 def clear_change(ratios: Sequence[float], band: float, window: int = DEFAULT_WINDOW) -> float | None:
     """The measured ratio of a clear change in the last ``window`` ratios (measured / expected), or ``None``.
 
@@ -95,8 +101,8 @@ def clear_change(ratios: Sequence[float], band: float, window: int = DEFAULT_WIN
         return None
     # plain Python: a rank asks this every few steps of a few floats, where numpy's per-call cost is most of the work
     recent = ratios[-window:]
-    high, low = 1.0 + band, 1.0 / (1.0 + band)
-    for beyond in ([r for r in recent if r > high], [r for r in recent if r < low]):
+    for slower in (True, False):
+        beyond = [r for r in recent if _beyond(r, band, slower)]
         if len(beyond) >= CLEAR_SHARE * window:
             return median(beyond)
     return None
@@ -123,13 +129,8 @@ def large_change(ratios: Sequence[float], band: float, window: int = DEFAULT_WIN
 
 def trailing_run(ratios: Sequence[float], band: float) -> int:
     """How many of the latest ratios lie beyond the band on the side of the last one (0 if the last is inside)."""
-    high = len(ratios) > 0 and ratios[-1] > 1.0 + band
-    count = 0
-    for ratio in reversed(ratios):  # the last ratio's own side: inside the band, the run is 0
-        if not ((ratio > 1.0 + band) if high else (ratio < 1.0 / (1.0 + band))):
-            break
-        count += 1
-    return count
+    slower = len(ratios) > 0 and ratios[-1] > 1.0 + band
+    return sum(1 for _ in takewhile(lambda ratio: _beyond(ratio, band, slower), reversed(ratios)))
 
 
 class LocalChangeCheck:
@@ -367,12 +368,7 @@ class ChangeWatch:
         ratios = [r.cost / float(model(r.batch_size)) for r in recent]
         ratio = large_change(ratios, tolerance, recent.maxlen or DEFAULT_WINDOW)
         if ratio is not None:
-            slower = ratio > 1.0
-            beyond = [
-                r
-                for r, q in zip(recent, ratios, strict=True)
-                if (q > 1.0 + tolerance if slower else q < 1.0 / (1.0 + tolerance))
-            ]
+            beyond = [r for r, q in zip(recent, ratios, strict=True) if _beyond(q, tolerance, ratio > 1.0)]
             first = min(r.step for r in beyond)
             records[:] = [r for r in pending if r.step >= first]
             recent.clear()

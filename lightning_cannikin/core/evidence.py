@@ -39,7 +39,7 @@ def trusted_bounds(
     total = int(total_batch_size)
     upper = np.minimum(np.full(len(fitters), total) if upper_bounds is None else np.array(upper_bounds), total)
     for rank, (fitter, model) in enumerate(zip(fitters, models, strict=True)):
-        sizes = fitter.timed_sizes() or fitter.distinct_batch_sizes
+        sizes = fitter.timed_sizes()
         largest = sizes[-1]
         flat = model.knee >= largest or model.slope * largest < 0.1 * float(model(largest))
         if flat:

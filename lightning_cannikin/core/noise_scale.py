@@ -199,8 +199,8 @@ class NoiseScaleEstimator:
         self.num_updates = 0
         self._samples = 0.0  # samples folded in (``steps * B`` per update): how many windows the run has seen
         self._spread_known = False
-        self._bounds: tuple[tuple[int, float], tuple[float, float] | None] | None = None  # kept until the next update
-        self._run_bounds: tuple[tuple[int, float], tuple[float, float] | None] | None = None
+        # bounds() and run_bounds() answers by (method, argument): asked every step, kept until the next update
+        self._answers: dict[tuple[str, float], tuple[float, float] | None] = {}
         self._recent = self._new_recent() if follow_changes else None
         self.follow_trend = follow_trend
         # the ages of what the averages hold, for the fit that reads them at the present (kept by the recent window
@@ -249,7 +249,7 @@ class NoiseScaleEstimator:
         self._cross_biased = factor * self._cross_biased + (1.0 - factor) * grad_sqr * grad_var
         self.num_updates += 1
         self._samples += steps * sum(b)
-        self._bounds = self._run_bounds = None
+        self._answers = {}
         if self._recent is not None:
             self._recent.update(z, b, global_sqr_norm, steps)
             self._follow_change()
@@ -281,7 +281,7 @@ class NoiseScaleEstimator:
         if recent._trend is not None:
             self._trend = self._trend or TrendFit(2)
             self._trend.copy_from(recent._trend, scale)
-        self._bounds = self._run_bounds = None
+        self._answers = {}
         self.restarts += 1
 
     @property
@@ -399,11 +399,10 @@ class NoiseScaleEstimator:
             with ``sigmas=0``.
 
         """
-        key = (self.num_updates, sigmas)
-        if self._bounds is not None and self._bounds[0] == key:
-            return self._bounds[1]  # asked every step, changed only by updates
-        self._bounds = key, self._compute_bounds(sigmas)
-        return self._bounds[1]
+        key = ("bounds", sigmas)
+        if key not in self._answers:
+            self._answers[key] = self._compute_bounds(sigmas)
+        return self._answers[key]
 
     def run_bounds(self, level: float = NOISE_BOUND_LEVEL) -> tuple[float, float] | None:
         """``(low, high)`` wide enough that over a whole run, however long and however often it is asked, ``low`` ever
@@ -443,9 +442,9 @@ class NoiseScaleEstimator:
         """
         if not 0.0 < level < 1.0:
             raise ValueError(f"`level` must lie in (0, 1), got {level}.")
-        key = (self.num_updates, level)
-        if self._run_bounds is not None and self._run_bounds[0] == key:
-            return self._run_bounds[1]
+        key = ("run", level)
+        if key in self._answers:
+            return self._answers[key]
         present = self._present_bounds(level * PRESENT_SHARE) if self.follow_trend else None
         window = self.window_bounds(level if present is None else level * (1.0 - PRESENT_SHARE))
         if present is None or window is None:
@@ -458,7 +457,7 @@ class NoiseScaleEstimator:
             # decisions are for; else both hold the present, and so does what they share
             stale = average is not None and not present[0] <= average <= present[1]
             result = present if stale or low > high else (low, high)
-        self._run_bounds = key, result
+        self._answers[key] = result
         return result
 
     def _width(self, level: float, looks: float = LOOKS_PER_WINDOW, fitted: int = 1) -> float:
@@ -471,17 +470,15 @@ class NoiseScaleEstimator:
         # quantile, continuous with the count) is all it may claim
         return t_quantile(level / (looks * k * k), max(1.0 / share - fitted, 1.0))
 
-    def _spreads(self) -> tuple[float, float, float]:
-        """The single-step estimates' variances and covariance around the averages, over the weights' ``n_eff - 1``
-        (the weighted spread is low by ``1 - share``): the window's; the fit that reads the present takes its own
-        around the fitted line (around a drift, these hold the drift too)."""
-        weight, share = self._weight, self._weight_sq / self._weight**2
+    def _moments(self) -> tuple[float, float, float, float, float]:
+        """The averages of the single-step estimates of ``|G|^2`` and ``tr(Sigma)``, and the estimates' weighted
+        variances and covariance around them: the window's (the fit that reads the present takes its own around the
+        fitted line; around a drift, these hold the drift too)."""
+        weight = self._weight
         sqr, var = self._sqr_biased / weight, self._var_biased / weight
-        scale = 1.0 / (1.0 - share)
-        sqr_var = max(self._sqr_sq_biased / weight - sqr * sqr, 0.0) * scale
-        var_var = max(self._var_sq_biased / weight - var * var, 0.0) * scale
-        cov = (self._cross_biased / weight - sqr * var) * scale
-        return sqr_var, var_var, cov
+        sqr_var = max(self._sqr_sq_biased / weight - sqr * sqr, 0.0)
+        var_var = max(self._var_sq_biased / weight - var * var, 0.0)
+        return sqr, var, sqr_var, var_var, self._cross_biased / weight - sqr * var
 
     def window_bounds(self, level: float = NOISE_BOUND_LEVEL) -> tuple[float, float] | None:
         """Run-level bounds on the moving average's noise scale at ``level``, as :meth:`run_bounds` computes them but
@@ -490,9 +487,11 @@ class NoiseScaleEstimator:
         if self.standard_errors() is None:
             return None
         share = self._weight_sq / self._weight**2
-        sqr_var, var_var, cov = self._spreads()
-        sqr, var = self._sqr_biased / self._weight, self._var_biased / self._weight
-        return _fieller(self._width(level), sqr, var, sqr_var * share, var_var * share, cov * share)
+        sqr, var, sqr_var, var_var, cov = self._moments()
+        scale = 1.0 / (1.0 - share)  # the weighted spreads are low by 1 - share: over the weights' n_eff - 1
+        return _fieller(
+            self._width(level), sqr, var, sqr_var * scale * share, var_var * scale * share, cov * scale * share
+        )
 
     def _present_bounds(self, level: float) -> tuple[float, float] | None:
         """Run-level bounds on the *current* noise scale at ``level``: Fieller's bounds on the straight-line fit's
@@ -585,7 +584,7 @@ class NoiseScaleEstimator:
             recent, self._recent = state_dict.get("recent"), self._new_recent()
             if recent is not None:
                 self._recent.load_state_dict(recent)
-        self._bounds = self._run_bounds = None
+        self._answers = {}
 
     def _widest_cross(self) -> float:
         """The products' average for a correlation of -1, where Fieller's bounds are widest (those of :meth:`bounds`).
@@ -594,9 +593,7 @@ class NoiseScaleEstimator:
         covariance must not be guessed narrower than it can be."""
         if self._weight <= 0:
             return 0.0
-        sqr, var = self._sqr_biased / self._weight, self._var_biased / self._weight
-        sqr_spread = max(self._sqr_sq_biased / self._weight - sqr * sqr, 0.0)
-        var_spread = max(self._var_sq_biased / self._weight - var * var, 0.0)
+        sqr, var, sqr_spread, var_spread, _ = self._moments()
         return self._weight * (sqr * var - math.sqrt(sqr_spread * var_spread))
 
     def _samples_from_weight(self) -> float:

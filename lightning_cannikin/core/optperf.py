@@ -138,7 +138,7 @@ def _integral_bounds(value: ArrayLike | None, n: int, default: float, name: str)
 def _bounds(lower: ArrayLike | None, upper: ArrayLike | None, n: int) -> tuple[np.ndarray, np.ndarray]:
     """Lower bounds (default 1) and upper bounds (default unbounded: ``sum b = B`` and ``b >= 0`` cap them at B)."""
     lo = _integral_bounds(lower, n, 1.0, "lower")
-    hi = _integral_bounds(upper, n, np.inf, "upper") if upper is not None else np.full(n, np.inf)
+    hi = _integral_bounds(upper, n, np.inf, "upper")
     bad = np.flatnonzero(lo > hi)
     if bad.size:
         i = int(bad[0])

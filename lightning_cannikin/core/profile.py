@@ -122,7 +122,6 @@ def build_profile(
             # an infinite noise scale (no detectable signal) has no strict-JSON form and no point on a plot
             if entry.get("noise_scale") is not None and math.isfinite(entry["noise_scale"])
         ]
-    half_life = float(balancer.settings.half_life)
     profile = {
         "format": FORMAT,
         "version": VERSION,
@@ -134,8 +133,8 @@ def build_profile(
         "comm": None if (comm := balancer.comm()) is None else comm.to_dict(),
         "bounds": {"lower": list(balancer.lower), "upper": None if balancer.caps is None else list(balancer.caps)},
         "settings": {
-            # JSON has no infinity; null stands for "no recency weighting".
-            "half_life": half_life if math.isfinite(half_life) else None,
+            # JSON has no infinity: _jsonable writes an infinite half-life ("no recency weighting") as null
+            "half_life": float(balancer.settings.half_life),
             "tail_window": balancer.settings.tail_window,
             "max_samples": balancer.settings.max_samples,
             "drift_tolerance": balancer.settings.drift_tolerance,

@@ -9,6 +9,7 @@ import statistics
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -67,14 +68,13 @@ class SpeedModelSettings:
     evidence_reach: float | None = EVIDENCE_REACH
 
     def __post_init__(self) -> None:
-        if not float(self.half_life) > 0:
-            raise ValueError(f"`half_life` must be positive, got {self.half_life}.")
+        # `half_life` and `max_samples` are checked by the sample windows every SpeedModel builds from them
         if int(self.warmup_samples) < 0 or not 0 < self.probe_lever <= 1:
             raise ValueError(f"`warmup_samples` must be >= 0 and `probe_lever` in (0, 1], got {self}.")
         if self.evidence_reach is not None and not self.evidence_reach > 1:
             raise ValueError(f"`evidence_reach` must be > 1 or None, got {self.evidence_reach}.")
-        if int(self.tail_window) < 1 or int(self.max_samples) < 1:
-            raise ValueError(f"`tail_window`, `max_samples` must be >= 1, got {self.tail_window}, {self.max_samples}.")
+        if int(self.tail_window) < 1:
+            raise ValueError(f"`tail_window` must be >= 1, got {self.tail_window}.")
 
 
 class SpeedModel:
@@ -116,7 +116,10 @@ class SpeedModel:
         self.drifts: list[int] = []  # ranks whose history was dropped at the last `add`, for logging
         self.memory = [MemoryFitter() for _ in range(self.world_size)]
         self.memory_caps: list[int | None] = [None] * self.world_size
-        self.fitters = [self._new_fitter() for _ in range(self.world_size)]
+        self.fitters = [
+            ComputeTimeFitter(half_life=self.settings.half_life, max_samples=self.settings.max_samples)
+            for _ in range(self.world_size)
+        ]
         self.largest_run = [0] * self.world_size  # each rank's largest local batch run, warm-up and probes included
         self.tails: deque[float] = deque(maxlen=int(self.settings.tail_window))
         # the fraction of the last rank's compute done when its first gradient bucket was ready
@@ -128,22 +131,17 @@ class SpeedModel:
         self.afters: list[deque[float]] = [deque(maxlen=int(self.settings.tail_window)) for _ in range(world_size)]
         self._last_after: list[tuple[int, float] | None] = [None] * self.world_size
         self._window_after: list[tuple[float | None, int]] = [(None, 0)] * self.world_size
-        self._after_offsets: np.ndarray | None = None  # found once per batch of new samples
         self.comm_fitter = CommTimeFitter(half_life=self.settings.half_life)
-        self._models: list[LinearTimeModel] | None = None  # fitted once per batch of new samples
         # every rank's (batch size, compute) of the latest complete steps, with the step: which ranks were slow together
         self._joint: deque[tuple[int, tuple[int, ...], tuple[float, ...]]]
         self._joint = deque(maxlen=int(self.settings.tail_window))
-        self._scenarios: tuple[Scenarios | None] | None = None  # found once per batch of new samples
-        # the planner's pieces (fitted; the speed-free part): asked hundreds of times a decision (read-only arrays)
-        self._pieces: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        # what the fits give (the models, the planner's pieces, the after offsets, the recurring stalls), found once
+        # per batch of new samples: the pieces are asked hundreds of times a decision
+        self._cache: dict[str, Any] = {}
         self._warm = [0] * self.world_size  # samples each rank has had since its start; the first ones are left out
         self._hosted = [False] * self.world_size  # ranks whose records measure their input wait
         self._restart_step = 0  # records from this step on count towards the warm-up (restarted)
         self.watch = ChangeWatch(self.world_size, self.settings.drift_tolerance)  # each rank's changes of speed
-
-    def _new_fitter(self) -> ComputeTimeFitter:
-        return ComputeTimeFitter(half_life=self.settings.half_life, max_samples=self.settings.max_samples)
 
     def add(self, records: Iterable[StepRecord]) -> None:
         """Feed the records of all ranks (any order); steps missing a rank contribute no tail sample."""
@@ -170,8 +168,7 @@ class SpeedModel:
                     kept.setdefault(record.rank, []).append(record)
         rescaled = self._detect_drift(kept)
         self.drifts = sorted(rescaled)
-        self._models = self._scenarios = self._after_offsets = None
-        self._pieces = {}
+        self._cache = {}
         for rank_records in kept.values():
             for record in rank_records:
                 self._add_sample(record)
@@ -309,12 +306,10 @@ class SpeedModel:
 
     def models(self) -> list[LinearTimeModel]:
         """The fitted compute-time model of each rank."""
-        if self._models is None:
-            models = [f.fit() for f in self.fitters]
-            if any(m is None for m in models):
-                raise RuntimeError("No timing samples yet for some ranks; call `add` first (see `ready`).")
-            self._models = models  # type: ignore[assignment]
-        return list(self._models)  # type: ignore[arg-type]
+        models = self._cached("models", lambda: [f.fit() for f in self.fitters])
+        if any(m is None for m in models):
+            raise RuntimeError("No timing samples yet for some ranks; call `add` first (see `ready`).")
+        return list(models)
 
     def comm(self) -> CommModel | None:
         """The all-reduce model: its whole time and the part exposed after backward (``None`` before any)."""
@@ -332,12 +327,11 @@ class SpeedModel:
         wait there, as the step runs: at a barrier the slowest one's for every rank, and the split is by the lines
         alone; at Lightning's broadcast from rank zero, rank zero waits for every rank and each other rank for rank
         zero. A median, so that one long step (a checkpoint written by one rank, a re-plan) moves nothing."""
-        if self._after_offsets is None:
-            self._after_offsets = np.array([float(np.median(after)) if after else 0.0 for after in self.afters])
-            self._after_offsets.flags.writeable = False  # callers share it
-        return self._after_offsets
+        return self._cached(
+            "after", lambda: np.array([float(np.median(after)) if after else 0.0 for after in self.afters])
+        )
 
-    def pieces(self, models: Sequence[LinearTimeModel] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def pieces(self) -> tuple[np.ndarray, np.ndarray]:
         """Planner inputs: the per-rank pieces of the two-regime step model, once the all-reduce is measured.
 
         Compute-bound, rank ``i`` costs ``t_i(b) + c_last + o``, with ``c_last`` the last bucket's reduction and ``o``
@@ -348,20 +342,18 @@ class SpeedModel:
         and ``c_last`` are the reductions' own times (``StepRecord.comm_busy``, ``last_bucket``).
         Where the all-reduce hides behind backward the second piece never binds, and the split is the compute-only
         one; where it does not, OptPerf(B) for other totals sees the communication floor.
-        ``models``: other compute models than the fitted ones (zero ones give the part no device's speed scales).
         """
-        if models is not None:
-            return self._pieces_of(models)
         return self._cached("fitted", lambda: self._pieces_of(self.models()))
 
-    def _cached(self, key: str, build: Callable[[], tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
-        """The pieces ``build()`` makes, kept until new samples arrive; writing to them raises (callers share them)."""
-        if key not in self._pieces:
-            pieces = build()
-            for array in pieces:
-                array.flags.writeable = False
-            self._pieces[key] = pieces
-        return self._pieces[key]
+    def _cached(self, key: str, build: Callable[[], Any]) -> Any:
+        """What ``build()`` makes, kept until new samples arrive; writing to its arrays raises (callers share them)."""
+        if key not in self._cache:
+            value = build()
+            for array in value if isinstance(value, tuple) else (value,):
+                if isinstance(array, np.ndarray):
+                    array.flags.writeable = False
+            self._cache[key] = value
+        return self._cache[key]
 
     def _pieces_of(self, models: Sequence[LinearTimeModel]) -> tuple[np.ndarray, np.ndarray]:
         comm, tail, afters = self.comm(), self.tail(), self.after_offsets()
@@ -382,9 +374,7 @@ class SpeedModel:
     def scenarios(self) -> Scenarios | None:
         """The recurring stalls of the latest steps (:func:`~lightning_cannikin.core.expected.stall_scenarios`), or
         ``None`` when no rank stalls: then every prediction is the deterministic step time and every split OptPerf's."""
-        if self._scenarios is None:
-            self._scenarios = (stall_scenarios(self._ratios()),)
-        return self._scenarios[0]
+        return self._cached("scenarios", lambda: stall_scenarios(self._ratios()))
 
     def _ratios(self) -> np.ndarray:
         """Every rank's latest measured over predicted compute times, one row per complete step."""
@@ -439,10 +429,7 @@ class SpeedModel:
 
     def timed(self, local_batch_sizes: Sequence[int]) -> bool:
         """Whether no rank's size lies beyond the sizes it was timed at lately (fewer samples always count)."""
-        return all(
-            int(b) <= max(f.timed_sizes() or f.distinct_batch_sizes or (0,))
-            for f, b in zip(self.fitters, local_batch_sizes, strict=True)
-        )
+        return all(int(b) <= max(f.timed_sizes() or (0,)) for f, b in zip(self.fitters, local_batch_sizes, strict=True))
 
     def supports(self, local_batch_sizes: Sequence[int]) -> bool:
         """Whether every rank's size lies where its times are evidence (:meth:`trusted_bounds`; ``True`` for a total
@@ -568,7 +555,7 @@ class SpeedModel:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore fitted state; from a run with another world size only the tail is kept (devices changed)."""
-        self._models, self._pieces, self._after_offsets, self._scenarios = None, {}, None, None
+        self._cache = {}
         self.watch.clear()
         self._joint.clear()
         self._window_after = [(None, 0)] * self.world_size  # not saved: a resume restarts the devices (restarted)

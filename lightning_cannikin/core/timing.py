@@ -186,14 +186,14 @@ class ComputeTimeFitter(_WindowedFitter):
         """The batch sizes present in the window, ascending."""
         return self._window.distinct_batch_sizes()
 
-    def timed_sizes(self, min_weight: float = 1.0) -> tuple[int, ...]:
-        """The batch sizes whose samples still weigh at least ``min_weight`` fresh samples, ascending: where the fit
-        is evidence now (an old size kept for the slope has faded below it)."""
+    def timed_sizes(self) -> tuple[int, ...]:
+        """The batch sizes whose samples still weigh at least one fresh sample (the newest's always), ascending: where
+        the fit is evidence now (an old size kept for the slope has faded below it)."""
         if not len(self._window):
             return ()
         sizes, _ = self._window.columns()
         weights = self._window.weights()
-        return tuple(int(b) for b in np.unique(sizes) if weights[sizes == b].sum() >= min_weight)
+        return tuple(int(b) for b in np.unique(sizes) if weights[sizes == b].sum() >= 1.0)
 
     def typical(self, batch_size: int) -> float | None:
         """The recency-weighted median time at one batch size (``None``: no sample there)."""
