@@ -45,7 +45,7 @@ def explain(step: int, decision: Decision, current: Plan, policy: PolicySettings
             f" {_percent(policy.margin)} adapt margin"
         )
         if decision.total_gain > policy.margin and previous < total < decision.best_total:
-            line += "; no further than twice the largest batch each rank has run, timed there before going on"
+            line += "; no further than evidence_reach times the largest batch each rank has run, timed before going on"
         line += ")"
     elif policy.max_batch_size is not None:
         line += f"; total batch {total} not reconsidered (mid-epoch, or no bounds on the noise scale yet)"
