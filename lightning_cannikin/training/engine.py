@@ -355,20 +355,15 @@ class BalancingEngine:
     # -- checkpoints ---------------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything a resume needs; every rank calls it, as Lightning's checkpoint does (each rank's own part is
-        gathered)."""
+        """Everything a resume needs; every rank calls it, as Lightning's ``save_checkpoint`` does, and Lightning writes
+        rank zero's callback state: every rank's :class:`LocalEvidence` is gathered."""
+        mine = self._local.state_dict(self.reductions.timer)
         return {
             **self.controller.state_dict(),
             "plan": self.data.plan.to_dict() if self.data.plan is not None else None,
             "noise_in_flight": self.reductions.state_dict(),
-            "ranks": self._ranks_state(),
+            "ranks": self._collective.all_gather(mine) if self._collective is not None else [mine],
         }
-
-    def _ranks_state(self) -> list[dict[str, Any]]:
-        """Every rank's :class:`LocalEvidence`, gathered: Lightning writes rank zero's callback state, and every rank
-        calls :meth:`state_dict`, as Lightning's ``save_checkpoint`` does."""
-        mine = self._local.state_dict(self.reductions.timer)
-        return self._collective.all_gather(mine) if self._collective is not None else [mine]
 
     def load_state_dict(self, state: dict[str, Any]) -> Plan | None:
         """Put the saved plan in force now (the loader is built with it); the rest waits for :meth:`start` (the
