@@ -202,11 +202,6 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
             self._engine.reductions.gradient_ready()  # one rank: FSDP2 copies its gradients without a reduce-scatter
         return loss
 
-    @override
-    def teardown(self) -> None:
-        self._release_loader()
-        super().teardown()
-
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:

@@ -156,8 +156,7 @@ class CannikinStrategy(UnevenBatchesMixin, DDPStrategy):
             self._forward_hook.remove()
             self._forward_hook = None
         self._remove_parameter_hooks()
-        self._release_loader()
-        super().teardown()
+        super().teardown()  # the mixin's: the loader goes
 
     @classmethod
     @override

@@ -242,7 +242,8 @@ class UnevenBatchesMixin:
         end = int(end) if math.isfinite(end) else -1
         self._engine.begin_step(trainer.global_step, trainer.accumulate_grad_batches, end, units)
 
-    def _release_loader(self) -> None:
-        """The fit ends: the loader goes, the plan stays (a later fit starts from it)."""
+    def teardown(self) -> None:
+        # the fit ends: the loader goes, the plan stays (a later fit starts from it)
         self._train_loader = None
         self._engine.data.use_loader(None, None)
+        super().teardown()  # type: ignore[misc]
