@@ -67,11 +67,9 @@ class UnevenDataLoader(DataLoader):
         return self.batch_sampler
 
     def __iter__(self) -> Iterator[Any]:
-        # Lazy: Lightning creates an iterator while setting up data, before it selects the epoch, and may discard it.
-        # Everything epoch-dependent (the resume position, the schedule) is decided at the first `next()`.
-        return self._iterate()
-
-    def _iterate(self) -> Iterator[Any]:
+        # A generator, so lazy: Lightning creates an iterator while setting up data, before it selects the epoch,
+        # and may discard it. Everything epoch-dependent (the resume position, the schedule) is decided at the first
+        # `next()`.
         self.iterated = True
         sampler = self.uneven_sampler
         start = self._resume_position()
