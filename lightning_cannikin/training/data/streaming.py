@@ -150,14 +150,11 @@ class StreamShareSampler(UnevenBatchSampler):
 
     def __iter__(self) -> Iterator[list[int]]:
         check_agreement(self.key())
-        index = self.start_batch
-        self.yielded = index
+        yield from super().__iter__()
+
+    def _rank_indices(self, batch_index: int) -> list[int]:
         # the shares are re-read per batch: a plan set mid-epoch from a batch not yet drawn deals the items left
-        while index < len(self.layout()):
-            ids = self.shares()[index]
-            index += 1
-            self.yielded = index
-            yield ids.tolist()
+        return self.shares()[batch_index].tolist()
 
 
 def check_agreement(key: dict[str, Any]) -> None:
