@@ -23,7 +23,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
-from functools import partial
 from typing import Any
 
 import torch
@@ -35,7 +34,6 @@ from typing_extensions import override
 from lightning_cannikin.training._lightning_compat import StrategyRegistryType
 from lightning_cannikin.training.data.cost_aware_sampler import SampleCosts
 from lightning_cannikin.training.engine import BalancingEngine
-from lightning_cannikin.training.frontends.launch_checks import check_before_launch, checked_launcher
 from lightning_cannikin.training.frontends.uneven_strategy import UnevenBatchesMixin
 
 __all__ = ["CannikinModelParallelStrategy", "TimedCollectives"]
@@ -141,17 +139,13 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
     def _configure_launcher(self) -> None:
         # the earliest point where the world size is known and no process has been launched yet
         assert self.cluster_environment is not None
+        self._launcher = self._checked_launcher(self._start_method, sharded=True)  # checks the fixed split first
         world_size = self._launch_world_size()
-        self._check_split_length(world_size, self.num_nodes, self.num_processes)
         if self._data_parallel_size not in ("auto", world_size):
             raise ValueError(
                 f"`data_parallel_size={self._data_parallel_size}` must equal the world size ({world_size}) under"
                 " CannikinModelParallelStrategy (tensor parallelism is not supported). Leave it unset."
             )
-        # Lightning's launchers (a sharded model's for fork and spawn), checking what the fit's arguments already show
-        # before they start any process (under torchrun or SLURM: in every process, before the process group exists)
-        check = partial(check_before_launch, world_size=world_size, fixed_sizes=self._fixed_sizes)
-        self._launcher = checked_launcher(self, self._start_method, check, sharded=True)
 
     @override
     def setup_environment(self) -> None:

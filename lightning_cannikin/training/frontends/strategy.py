@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any
 
 import torch
@@ -14,7 +13,6 @@ from typing_extensions import override
 
 from lightning_cannikin.training._lightning_compat import StrategyRegistryType, register_ddp_comm_hook
 from lightning_cannikin.training.data.cost_aware_sampler import SampleCosts
-from lightning_cannikin.training.frontends.launch_checks import check_before_launch, checked_launcher
 from lightning_cannikin.training.frontends.strategy_checks import warn_about_sync_batchnorm
 from lightning_cannikin.training.frontends.uneven_strategy import UnevenBatchesMixin
 from lightning_cannikin.training.measurement.grad_ready import GradientReadiness
@@ -71,11 +69,7 @@ class CannikinStrategy(UnevenBatchesMixin, DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         # the earliest point where the world size is known and no process has been launched yet
-        world_size = self._launch_world_size()
-        self._check_split_length(world_size, self.num_nodes, self.num_processes)
-        # Lightning's launchers, checking what the fit's arguments already show before they spawn any process
-        check = partial(check_before_launch, world_size=world_size, fixed_sizes=self._fixed_sizes)
-        self._launcher = checked_launcher(self, self._start_method, check)
+        self._launcher = self._checked_launcher(self._start_method)
 
     @override
     def setup_environment(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, NoReturn
 
 import torch
@@ -24,6 +25,7 @@ from lightning_cannikin.training.data.cost_aware_sampler import SampleCosts
 from lightning_cannikin.training.data.loader import UnevenDataLoader, loader_batch_size
 from lightning_cannikin.training.engine import BalancingEngine
 from lightning_cannikin.training.frontends.batch_statistics import smallest_local_batch
+from lightning_cannikin.training.frontends.launch_checks import check_before_launch, checked_launcher
 from lightning_cannikin.training.frontends.lightning_hooks import BalancingCallback
 from lightning_cannikin.training.frontends.strategy_checks import (
     MULTIPLE_LOADERS_ERROR,
@@ -138,9 +140,13 @@ class UnevenBatchesMixin:
             return int(environment.world_size())
         return self.num_nodes * self.num_processes  # type: ignore[attr-defined]
 
-    def _check_split_length(self, world_size: int, num_nodes: int, num_processes: int) -> None:
-        """Before any process is launched: one fixed size per rank."""
+    def _checked_launcher(self, start_method: str, sharded: bool = False) -> Any:
+        """Lightning's launcher for ``start_method`` (``sharded``: a sharded model's for fork and spawn), checking what
+        the fit's arguments already show before it starts any process (under torchrun or SLURM: in every process,
+        before the process group exists); one fixed size per rank is checked now."""
+        world_size = self._launch_world_size()
         if self._fixed_sizes is not None and len(self._fixed_sizes) != world_size:
+            num_nodes, num_processes = self.num_nodes, self.num_processes  # type: ignore[attr-defined]
             layout = f"{num_nodes} node(s) x {num_processes} device(s)"
             if world_size != num_nodes * num_processes:
                 layout = "Ray Train's workers"  # the only world `_launch_world_size` takes from elsewhere
@@ -148,6 +154,8 @@ class UnevenBatchesMixin:
                 f"`local_batch_sizes` has {len(self._fixed_sizes)} entries but the world size is {world_size}"
                 f" ({layout}). Give one size per rank."
             )
+        check = partial(check_before_launch, world_size=world_size, fixed_sizes=self._fixed_sizes)
+        return checked_launcher(self, start_method, check, sharded)  # type: ignore[arg-type]
 
     def _take_engine(self) -> None:
         """This fit's engine, built once: from the user's Cannikin callback's options, else from the defaults, which a
