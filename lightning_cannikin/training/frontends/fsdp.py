@@ -67,7 +67,7 @@ class TimedCollectives:
     """
 
     def __init__(self, engine: BalancingEngine, reducing: Any, gather: bool) -> None:
-        self._engine = engine
+        self.engine = engine
         self._reducing = reducing  # () -> whether this backward is the window's reducing one
         self._gather = gather
         self._host = engine.reductions.host_clock
@@ -77,7 +77,7 @@ class TimedCollectives:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: Any, *args: Any, **kwargs: Any) -> Any:
-        engine = self._engine
+        engine = self.engine
         self.calls += 1
         reducing = not self._gather and self._reducing()
         if reducing:
@@ -154,7 +154,7 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
         super().setup_environment()
         self._bind_engine(sharded=True)  # the noise statistics read FSDP2's reduce-scatters
         # FSDP2's reduce-scatter averages over the ranks: n * b_i / B on the loss makes its mean the weighted mean
-        self._engine.reductions.reduce_with(loss_carries_weight=True, averaged_over=self.world_size)
+        self.engine.reductions.reduce_with(loss_carries_weight=True, averaged_over=self.world_size)
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -164,7 +164,7 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
         sharded = [module for module in self.model.modules() if isinstance(module, FSDPModule)]
         if not sharded and self.world_size > 1:
             raise ValueError(NOT_SHARDED_ERROR)
-        engine = self._engine
+        engine = self.engine
         gather = TimedCollectives(engine, lambda: not self._accumulating, gather=True)
         reduce = self._reduce = TimedCollectives(engine, lambda: not self._accumulating, gather=False)
         for module in sharded:
@@ -188,12 +188,12 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
             self._reduce.calls = 0
         try:
             # a reducing backward's shards are the window's reduced gradient: the engine's noise statistics read them
-            with self._engine.backward(closure_loss, not self._accumulating, self.model.parameters) as weighted:
+            with self.engine.backward(closure_loss, not self._accumulating, self.model.parameters) as weighted:
                 loss = super().backward(weighted, optimizer, *args, **kwargs)
         except torch.cuda.OutOfMemoryError as error:
             self._out_of_memory(error)
         if self._reduce is not None and self._reduce.calls == 0 and not self._accumulating:
-            self._engine.reductions.gradient_ready()  # one rank: FSDP2 copies its gradients without a reduce-scatter
+            self.engine.reductions.gradient_ready()  # one rank: FSDP2 copies its gradients without a reduce-scatter
         return loss
 
     @classmethod

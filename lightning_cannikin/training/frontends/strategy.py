@@ -90,13 +90,13 @@ class CannikinStrategy(UnevenBatchesMixin, DDPStrategy):
         every step, so the all-reduce model is exact at the totals the goodput choice weighs, not a fit of spans.
         Balancing alone leaves the reduction to DDP's own all-reduce: its total never changes."""
         manual = self.lightning_module is not None and not self.lightning_module.automatic_optimization
-        return self._engine.reductions.measures_noise or manual or self._ddp_comm_wrapper is not None
+        return self.engine.reductions.measures_noise or manual or self._ddp_comm_wrapper is not None
 
     @override
     def _register_ddp_hooks(self) -> None:
         assert isinstance(self.model, DistributedDataParallel)
         self._remove_parameter_hooks()
-        engine = self._engine
+        engine = self.engine
         self._uses_comm_hook = self._comm_hook_needed()
         # under automatic optimization the one backward of the step passes `self.backward`, so the weight rides on
         # the loss (one scalar product) instead of on every bucket; under manual optimization the hook applies it.
@@ -135,7 +135,7 @@ class CannikinStrategy(UnevenBatchesMixin, DDPStrategy):
         # an accumulation micro-step runs under DDP's `no_sync`: no all-reduce, whichever path reduces
         reduces = getattr(self.model, "require_backward_grad_sync", True)
         try:
-            with self._engine.backward(closure_loss, reduces, self.lightning_module.parameters) as weighted:
+            with self.engine.backward(closure_loss, reduces, self.lightning_module.parameters) as weighted:
                 loss = super().backward(weighted, optimizer, *args, **kwargs)
         except torch.cuda.OutOfMemoryError as error:
             self._out_of_memory(error)

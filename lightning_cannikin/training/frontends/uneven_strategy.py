@@ -84,10 +84,6 @@ class UnevenBatchesMixin:
     def engine(self) -> BalancingEngine:
         """The balancing engine this strategy owns and drives (built from the Cannikin callback's options when the fit
         is set up; read earlier, from the defaults)."""
-        return self._engine
-
-    @property
-    def _engine(self) -> BalancingEngine:
         if self._built is None:
             self._build_engine(EngineOptions())
         assert self._built is not None
@@ -179,29 +175,29 @@ class UnevenBatchesMixin:
         if self._built is None or self._built.options is not options:
             self._build_engine(options)
         if callback is not None:
-            callback.use_engine(self._engine)
+            callback.use_engine(self.engine)
 
     def _bind_engine(self, sharded: bool = False) -> None:
         """The engine learns this strategy's facts (after the process group exists, before the callbacks' setup)."""
         collective = StrategyCollective(self)
-        smallest = smallest_local_batch(self.lightning_module, self._engine.options.local_batch_bounds)
-        self._engine.bind(collective, self.fixed_split, self._normalisation, sharded, smallest)
-        self._engine.reductions.use_device(self.root_device)
+        smallest = smallest_local_batch(self.lightning_module, self.engine.options.local_batch_bounds)
+        self.engine.bind(collective, self.fixed_split, self._normalisation, sharded, smallest)
+        self.engine.reductions.use_device(self.root_device)
         end_process_group_at_exit()
 
     def _out_of_memory(self, error: torch.cuda.OutOfMemoryError) -> NoReturn:
         """Raise an out-of-memory error that names this rank, its local batch and the bounds."""
         if isinstance(error, LocalBatchOutOfMemoryError):
             raise error
-        sizes = self._engine.running.sizes
+        sizes = self.engine.running.sizes
         batch_size = sizes[self.global_rank] if sizes else None
         raise out_of_memory_error(
-            self.global_rank, batch_size, sizes, self._engine.controller.bounds, self.root_device
+            self.global_rank, batch_size, sizes, self.engine.controller.bounds, self.root_device
         ) from error
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         # every training step passes here, whatever the LightningModule calls inside it
-        self._engine.forward_started()
+        self.engine.forward_started()
         try:
             return super().training_step(*args, **kwargs)  # type: ignore[misc]
         except torch.cuda.OutOfMemoryError as error:
@@ -210,7 +206,7 @@ class UnevenBatchesMixin:
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """The step's learning-rate factor applied for this step only (:meth:`BalancingEngine.optimizer_step`)."""
         try:
-            with self._engine.optimizer_step(optimizer):
+            with self.engine.optimizer_step(optimizer):
                 return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
         except torch.cuda.OutOfMemoryError as error:
             self._out_of_memory(error)  # the optimizer's state, or the closure's forward and backward
@@ -230,7 +226,7 @@ class UnevenBatchesMixin:
         if self._fixed_sizes is not None:
             warn_about_fixed_total(self._fixed_sizes, loader_batch_size(dataloader), self.world_size)
         accumulation = trainer.accumulate_grad_batches
-        loader = self._engine.training_loader(dataloader, accumulation, self._fixed_sizes, self._sample_costs)
+        loader = self.engine.training_loader(dataloader, accumulation, self._fixed_sizes, self._sample_costs)
         self._train_loader = loader
         return loader
 
@@ -248,10 +244,10 @@ class UnevenBatchesMixin:
         # Lightning closes an accumulation window early at the epoch's last batch (or `limit_train_batches`)
         end = trainer.num_training_batches
         end = int(end) if math.isfinite(end) else -1
-        self._engine.begin_step(trainer.global_step, trainer.accumulate_grad_batches, end, units)
+        self.engine.begin_step(trainer.global_step, trainer.accumulate_grad_batches, end, units)
 
     def teardown(self) -> None:
         # the fit ends: the loader goes, the plan stays (a later fit starts from it)
         self._train_loader = None
-        self._engine.data.use_loader(None, None)
+        self.engine.data.use_loader(None, None)
         super().teardown()  # type: ignore[misc]
