@@ -91,7 +91,7 @@ class UnevenBatchesMixin:
 
     def _build_engine(self, options: EngineOptions) -> None:
         """This strategy's engine, from ``options``, starting from the plan in force (one set before the fit)."""
-        plan = self._built.data.plan if self._built is not None else self._plan_before_fit
+        plan = self.plan
         self._built, self._plan_before_fit = BalancingEngine(options), None
         if plan is not None:
             self._built.data.set_plan(plan)
