@@ -22,7 +22,7 @@ from lightning_cannikin.core.plan import Plan
 from lightning_cannikin.training._lightning_compat import uses_distributed_sampler
 from lightning_cannikin.training.collective import StrategyCollective, end_process_group_at_exit
 from lightning_cannikin.training.data.cost_aware_sampler import SampleCosts
-from lightning_cannikin.training.data.loader import UnevenDataLoader, loader_batch_size
+from lightning_cannikin.training.data.loader import loader_batch_size
 from lightning_cannikin.training.engine import BalancingEngine
 from lightning_cannikin.training.frontends.batch_statistics import smallest_local_batch
 from lightning_cannikin.training.frontends.launch_checks import check_before_launch, checked_launcher
@@ -78,7 +78,6 @@ class UnevenBatchesMixin:
         # this strategy's engine: built once, at setup, from the fit's Cannikin callback's options (or the defaults)
         self._built: BalancingEngine | None = None
         self._plan_before_fit: Plan | None = None  # a plan set before the engine exists: the engine starts from it
-        self._train_loader: UnevenDataLoader | None = None
 
     @property
     def engine(self) -> BalancingEngine:
@@ -219,16 +218,15 @@ class UnevenBatchesMixin:
         if not isinstance(dataloader, torch.utils.data.DataLoader):
             name = type(self).__name__
             raise ValueError(f"{name} needs a torch DataLoader for training, got {type(dataloader).__name__}.")
-        if self._train_loader is not None and not self._train_loader.iterated:
+        built = self.engine.data.loader  # the engine's training loader of this fit, until its teardown
+        if built is not None and not built.iterated:
             # Lightning processes every training loader of a fit before it draws a batch from any: a loader built
             # earlier in this fit and never iterated means that this one is a second loader of the same fit
             raise ValueError(MULTIPLE_LOADERS_ERROR)
         if self._fixed_sizes is not None:
             warn_about_fixed_total(self._fixed_sizes, loader_batch_size(dataloader), self.world_size)
         accumulation = trainer.accumulate_grad_batches
-        loader = self.engine.training_loader(dataloader, accumulation, self._fixed_sizes, self._sample_costs)
-        self._train_loader = loader
-        return loader
+        return self.engine.training_loader(dataloader, accumulation, self._fixed_sizes, self._sample_costs)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
@@ -248,6 +246,5 @@ class UnevenBatchesMixin:
 
     def teardown(self) -> None:
         # the fit ends: the loader goes, the plan stays (a later fit starts from it)
-        self._train_loader = None
         self.engine.data.use_loader(None, None)
         super().teardown()  # type: ignore[misc]
