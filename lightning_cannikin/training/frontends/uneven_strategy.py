@@ -229,12 +229,9 @@ class UnevenBatchesMixin:
         return self.engine.training_loader(dataloader, accumulation, self._fixed_sizes, self._sample_costs)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
-        self._begin_step(batch)
-
-    def _begin_step(self, batch: Any = None) -> None:
         """The training step begins, with the sizes the loader handed out for ``batch`` (a count mean's units of
         ``batch`` all-gathered where the sampler does not know them)."""
+        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
         trainer = self.lightning_module.trainer
         units = None
         if self._normalisation == "count_mean" and self._sample_costs is None and self._batch_units is not None:
