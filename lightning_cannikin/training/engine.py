@@ -67,7 +67,6 @@ class BalancingEngine:
     def __init__(self, options: EngineOptions | None = None, **choices: Any) -> None:
         options = options if options is not None else EngineOptions(**choices)
         self.options = options
-        self._settings = options.settings
         self.controller = options.controller()  # every decision and every input to one: the engine measures, carries
         self.reductions = Reductions()
         self.data = PlanInForce()
@@ -113,7 +112,7 @@ class BalancingEngine:
         self._losses.normalisation = normalisation
         controller.configure(world_size, BatchBounds.parse(self.options.local_batch_bounds, world_size, smallest))
         if reductions.observer is None and world_size > 1 and self.options.track_noise_scale:
-            every = (self._settings.noise_exchange_every, self._settings.noise_every_n_steps)
+            every = (self.options.settings.noise_exchange_every, self.options.settings.noise_every_n_steps)
             reductions.watch_noise(collective.rank, world_size, sharded, every, controller.replanner.noise_every)
         checks = controller.replanner.check_every_n_steps
         votes = world_size > 1 and controller.policy.balance and not fixed_split and checks is not None
@@ -175,9 +174,8 @@ class BalancingEngine:
         fixed: Sequence[int] | None = None,
         sample_costs: SampleCosts | None = None,
     ) -> UnevenDataLoader:
-        """``dataloader`` rebuilt around the uneven sampler, with the plan this fit starts from: the ``fixed`` split,
-        else the plan in force (an earlier fit's, a checkpoint's) at this ``accumulation``, else the loader's
-        ``batch_size`` on every rank, moved inside the bounds (the same total). Its steps begin with
+        """``dataloader`` rebuilt around the uneven sampler, with the plan this fit starts from
+        (:meth:`~lightning_cannikin.training.data.plan_in_force.PlanInForce.first_plan`). Its steps begin with
         :meth:`begin_step`; a step's input is timed from the loop's request for it."""
         assert self._collective is not None, "bind() first"
         rank, world_size = self._collective.rank, self._collective.world_size
@@ -355,20 +353,15 @@ class BalancingEngine:
     # -- checkpoints ---------------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything a resume needs; every rank calls it, as Lightning's checkpoint does (each rank's own part is
-        gathered)."""
+        """Everything a resume needs; every rank calls it, as Lightning's ``save_checkpoint`` does, and Lightning writes
+        rank zero's callback state: every rank's :class:`LocalEvidence` is gathered."""
+        mine = self._local.state_dict(self.reductions.timer)
         return {
             **self.controller.state_dict(),
             "plan": self.data.plan.to_dict() if self.data.plan is not None else None,
             "noise_in_flight": self.reductions.state_dict(),
-            "ranks": self._ranks_state(),
+            "ranks": self._collective.all_gather(mine) if self._collective is not None else [mine],
         }
-
-    def _ranks_state(self) -> list[dict[str, Any]]:
-        """Every rank's :class:`LocalEvidence`, gathered: Lightning writes rank zero's callback state, and every rank
-        calls :meth:`state_dict`, as Lightning's ``save_checkpoint`` does."""
-        mine = self._local.state_dict(self.reductions.timer)
-        return self._collective.all_gather(mine) if self._collective is not None else [mine]
 
     def load_state_dict(self, state: dict[str, Any]) -> Plan | None:
         """Put the saved plan in force now (the loader is built with it); the rest waits for :meth:`start` (the

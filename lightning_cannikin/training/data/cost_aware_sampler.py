@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 
 from lightning_cannikin.core.cost_split import split_by_cost
-from lightning_cannikin.core.layout import GlobalBatch
 from lightning_cannikin.core.plan import Plan
 from lightning_cannikin.core.policy import Decision
 from lightning_cannikin.core.timing import HALF_LIFE
@@ -92,15 +91,7 @@ class CostAwareBatchSampler(UnevenBatchSampler):
         self.costs = costs
         # a "sample" of the speed model is a sample of average cost: its sizes and the planner's keep their meaning
         self.mean_cost = float(costs.mean())
-        self._permutation: tuple[int, np.ndarray] | None = None
         self._splits: dict[int, tuple[Any, np.ndarray]] = {}
-
-    def _epoch_permutation(self) -> np.ndarray:
-        epoch = self.sampler.epoch
-        if self._permutation is None or self._permutation[0] != epoch:
-            self._permutation = (epoch, np.asarray(self.sampler.permutation(), dtype=np.int64))
-            self._splits.clear()
-        return self._permutation[1]
 
     def split_at(self, batch_index: int) -> tuple[np.ndarray, np.ndarray]:
         """Global batch ``batch_index``'s samples (dataset indices, in permutation order) and the rank of each."""
@@ -108,10 +99,9 @@ class CostAwareBatchSampler(UnevenBatchSampler):
         sizes = batch.local_batch_sizes
         if not sizes:  # an epoch begun on another world size: a batch it ran
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        permutation = self._epoch_permutation()
-        samples = permutation[batch.start : batch.start + sum(sizes)]
+        samples = np.asarray(self._epoch_permutation()[batch.start : batch.start + sum(sizes)], dtype=np.int64)
         models = self.plan_at(batch_index).time_models
-        key = (batch.start, sizes, models)
+        key = (self.sampler.epoch, batch.start, sizes, models)
         cached = self._splits.get(batch_index)
         if cached is not None and cached[0] == key:
             return samples, cached[1]
@@ -142,7 +132,7 @@ class CostAwareBatchSampler(UnevenBatchSampler):
         """A rank's summed cost in samples of average cost: the size its step is timed at (at least 1)."""
         return max(1, round(units / self.mean_cost))
 
-    def _rank_indices(self, permutation: list[int], batch_index: int, batch: GlobalBatch) -> list[int]:
+    def _rank_indices(self, batch_index: int) -> list[int]:
         samples, ranks = self.split_at(batch_index)
         return samples[ranks == self.rank].tolist()
 

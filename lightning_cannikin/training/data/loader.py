@@ -67,11 +67,9 @@ class UnevenDataLoader(DataLoader):
         return self.batch_sampler
 
     def __iter__(self) -> Iterator[Any]:
-        # Lazy: Lightning creates an iterator while setting up data, before it selects the epoch, and may discard it.
-        # Everything epoch-dependent (the resume position, the schedule) is decided at the first `next()`.
-        return self._iterate()
-
-    def _iterate(self) -> Iterator[Any]:
+        # A generator, so lazy: Lightning creates an iterator while setting up data, before it selects the epoch,
+        # and may discard it. Everything epoch-dependent (the resume position, the schedule) is decided at the first
+        # `next()`.
         self.iterated = True
         sampler = self.uneven_sampler
         start = self._resume_position()
@@ -186,14 +184,14 @@ def check_trainable(dataloader: DataLoader, global_batch_size: int) -> tuple[boo
 
 
 def rebuild_uneven(
-    dataloader: DataLoader, plan: Plan, rank: int, seed: int | None = None, sample_costs: SampleCosts | None = None
+    dataloader: DataLoader, plan: Plan, rank: int, sample_costs: SampleCosts | None = None
 ) -> UnevenDataLoader:
     """A copy of ``dataloader`` whose batches follow ``plan`` on this ``rank`` (:func:`check_trainable` first);
     with ``sample_costs``, each global batch is split by cost (:class:`CostAwareBatchSampler`)."""
-    shuffle, sampler_seed = check_trainable(dataloader, plan.global_batch_size)
+    shuffle, seed = check_trainable(dataloader, plan.global_batch_size)
     dataset = dataloader.dataset
     num_samples = len(dataset)  # type: ignore[arg-type]
-    options = {"shuffle": shuffle, "seed": sampler_seed if seed is None else seed, "drop_last": dataloader.drop_last}
+    options = {"shuffle": shuffle, "seed": seed, "drop_last": dataloader.drop_last}
     costs = resolve_costs(sample_costs, dataset)
     if costs is None:
         batch_sampler = UnevenBatchSampler(num_samples, rank=rank, plan=plan, **options)

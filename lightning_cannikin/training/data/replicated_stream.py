@@ -30,14 +30,11 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lightning_cannikin.core.plan import Plan
 from lightning_cannikin.core.stream_shares import global_batches
-from lightning_cannikin.training.data.loader import _KEPT_ARGUMENTS, UnevenDataLoader
+from lightning_cannikin.training.data.loader import UnevenDataLoader, kept_arguments
 from lightning_cannikin.training.data.sampler import UnevenBatchSampler
 from lightning_cannikin.training.data.stream_checks import check_replicable
 
 __all__ = ["ReplicatedStreamLoader", "StreamSliceSampler", "rebuild_replicated"]
-
-# the user's reading options: the loader's kept arguments but the collation (the stream is read item by item here)
-_READ_OPTIONS = tuple(name for name in _KEPT_ARGUMENTS if name != "collate_fn")
 
 
 class StreamSliceSampler(UnevenBatchSampler):
@@ -182,10 +179,8 @@ def rebuild_replicated(dataloader: DataLoader, plan: Plan, rank: int, world_size
     workers and keeps its slice of each global batch under ``plan``."""
     check_replicable(dataloader)
     dataset: IterableDataset = dataloader.dataset  # type: ignore[assignment]
-    options = {name: getattr(dataloader, name) for name in _READ_OPTIONS if hasattr(dataloader, name)}
-    if options.get("num_workers", 0) == 0:
-        options.pop("prefetch_factor", None)
-        options["persistent_workers"] = False
+    options = kept_arguments(dataloader)
+    options.pop("collate_fn", None)  # the stream is read item by item here; the rank's slice is collated afterwards
 
     def read() -> Iterator[Any]:
         # single items in the stream's own order (the workers' interleaving is the DataLoader's, the same everywhere)

@@ -88,6 +88,7 @@ class UnevenBatchSampler(Sampler[list[int]]):
         self.yielded = 0
         self._layout: list[GlobalBatch] | None = None
         self._layout_key: tuple | None = None
+        self._permutation: tuple[int, list[int]] | None = None  # (epoch, its permutation)
 
     @property
     def num_samples(self) -> int:
@@ -134,20 +135,25 @@ class UnevenBatchSampler(Sampler[list[int]]):
         """Every rank's sample count in global batch ``batch_index`` of the current epoch."""
         return self.layout()[batch_index].local_batch_sizes
 
+    def _epoch_permutation(self) -> list[int]:
+        """The current epoch's shared permutation (drawn once per epoch)."""
+        epoch = self.sampler.epoch
+        if self._permutation is None or self._permutation[0] != epoch:
+            self._permutation = (epoch, self.sampler.permutation())
+        return self._permutation[1]
+
     def __iter__(self) -> Iterator[list[int]]:
-        permutation = self.sampler.permutation()
         index = self.start_batch
         self.yielded = index
         # the layout is re-read per batch: a plan set mid-epoch from a batch not yet yielded takes effect in time
-        while index < len(layout := self.layout()):
-            batch = layout[index]
+        while index < len(self.layout()):
             index += 1
             self.yielded = index
-            yield self._rank_indices(permutation, index - 1, batch)
+            yield self._rank_indices(index - 1)
 
-    def _rank_indices(self, permutation: list[int], batch_index: int, batch: GlobalBatch) -> list[int]:
+    def _rank_indices(self, batch_index: int) -> list[int]:
         """This rank's indices of global batch ``batch_index``: its contiguous slice of the batch."""
-        return permutation[batch.rank_slice(self.rank)]
+        return self._epoch_permutation()[self.layout()[batch_index].rank_slice(self.rank)]
 
     def __len__(self) -> int:
         return len(self.layout())

@@ -103,18 +103,24 @@ class StreamShareSampler(UnevenBatchSampler):
             )
         super().set_plan(plan, from_batch, interleave)
 
+    def reading(self) -> dict[str, Any]:
+        """How this rank reads the stream, apart from the epoch and its plans: what a resume must repeat."""
+        return {
+            "items": self.num_samples,
+            "seed": self.sampler.seed,
+            "shuffle": self.sampler.shuffle,
+            "num_workers": self.num_workers,
+            "window": self.window,
+        }
+
     def key(self) -> dict[str, Any]:
         """Everything this rank's shares depend on, which every rank must agree on."""
         return {
             "epoch": self.sampler.epoch,
             "plan": [[k, list(plan.local_batch_sizes)] for k, plan in sorted(self.schedule.items())],
-            "items": self.num_samples,
+            **self.reading(),
             "chunks": share_key(sizes=self.chunk_sizes),
-            "shuffle": self.sampler.shuffle,
-            "seed": self.sampler.seed,
             "drop_last": self.drop_last,
-            "num_workers": self.num_workers,
-            "window": self.window,
             "start": self.start_batch,
         }
 
@@ -144,14 +150,11 @@ class StreamShareSampler(UnevenBatchSampler):
 
     def __iter__(self) -> Iterator[list[int]]:
         check_agreement(self.key())
-        index = self.start_batch
-        self.yielded = index
+        yield from super().__iter__()
+
+    def _rank_indices(self, batch_index: int) -> list[int]:
         # the shares are re-read per batch: a plan set mid-epoch from a batch not yet drawn deals the items left
-        while index < len(self.layout()):
-            ids = self.shares()[index]
-            index += 1
-            self.yielded = index
-            yield ids.tolist()
+        return self.shares()[batch_index].tolist()
 
 
 def check_agreement(key: dict[str, Any]) -> None:
@@ -196,27 +199,17 @@ class StreamingUnevenLoader(UnevenDataLoader):
         assert isinstance(self.batch_sampler, StreamShareSampler)
         return self.batch_sampler
 
-    def _stream_state(self) -> dict[str, Any]:
-        sampler = self.stream_sampler
-        return {
-            "items": sampler.num_samples,
-            "seed": sampler.sampler.seed,
-            "shuffle": sampler.sampler.shuffle,
-            "num_workers": sampler.num_workers,
-            "window": sampler.window,
-        }
-
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "stream": self._stream_state()}
+        return {**super().state_dict(), "stream": self.stream_sampler.reading()}
 
     def _resume_position(self) -> int:
         restore = self._restore
         if restore is not None and restore.get("epoch") == self.stream_sampler.sampler.epoch:
-            saved = restore.get("stream")
-            if saved != self._stream_state():
+            saved, reading = restore.get("stream"), self.stream_sampler.reading()
+            if saved != reading:
                 raise ValueError(
                     f"The checkpoint's training loader read the stream with {saved}, this run with"
-                    f" {self._stream_state()}. Resume with the same data set, seed, shuffle, `num_workers` and LitData"
+                    f" {reading}. Resume with the same data set, seed, shuffle, `num_workers` and LitData"
                     " version (its decode window), or start the epoch afresh."
                 )
             sizes = {Plan.from_dict(plan).world_size for _, plan in restore["schedule"]}

@@ -88,7 +88,6 @@ class CannikinFabricStrategy(DDPStrategy):
         settings = replace(settings or CannikinSettings(), accumulate=False)
         choices = (max_batch_size, local_batch_bounds, lr_scaling, base_batch_size, True, replan_every_n_steps, False)
         self.engine = BalancingEngine(EngineOptions(*choices, settings))
-        self._loader: UnevenDataLoader | None = None
         self._ddp: DistributedDataParallel | None = None
         self._optimizer: Any = None
         self._optimizer_steps = 0
@@ -149,7 +148,6 @@ class CannikinFabricStrategy(DDPStrategy):
             self.engine.bind(StrategyCollective(self), fixed_split=self._fixed is not None, smallest=smallest)
         fixed = self._fixed.local_batch_sizes if self._fixed is not None else None
         loader = self.engine.training_loader(dataloader, self._accumulation, fixed)
-        self._loader = loader
         if self.engine.controller.estimator is None:
             self.engine.start(self._optimizer, accumulation_allowed=False)
         return loader
@@ -164,7 +162,7 @@ class CannikinFabricStrategy(DDPStrategy):
         gradient sync on all but the window's last micro-batch (``fabric.no_backward_sync``); the strategy weights
         each micro-batch so that the window's gradient is the exact mean over its samples.
         """
-        loader = self._loader
+        loader = self.engine.data.loader  # the one `uneven_dataloader` returned
         if loader is None or not loader.pending_steps:
             raise RuntimeError("`step()` needs a batch drawn from the loader that `uneven_dataloader` returned.")
         position, sizes = self.engine.begin_step(self._optimizer_steps, self._accumulation)  # type: ignore[misc]

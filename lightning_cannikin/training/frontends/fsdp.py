@@ -23,7 +23,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
-from functools import partial
 from typing import Any
 
 import torch
@@ -35,7 +34,6 @@ from typing_extensions import override
 from lightning_cannikin.training._lightning_compat import StrategyRegistryType
 from lightning_cannikin.training.data.cost_aware_sampler import SampleCosts
 from lightning_cannikin.training.engine import BalancingEngine
-from lightning_cannikin.training.frontends.launch_checks import check_before_launch, checked_launcher
 from lightning_cannikin.training.frontends.uneven_strategy import UnevenBatchesMixin
 
 __all__ = ["CannikinModelParallelStrategy", "TimedCollectives"]
@@ -69,7 +67,7 @@ class TimedCollectives:
     """
 
     def __init__(self, engine: BalancingEngine, reducing: Any, gather: bool) -> None:
-        self._engine = engine
+        self.engine = engine
         self._reducing = reducing  # () -> whether this backward is the window's reducing one
         self._gather = gather
         self._host = engine.reductions.host_clock
@@ -79,7 +77,7 @@ class TimedCollectives:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: Any, *args: Any, **kwargs: Any) -> Any:
-        engine = self._engine
+        engine = self.engine
         self.calls += 1
         reducing = not self._gather and self._reducing()
         if reducing:
@@ -141,17 +139,13 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
     def _configure_launcher(self) -> None:
         # the earliest point where the world size is known and no process has been launched yet
         assert self.cluster_environment is not None
+        self._launcher = self._checked_launcher(self._start_method, sharded=True)  # checks the fixed split first
         world_size = self._launch_world_size()
-        self._check_split_length(world_size, self.num_nodes, self.num_processes)
         if self._data_parallel_size not in ("auto", world_size):
             raise ValueError(
                 f"`data_parallel_size={self._data_parallel_size}` must equal the world size ({world_size}) under"
                 " CannikinModelParallelStrategy (tensor parallelism is not supported). Leave it unset."
             )
-        # Lightning's launchers (a sharded model's for fork and spawn), checking what the fit's arguments already show
-        # before they start any process (under torchrun or SLURM: in every process, before the process group exists)
-        check = partial(check_before_launch, world_size=world_size, fixed_sizes=self._fixed_sizes)
-        self._launcher = checked_launcher(self, self._start_method, check, sharded=True)
 
     @override
     def setup_environment(self) -> None:
@@ -160,7 +154,7 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
         super().setup_environment()
         self._bind_engine(sharded=True)  # the noise statistics read FSDP2's reduce-scatters
         # FSDP2's reduce-scatter averages over the ranks: n * b_i / B on the loss makes its mean the weighted mean
-        self._engine.reductions.reduce_with(loss_carries_weight=True, averaged_over=self.world_size)
+        self.engine.reductions.reduce_with(loss_carries_weight=True, averaged_over=self.world_size)
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -170,7 +164,7 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
         sharded = [module for module in self.model.modules() if isinstance(module, FSDPModule)]
         if not sharded and self.world_size > 1:
             raise ValueError(NOT_SHARDED_ERROR)
-        engine = self._engine
+        engine = self.engine
         gather = TimedCollectives(engine, lambda: not self._accumulating, gather=True)
         reduce = self._reduce = TimedCollectives(engine, lambda: not self._accumulating, gather=False)
         for module in sharded:
@@ -194,18 +188,13 @@ class CannikinModelParallelStrategy(UnevenBatchesMixin, ModelParallelStrategy):
             self._reduce.calls = 0
         try:
             # a reducing backward's shards are the window's reduced gradient: the engine's noise statistics read them
-            with self._engine.backward(closure_loss, not self._accumulating, self.model.parameters) as weighted:
+            with self.engine.backward(closure_loss, not self._accumulating, self.model.parameters) as weighted:
                 loss = super().backward(weighted, optimizer, *args, **kwargs)
         except torch.cuda.OutOfMemoryError as error:
             self._out_of_memory(error)
         if self._reduce is not None and self._reduce.calls == 0 and not self._accumulating:
-            self._engine.reductions.gradient_ready()  # one rank: FSDP2 copies its gradients without a reduce-scatter
+            self.engine.reductions.gradient_ready()  # one rank: FSDP2 copies its gradients without a reduce-scatter
         return loss
-
-    @override
-    def teardown(self) -> None:
-        self._release_loader()
-        super().teardown()
 
     @classmethod
     @override

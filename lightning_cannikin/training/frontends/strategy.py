@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any
 
 import torch
@@ -14,7 +13,6 @@ from typing_extensions import override
 
 from lightning_cannikin.training._lightning_compat import StrategyRegistryType, register_ddp_comm_hook
 from lightning_cannikin.training.data.cost_aware_sampler import SampleCosts
-from lightning_cannikin.training.frontends.launch_checks import check_before_launch, checked_launcher
 from lightning_cannikin.training.frontends.strategy_checks import warn_about_sync_batchnorm
 from lightning_cannikin.training.frontends.uneven_strategy import UnevenBatchesMixin
 from lightning_cannikin.training.measurement.grad_ready import GradientReadiness
@@ -71,11 +69,7 @@ class CannikinStrategy(UnevenBatchesMixin, DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         # the earliest point where the world size is known and no process has been launched yet
-        world_size = self._launch_world_size()
-        self._check_split_length(world_size, self.num_nodes, self.num_processes)
-        # Lightning's launchers, checking what the fit's arguments already show before they spawn any process
-        check = partial(check_before_launch, world_size=world_size, fixed_sizes=self._fixed_sizes)
-        self._launcher = checked_launcher(self, self._start_method, check)
+        self._launcher = self._checked_launcher(self._start_method)
 
     @override
     def setup_environment(self) -> None:
@@ -96,13 +90,13 @@ class CannikinStrategy(UnevenBatchesMixin, DDPStrategy):
         every step, so the all-reduce model is exact at the totals the goodput choice weighs, not a fit of spans.
         Balancing alone leaves the reduction to DDP's own all-reduce: its total never changes."""
         manual = self.lightning_module is not None and not self.lightning_module.automatic_optimization
-        return self._engine.reductions.measures_noise or manual or self._ddp_comm_wrapper is not None
+        return self.engine.reductions.measures_noise or manual or self._ddp_comm_wrapper is not None
 
     @override
     def _register_ddp_hooks(self) -> None:
         assert isinstance(self.model, DistributedDataParallel)
         self._remove_parameter_hooks()
-        engine = self._engine
+        engine = self.engine
         self._uses_comm_hook = self._comm_hook_needed()
         # under automatic optimization the one backward of the step passes `self.backward`, so the weight rides on
         # the loss (one scalar product) instead of on every bucket; under manual optimization the hook applies it.
@@ -141,7 +135,7 @@ class CannikinStrategy(UnevenBatchesMixin, DDPStrategy):
         # an accumulation micro-step runs under DDP's `no_sync`: no all-reduce, whichever path reduces
         reduces = getattr(self.model, "require_backward_grad_sync", True)
         try:
-            with self._engine.backward(closure_loss, reduces, self.lightning_module.parameters) as weighted:
+            with self.engine.backward(closure_loss, reduces, self.lightning_module.parameters) as weighted:
                 loss = super().backward(weighted, optimizer, *args, **kwargs)
         except torch.cuda.OutOfMemoryError as error:
             self._out_of_memory(error)
@@ -156,8 +150,7 @@ class CannikinStrategy(UnevenBatchesMixin, DDPStrategy):
             self._forward_hook.remove()
             self._forward_hook = None
         self._remove_parameter_hooks()
-        self._release_loader()
-        super().teardown()
+        super().teardown()  # the mixin's: the loader goes
 
     @classmethod
     @override

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, NoReturn
 
 import torch
@@ -22,9 +23,10 @@ from lightning_cannikin.core.plan import Plan
 from lightning_cannikin.training._lightning_compat import uses_distributed_sampler
 from lightning_cannikin.training.collective import StrategyCollective, end_process_group_at_exit
 from lightning_cannikin.training.data.cost_aware_sampler import SampleCosts
-from lightning_cannikin.training.data.loader import UnevenDataLoader, loader_batch_size
+from lightning_cannikin.training.data.loader import loader_batch_size
 from lightning_cannikin.training.engine import BalancingEngine
 from lightning_cannikin.training.frontends.batch_statistics import smallest_local_batch
+from lightning_cannikin.training.frontends.launch_checks import check_before_launch, checked_launcher
 from lightning_cannikin.training.frontends.lightning_hooks import BalancingCallback
 from lightning_cannikin.training.frontends.strategy_checks import (
     MULTIPLE_LOADERS_ERROR,
@@ -74,16 +76,11 @@ class UnevenBatchesMixin:
         # this strategy's engine: built once, at setup, from the fit's Cannikin callback's options (or the defaults)
         self._built: BalancingEngine | None = None
         self._plan_before_fit: Plan | None = None  # a plan set before the engine exists: the engine starts from it
-        self._train_loader: UnevenDataLoader | None = None
 
     @property
     def engine(self) -> BalancingEngine:
         """The balancing engine this strategy owns and drives (built from the Cannikin callback's options when the fit
         is set up; read earlier, from the defaults)."""
-        return self._engine
-
-    @property
-    def _engine(self) -> BalancingEngine:
         if self._built is None:
             self._build_engine(EngineOptions())
         assert self._built is not None
@@ -91,7 +88,7 @@ class UnevenBatchesMixin:
 
     def _build_engine(self, options: EngineOptions) -> None:
         """This strategy's engine, from ``options``, starting from the plan in force (one set before the fit)."""
-        plan = self._built.data.plan if self._built is not None else self._plan_before_fit
+        plan = self.plan
         self._built, self._plan_before_fit = BalancingEngine(options), None
         if plan is not None:
             self._built.data.set_plan(plan)
@@ -136,9 +133,13 @@ class UnevenBatchesMixin:
             return int(environment.world_size())
         return self.num_nodes * self.num_processes  # type: ignore[attr-defined]
 
-    def _check_split_length(self, world_size: int, num_nodes: int, num_processes: int) -> None:
-        """Before any process is launched: one fixed size per rank."""
+    def _checked_launcher(self, start_method: str, sharded: bool = False) -> Any:
+        """Lightning's launcher for ``start_method`` (``sharded``: a sharded model's for fork and spawn), checking what
+        the fit's arguments already show before it starts any process (under torchrun or SLURM: in every process,
+        before the process group exists); one fixed size per rank is checked now."""
+        world_size = self._launch_world_size()
         if self._fixed_sizes is not None and len(self._fixed_sizes) != world_size:
+            num_nodes, num_processes = self.num_nodes, self.num_processes  # type: ignore[attr-defined]
             layout = f"{num_nodes} node(s) x {num_processes} device(s)"
             if world_size != num_nodes * num_processes:
                 layout = "Ray Train's workers"  # the only world `_launch_world_size` takes from elsewhere
@@ -146,6 +147,8 @@ class UnevenBatchesMixin:
                 f"`local_batch_sizes` has {len(self._fixed_sizes)} entries but the world size is {world_size}"
                 f" ({layout}). Give one size per rank."
             )
+        check = partial(check_before_launch, world_size=world_size, fixed_sizes=self._fixed_sizes)
+        return checked_launcher(self, start_method, check, sharded)  # type: ignore[arg-type]
 
     def _take_engine(self) -> None:
         """This fit's engine, built once: from the user's Cannikin callback's options, else from the defaults, which a
@@ -169,29 +172,29 @@ class UnevenBatchesMixin:
         if self._built is None or self._built.options is not options:
             self._build_engine(options)
         if callback is not None:
-            callback.use_engine(self._engine)
+            callback.use_engine(self.engine)
 
     def _bind_engine(self, sharded: bool = False) -> None:
         """The engine learns this strategy's facts (after the process group exists, before the callbacks' setup)."""
         collective = StrategyCollective(self)
-        smallest = smallest_local_batch(self.lightning_module, self._engine.options.local_batch_bounds)
-        self._engine.bind(collective, self.fixed_split, self._normalisation, sharded, smallest)
-        self._engine.reductions.use_device(self.root_device)
+        smallest = smallest_local_batch(self.lightning_module, self.engine.options.local_batch_bounds)
+        self.engine.bind(collective, self.fixed_split, self._normalisation, sharded, smallest)
+        self.engine.reductions.use_device(self.root_device)
         end_process_group_at_exit()
 
     def _out_of_memory(self, error: torch.cuda.OutOfMemoryError) -> NoReturn:
         """Raise an out-of-memory error that names this rank, its local batch and the bounds."""
         if isinstance(error, LocalBatchOutOfMemoryError):
             raise error
-        sizes = self._engine.running.sizes
+        sizes = self.engine.running.sizes
         batch_size = sizes[self.global_rank] if sizes else None
         raise out_of_memory_error(
-            self.global_rank, batch_size, sizes, self._engine.controller.bounds, self.root_device
+            self.global_rank, batch_size, sizes, self.engine.controller.bounds, self.root_device
         ) from error
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         # every training step passes here, whatever the LightningModule calls inside it
-        self._engine.forward_started()
+        self.engine.forward_started()
         try:
             return super().training_step(*args, **kwargs)  # type: ignore[misc]
         except torch.cuda.OutOfMemoryError as error:
@@ -200,7 +203,7 @@ class UnevenBatchesMixin:
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """The step's learning-rate factor applied for this step only (:meth:`BalancingEngine.optimizer_step`)."""
         try:
-            with self._engine.optimizer_step(optimizer):
+            with self.engine.optimizer_step(optimizer):
                 return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
         except torch.cuda.OutOfMemoryError as error:
             self._out_of_memory(error)  # the optimizer's state, or the closure's forward and backward
@@ -213,24 +216,20 @@ class UnevenBatchesMixin:
         if not isinstance(dataloader, torch.utils.data.DataLoader):
             name = type(self).__name__
             raise ValueError(f"{name} needs a torch DataLoader for training, got {type(dataloader).__name__}.")
-        if self._train_loader is not None and not self._train_loader.iterated:
+        built = self.engine.data.loader  # the engine's training loader of this fit, until its teardown
+        if built is not None and not built.iterated:
             # Lightning processes every training loader of a fit before it draws a batch from any: a loader built
             # earlier in this fit and never iterated means that this one is a second loader of the same fit
             raise ValueError(MULTIPLE_LOADERS_ERROR)
         if self._fixed_sizes is not None:
             warn_about_fixed_total(self._fixed_sizes, loader_batch_size(dataloader), self.world_size)
         accumulation = trainer.accumulate_grad_batches
-        loader = self._engine.training_loader(dataloader, accumulation, self._fixed_sizes, self._sample_costs)
-        self._train_loader = loader
-        return loader
+        return self.engine.training_loader(dataloader, accumulation, self._fixed_sizes, self._sample_costs)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
-        self._begin_step(batch)
-
-    def _begin_step(self, batch: Any = None) -> None:
         """The training step begins, with the sizes the loader handed out for ``batch`` (a count mean's units of
         ``batch`` all-gathered where the sampler does not know them)."""
+        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
         trainer = self.lightning_module.trainer
         units = None
         if self._normalisation == "count_mean" and self._sample_costs is None and self._batch_units is not None:
@@ -238,9 +237,9 @@ class UnevenBatchesMixin:
         # Lightning closes an accumulation window early at the epoch's last batch (or `limit_train_batches`)
         end = trainer.num_training_batches
         end = int(end) if math.isfinite(end) else -1
-        self._engine.begin_step(trainer.global_step, trainer.accumulate_grad_batches, end, units)
+        self.engine.begin_step(trainer.global_step, trainer.accumulate_grad_batches, end, units)
 
-    def _release_loader(self) -> None:
-        """The fit ends: the loader goes, the plan stays (a later fit starts from it)."""
-        self._train_loader = None
-        self._engine.data.use_loader(None, None)
+    def teardown(self) -> None:
+        # the fit ends: the loader goes, the plan stays (a later fit starts from it)
+        self.engine.data.use_loader(None, None)
+        super().teardown()  # type: ignore[misc]
