@@ -128,3 +128,42 @@ def test_a_mid_epoch_reconsideration_with_no_total_in_reach_waits_for_the_epoch_
     assert controller.epoch_end()[1], "the epoch's end reconsiders: the accumulation may change there"
     state = controller.replanner.state_dict()
     assert state["unreachable"] and Replanner(adaptive=True).state_dict()["unreachable"] is False
+
+
+def test_an_epoch_end_reconsiders_a_total_chosen_mid_epoch_with_the_accumulation_held():
+    # the devices hold 40 samples each: a total past 120 needs accumulation, which changes at epoch ends only. A
+    # mid-epoch reconsideration chooses among the totals of one micro-step and finds 120 the best of them; its options
+    # lack the accumulated totals, so the epoch's end must not read them as "no move" (yolov3 on 16 T4s in the
+    # simulator skipped 256 -> 512 at two epoch ends that way)
+    controller = Controller(PolicySettings(max_batch_size=960, accumulate=True), Replanner(adaptive=True))
+    controller.configure(3, BatchBounds((10, 10, 10), (40, 40, 40)))
+    current = Plan((40, 40, 40))
+    controller.start(current)
+    records = [
+        StepRecord(step, rank, size, 0.001 * (rank + 1) * size, 0.2)
+        for step in range(12)
+        for rank, size in enumerate((40, 40, 40) if step % 2 else (30, 30, 30))
+    ]
+    controller.speed_model.add(records)
+    assert controller.speed_model.identified, "every rank timed at two sizes"
+    controller.replanner.identified = True
+    controller.noise = NoiseReading((40_000.0, 90_000.0), 60_000.0)  # far above the largest total: larger pays
+    controller.replanner.routine_gap = 512  # a long run whose re-plans kept the plan: no routine re-plan is near
+    controller.step_done()
+    due, adapt = controller.after_step(False)
+    assert due and adapt, "no options yet: the total is reconsidered"
+    decision, _ = controller.decide([], current, mid_epoch=True, adapt_total=adapt)
+    assert decision.plan.total_batch_size == 120 and decision.plan.accumulation_steps == 1
+    assert decision.total_options is not None and max(decision.total_options.totals) == 120
+    controller.adopt(current, decision, adapt)
+    controller.step_done()
+    assert controller.after_step(False) == (False, False), "mid-epoch the held options call for no move"
+    due, adapt = controller.epoch_end()
+    assert due and adapt, "the epoch's end may accumulate: it reconsiders the total"
+    decision, _ = controller.decide([], current, mid_epoch=False, adapt_total=adapt)
+    assert decision.plan.accumulation_steps > 1 and decision.plan.total_batch_size > 120
+    controller.adopt(current, decision, adapt)
+    options = controller.replanner.total_options
+    restored = Replanner(adaptive=True)
+    restored.load_state_dict(controller.replanner.state_dict())
+    assert restored.total_options == options and not options.held, "the epoch end's options are the whole set"

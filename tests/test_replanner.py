@@ -16,6 +16,8 @@ class BandRule:
     """A stand-in for the decision's ``TotalOptions`` in the replanner's tests: a move wherever the bounds lie wholly
     outside a band (the rule itself is tested in tests/test_interval_choice.py; here, when the replanner asks it)."""
 
+    held = False  # chosen with the accumulation free to change: the options speak for an epoch's end too
+
     def __init__(self, low: float, high: float) -> None:
         self.low, self.high = low, high
 

@@ -220,16 +220,13 @@ class Controller:
         self.history.observe(records)
         if current is None or not model.ready:
             return None, messages
-        # the accumulation changes at epoch ends only (as Lightning's GradientAccumulationScheduler does it): a
-        # mid-epoch window must not straddle two values
-        policy = replace(self.policy, accumulate=False) if mid_epoch else self.policy
         settle_at = self.replanner.settle_at
         if settle_at is not None and self.step >= settle_at:  # after a move, its sizes timed: was it as predicted?
-            miss = missed_prediction(self.step, current, model, policy.split_margin)
+            miss = missed_prediction(self.step, current, model, self.policy.split_margin)
             if miss is not None:
                 messages.append(Message(miss))
-        noise = self.noise
-        decision = decide(model, current, policy, noise.bounds, base, adapt_total, self.adam, noise.estimate)
+        noise, policy = self.noise, self.policy
+        decision = decide(model, current, policy, noise.bounds, base, adapt_total, self.adam, noise.estimate, mid_epoch)
         decision = replace(decision, changing=model.changing, unconfirmed=model.watch.unconfirmed)
         return decision, messages
 

@@ -77,6 +77,8 @@ class TotalOptions:
         base_batch_size: B0.
         margin: the relative gain of the sure share a move must exceed (hysteresis), and the most a move may lose
             against the best total at the end of the interval it moves away from.
+        held: chosen mid-epoch with the accumulation held: an epoch's end, where it may change, weighs totals (or
+            step counts) these options lack, so it reconsiders the total whatever they say.
 
     """
 
@@ -86,6 +88,7 @@ class TotalOptions:
     current_time: float
     base_batch_size: int
     margin: float
+    held: bool = False
 
     def __post_init__(self) -> None:
         if len(self.totals) != len(self.times) or not self.totals:
@@ -131,6 +134,7 @@ class TotalOptions:
             "current_time": float(self.current_time),
             "base_batch_size": int(self.base_batch_size),
             "margin": float(self.margin),
+            "held": self.held,
         }
 
     @classmethod
@@ -143,6 +147,7 @@ class TotalOptions:
             float(state["current_time"]),
             int(state["base_batch_size"]),
             float(state["margin"]),
+            bool(state.get("held", False)),  # checkpoints before it held no such options
         )
 
 

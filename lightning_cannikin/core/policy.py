@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Protocol
 
@@ -228,6 +228,7 @@ def decide(
     adapt_total: bool = True,
     adam: bool = False,
     estimate: float | None = None,
+    mid_epoch: bool = False,
 ) -> Decision:
     """The plan to adopt next, and the learning-rate scale that goes with it.
 
@@ -243,6 +244,9 @@ def decide(
         adam: whether the optimizer is Adam-family (the square root of the AdaScale gain).
         estimate: the noise scale's point estimate: the learning-rate factor's gain takes it within the bounds
             (:func:`gain_noise_scale`).
+        mid_epoch: the plan applies within the running epoch: the accumulation in force is held (it changes at epoch
+            ends only, as Lightning's GradientAccumulationScheduler changes it, so that no window straddles two
+            values), and options it leaves out totals from are marked ``held`` for the epoch's end to reconsider.
 
     The total is chosen over the whole interval of noise scales the bounds allow
     (:class:`~lightning_cannikin.core.interval_choice.TotalOptions`): the candidate whose least share of the best
@@ -258,6 +262,8 @@ def decide(
     change of total batch measures the slope.
     """
     bounds = noise_bounds(noise_scale)
+    held = mid_epoch and settings.accumulate
+    settings = replace(settings, accumulate=False) if held else settings
     global_batch, accumulation = current.global_batch_size, current.accumulation_steps
     choice, split_gain, split_margin = None, None, None
     adapt = adapt_total and settings.max_batch_size is not None and bounds is not None
@@ -285,6 +291,9 @@ def decide(
     if adapt and (plan.global_batch_size, accumulation) != (current.global_batch_size, current.accumulation_steps):
         candidates = _candidates(model, plan, settings, base_batch_size)  # the kept total's time is the new one's
         options = _options(candidates, plan.total_batch_size, settings, base_batch_size)
+    if held and options is not None and (accumulation > 1 or max(options.totals) < (settings.max_batch_size or 0)):
+        # the epoch's end may run these totals in fewer micro-steps, or reach larger ones by accumulating
+        options = replace(options, held=True)
     factor, _ = learning_rate_scale(settings.lr_scaling, plan.total_batch_size, base_batch_size, bounds, adam, estimate)
     timed = getattr(model, "timed", None)  # a model that knows which sizes it timed lately
     untimed = settings.balance and model.identified and timed is not None and not timed(plan.local_batch_sizes)

@@ -139,7 +139,7 @@ class Replanner:
         re-plan waits for new sizes to be timed (:attr:`settle_at`): their times would be the model's guesses. Every
         rank holds the same bounds and options, so every rank answers alike at the same step, with no collective. At
         an ``epoch_end`` the floor does not apply (the epoch's end may change the total whatever
-        ``adapt_every_n_steps`` says)."""
+        ``adapt_every_n_steps`` says), and options chosen with the accumulation held do not speak for it."""
         floor = 0 if epoch_end else self.adapt_every_n_steps
         if bounds is None or floor is None or step - self.last_adapt_step < floor:
             return False
@@ -147,7 +147,7 @@ class Replanner:
             return False  # some rank runs sizes its model has not timed yet: the settling re-plan reconsiders
         if self.unreachable and not epoch_end:
             return False  # no total within reach until the accumulation may change
-        if self.total_options is None:
+        if self.total_options is None or (epoch_end and self.total_options.held):
             return True
         return self.total_options.moves(bounds)
 

@@ -293,10 +293,10 @@ def replan(
         balance=policy in BALANCED,
         margin=margin,
         candidates=candidates,
-        accumulate=not mid_epoch,
+        accumulate=True,
         split_margin=0.0,
     )
-    return decide(model, plan, settings, noise_scale, model.job.base_batch_size, adapt_total)
+    return decide(model, plan, settings, noise_scale, model.job.base_batch_size, adapt_total, mid_epoch=mid_epoch)
 
 
 def replanner_for(policy: str) -> Replanner:
