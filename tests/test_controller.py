@@ -98,22 +98,30 @@ def test_the_noise_is_read_once_a_fold_and_every_decision_until_the_next_reads_t
     assert controller.noise != reading and controller.noise == NoiseRule().read(controller.estimator)
 
 
-def test_a_mid_epoch_reconsideration_with_no_total_in_reach_waits_for_the_epoch_end():
-    # 4 micro-steps under max_batch_size 256 leave 64 samples a micro-step, below the 90 the lower bounds need: no total
-    # is in reach until the accumulation may change (an epoch's end), and without remembering that the total would be
-    # reconsidered (a gather and rank zero's fit) at every step of the epoch
-    controller = Controller(PolicySettings(max_batch_size=256), Replanner(adaptive=True))
-    controller.configure(3, BatchBounds((30, 30, 30)))
-    current = Plan((40, 30, 30), 4)
+def _timed_controller(policy: PolicySettings, bounds: BatchBounds, current: Plan, other: tuple[int, ...]) -> Controller:
+    """An adaptive controller running ``current`` whose speed model timed every rank at its size there and at
+    ``other`` (rank ``r`` takes ``(r + 1)`` ms a sample and 0.2 s fixed), so its speeds are measured."""
+    controller = Controller(policy, Replanner(adaptive=True))
+    controller.configure(3, bounds)
     controller.start(current)
+    sizes = current.local_batch_sizes
     records = [
         StepRecord(step, rank, size, 0.001 * (rank + 1) * size, 0.2)
         for step in range(12)
-        for rank, size in enumerate((40, 30, 30) if step % 2 else (30, 40, 40))
+        for rank, size in enumerate(sizes if step % 2 else other)
     ]
     controller.speed_model.add(records)
     assert controller.speed_model.identified, "every rank timed at two sizes"
     controller.replanner.identified = True
+    return controller
+
+
+def test_a_mid_epoch_reconsideration_with_no_total_in_reach_waits_for_the_epoch_end():
+    # 4 micro-steps under max_batch_size 256 leave 64 samples a micro-step, below the 90 the lower bounds need: no total
+    # is in reach until the accumulation may change (an epoch's end), and without remembering that the total would be
+    # reconsidered (a gather and rank zero's fit) at every step of the epoch
+    current = Plan((40, 30, 30), 4)
+    controller = _timed_controller(PolicySettings(max_batch_size=256), BatchBounds((30, 30, 30)), current, (30, 40, 40))
     controller.noise = NoiseReading((500.0, 900.0), 700.0)
     reconsidered = []
     for _ in range(20):
@@ -135,18 +143,9 @@ def test_an_epoch_end_reconsiders_a_total_chosen_mid_epoch_with_the_accumulation
     # mid-epoch reconsideration chooses among the totals of one micro-step and finds 120 the best of them; its options
     # lack the accumulated totals, so the epoch's end must not read them as "no move" (yolov3 on 16 T4s in the
     # simulator skipped 256 -> 512 at two epoch ends that way)
-    controller = Controller(PolicySettings(max_batch_size=960, accumulate=True), Replanner(adaptive=True))
-    controller.configure(3, BatchBounds((10, 10, 10), (40, 40, 40)))
     current = Plan((40, 40, 40))
-    controller.start(current)
-    records = [
-        StepRecord(step, rank, size, 0.001 * (rank + 1) * size, 0.2)
-        for step in range(12)
-        for rank, size in enumerate((40, 40, 40) if step % 2 else (30, 30, 30))
-    ]
-    controller.speed_model.add(records)
-    assert controller.speed_model.identified, "every rank timed at two sizes"
-    controller.replanner.identified = True
+    policy = PolicySettings(max_batch_size=960, accumulate=True)
+    controller = _timed_controller(policy, BatchBounds((10, 10, 10), (40, 40, 40)), current, (30, 30, 30))
     controller.noise = NoiseReading((40_000.0, 90_000.0), 60_000.0)  # far above the largest total: larger pays
     controller.replanner.routine_gap = 512  # a long run whose re-plans kept the plan: no routine re-plan is near
     controller.step_done()
