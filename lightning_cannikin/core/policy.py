@@ -240,7 +240,8 @@ def decide(
             (:meth:`~lightning_cannikin.core.noise_scale.NoiseScaleEstimator.bounds`), a known value, or ``None``
             (nothing yet: the total batch is kept).
         base_batch_size: B0, the total batch the learning rate was tuned for.
-        adapt_total: whether the total batch may change now (``False`` mid-epoch, where the epoch's length is fixed).
+        adapt_total: whether the total batch may change now (the Replanner's word; ``False`` mid-epoch where the
+            epoch's length cannot change).
         adam: whether the optimizer is Adam-family (the square root of the AdaScale gain).
         estimate: the noise scale's point estimate: the learning-rate factor's gain takes it within the bounds
             (:func:`gain_noise_scale`).
@@ -292,7 +293,8 @@ def decide(
         candidates = _candidates(model, plan, settings, base_batch_size)  # the kept total's time is the new one's
         options = _options(candidates, plan.total_batch_size, settings, base_batch_size)
     if held and options is not None and (accumulation > 1 or max(options.totals) < (settings.max_batch_size or 0)):
-        # the epoch's end may run these totals in fewer micro-steps, or reach larger ones by accumulating
+        # the epoch's end may run these totals in fewer micro-steps, or reach larger ones by accumulating (options
+        # exist only where max_batch_size does: the `or 0` is for the type checker)
         options = replace(options, held=True)
     factor, _ = learning_rate_scale(settings.lr_scaling, plan.total_batch_size, base_batch_size, bounds, adam, estimate)
     timed = getattr(model, "timed", None)  # a model that knows which sizes it timed lately
